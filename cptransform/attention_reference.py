@@ -1,0 +1,160 @@
+"""The meaning of ``attention_p`` in plain ``jax.numpy``.
+
+:func:`attend` is the block computation every schedule is built from: queries at some
+positions against keys at some positions, returning the output and its log-sum-exp so
+partial results can be merged exactly. :func:`attention_reference` is the whole
+(unsharded) attention, used as ``attention_p``'s implementation and as the test oracle.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from cptransform.attention_spec import AttentionSpec, MaskSpec
+
+
+def visible(mask_spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, dense=None):
+    """Boolean ``[B|1, H|1, Tq, Tkv]``: which pairs the mask lets through.
+
+    ``q_pos``/``kv_pos`` are ``[B|1, T]`` global positions; segment ids likewise; ``dense``
+    is a boolean ``[B|1, H|1, Tq, Tkv]`` tile or ``None``.
+    """
+    out = jnp.ones((1, 1, q_pos.shape[-1], kv_pos.shape[-1]), dtype=bool)
+    lo, hi = mask_spec.band()
+    if lo is not None or hi is not None:
+        d = kv_pos[:, None, None, :] - q_pos[:, None, :, None]
+        if lo is not None:
+            out = out & (d >= lo)
+        if hi is not None:
+            out = out & (d <= hi)
+    if mask_spec.segments:
+        out = out & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
+    if mask_spec.dense:
+        out = out & dense
+    return out
+
+
+def logits(spec: AttentionSpec, q, k, bias=None):
+    """Float32 ``[B, H, Tq, Tkv]`` logits from canonical ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``."""
+    b, tq, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, tq, hkv, h // hkv, d)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+    s = s.reshape(b, h, tq, k.shape[1]).astype(jnp.float32) * jnp.float32(spec.scale)
+    if spec.softcap is not None:
+        cap = jnp.float32(spec.softcap)
+        s = jnp.tanh(s / cap) * cap
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    return s
+
+
+def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
+           mask=None, bias=None):
+    """One block of attention in canonical layout; returns ``(o, lse)``.
+
+    ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``, ``v [B,Tkv,Hkv,Dv]``; positions and segment ids
+    ``[B|1, T]``; ``mask``/``bias`` ``[B|1, H|1, Tq, Tkv]`` or ``None``. ``o`` is float32
+    ``[B,Tq,H,Dv]`` normalised within this block; ``lse`` is float32 ``[B,H,Tq]`` and
+    ``-inf`` for rows that see no key here (their ``o`` is 0). ``spec.mask.empty_rows`` is
+    not applied: that is a property of the whole row, see :func:`fill_empty_rows`.
+    """
+    s = logits(spec, q, k, bias)
+    ok = visible(spec.mask, q_pos, kv_pos, q_seg, kv_seg, mask)
+    s = jnp.where(ok, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m_safe = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    p = jnp.where(ok, jnp.exp(s - m_safe), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    l_safe = jnp.where(l > 0, l, 1.0)
+    b, tkv, hkv, dv = v.shape
+    h = q.shape[2]
+    pg = (p / l_safe).reshape(b, hkv, h // hkv, q.shape[1], tkv)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", pg, v.astype(jnp.float32),
+                   preferred_element_type=jnp.float32).reshape(b, q.shape[1], h, dv)
+    lse = jnp.where(l[..., 0] > 0, jnp.log(l_safe[..., 0]) + m_safe[..., 0], -jnp.inf)
+    return o, lse
+
+
+def merge(o1, lse1, o2, lse2):
+    """Exactly combine two partial results over disjoint key sets (float32, -inf safe)."""
+    lse = jnp.logaddexp(lse1, lse2)
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    w1 = jnp.where(jnp.isfinite(lse1), jnp.exp(lse1 - lse_safe), 0.0)
+    w2 = jnp.where(jnp.isfinite(lse2), jnp.exp(lse2 - lse_safe), 0.0)
+    t = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # noqa: E731  [B,H,Tq] -> [B,Tq,H,1]
+    return t(w1) * o1 + t(w2) * o2, lse
+
+
+def fill_empty_rows(spec: AttentionSpec, o, lse, v_mean):
+    """Apply ``empty_rows="uniform"``: rows with ``lse == -inf`` take ``v_mean``.
+
+    ``v_mean`` is ``[B, 1, Hkv, Dv]`` float32, the mean of V over *all* keys.
+    """
+    if spec.mask.empty_rows != "uniform":
+        return o
+    b, tq, h, dv = o.shape
+    hkv = v_mean.shape[2]
+    mean = jnp.repeat(v_mean, h // hkv, axis=2)
+    empty = jnp.swapaxes(~jnp.isfinite(lse), 1, 2)[..., None]
+    return jnp.where(empty, mean, o)
+
+
+def to_canonical(spec: AttentionSpec, q, k, v):
+    """Transpose q/k/v to ``(*batch, T, H, D)`` (adding a size-1 heads dim if absent)."""
+    def canon(x, layout):
+        x = jnp.transpose(x, layout.canonical_perm())
+        if layout.heads is None:
+            x = x[..., None, :]
+        return x
+    return canon(q, spec.q), canon(k, spec.k), canon(v, spec.v)
+
+
+def from_canonical(spec: AttentionSpec, o):
+    """Inverse of :func:`to_canonical` for the output (q's layout)."""
+    if spec.q.heads is None:
+        o = o[..., 0, :]
+    perm = spec.q.canonical_perm()
+    inverse = [perm.index(i) for i in range(len(perm))]
+    return jnp.transpose(o, inverse)
+
+
+def split_operands(spec: AttentionSpec, operands):
+    """Name the flat operand list of ``attention_p`` (missing ones are ``None``)."""
+    named = dict(zip(spec.operand_names(), operands))
+    return {name: named.get(name) for name in
+            ("q", "k", "v", "q_positions", "kv_positions", "q_segment_ids",
+             "kv_segment_ids", "mask", "bias")}
+
+
+def attention_reference(*operands, spec: AttentionSpec):
+    """The unsharded attention ``attention_p`` stands for (float32 softmax)."""
+    a = split_operands(spec, operands)
+    q, k, v = to_canonical(spec, a["q"], a["k"], a["v"])
+    nb = len(spec.q.batch)
+    batch_shape = q.shape[:nb]
+    tq, tkv = q.shape[nb], k.shape[nb]
+
+    def bcast(x):
+        """Bring an optional operand's leading batch dims to one dim (1 or q's batch)."""
+        if x is None:
+            return None
+        if nb == 0:
+            return x[None]
+        if all(d == 1 for d in x.shape[:nb]):
+            return x.reshape((1,) + x.shape[nb:])
+        x = jnp.broadcast_to(x, batch_shape + x.shape[nb:])
+        return x.reshape((-1,) + x.shape[nb:])
+
+    q, k, v = (x.reshape((-1,) + x.shape[nb:]) if nb else x[None] for x in (q, k, v))
+    q_pos = a["q_positions"]
+    kv_pos = a["kv_positions"]
+    q_pos = bcast(q_pos) if q_pos is not None else jnp.arange(tq, dtype=jnp.int32)[None]
+    kv_pos = bcast(kv_pos) if kv_pos is not None else jnp.arange(tkv, dtype=jnp.int32)[None]
+    o, lse = attend(spec, q, k, v, q_pos, kv_pos, bcast(a["q_segment_ids"]),
+                    bcast(a["kv_segment_ids"]), bcast(a["mask"]), bcast(a["bias"]))
+    v_mean = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True)
+    o = fill_empty_rows(spec, o, lse, v_mean)
+    o = o.reshape(batch_shape + o.shape[1:]).astype(a["q"].dtype)
+    return from_canonical(spec, o)

@@ -1,0 +1,198 @@
+"""What one attention computes: operand layouts, scale, soft-cap, GQA and the mask.
+
+These frozen dataclasses are the params of ``attention_p``; every pass and schedule reads
+them, none re-derives them from shapes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+EmptyRows = Literal["zero", "uniform"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which dimensions of one operand are batch, sequence, heads and features.
+
+    ``batch`` may hold several dims (or none); ``heads`` is ``None`` for a single-head
+    operand without a heads dim (for K/V that means MQA: one KV head shared by all).
+    """
+
+    batch: tuple[int, ...]
+    seq: int
+    heads: int | None
+    feature: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Layout":
+        """Parse letters such as ``"BTHD"``, ``"BHTD"``, ``"TD"``; ``B`` may repeat."""
+        text = text.upper()
+        allowed = set("BTHD")
+        if not set(text) <= allowed or text.count("T") != 1 or text.count("D") != 1 \
+                or text.count("H") > 1:
+            raise ValueError(
+                f"layout {text!r}: use the letters B (batch, any number), T (sequence, once), "
+                "H (heads, at most once) and D (features, once), e.g. 'BTHD' or 'BHTD'")
+        heads = text.index("H") if "H" in text else None
+        return cls(tuple(i for i, c in enumerate(text) if c == "B"), text.index("T"), heads,
+                   text.index("D"))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.batch) + 2 + (self.heads is not None)
+
+    def canonical_perm(self) -> tuple[int, ...]:
+        """The transpose that brings this operand to ``(*batch, seq, [heads,] feature)``."""
+        heads = () if self.heads is None else (self.heads,)
+        return (*self.batch, self.seq, *heads, self.feature)
+
+    def with_leading_batch(self) -> "Layout":
+        """This layout after a new batch dim is inserted at position 0 (vmap)."""
+        shift = lambda d: None if d is None else d + 1  # noqa: E731
+        return Layout((0, *(b + 1 for b in self.batch)), self.seq + 1, shift(self.heads),
+                      self.feature + 1)
+
+    def letters(self) -> str:
+        out = [""] * self.ndim
+        for b in self.batch:
+            out[b] = "B"
+        out[self.seq] = "T"
+        out[self.feature] = "D"
+        if self.heads is not None:
+            out[self.heads] = "H"
+        return "".join(out)
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """Which (query, key) pairs are visible: a conjunction of predicates on positions.
+
+    With ``d = kv_pos - q_pos`` (global token positions):
+
+    * ``causal``: ``d <= causal_offset``;
+    * ``window=(left, right)``: ``-left <= d <= right`` (``None`` leaves a side open);
+    * ``segments``: ``q_segment_ids[q] == kv_segment_ids[kv]`` (two operands);
+    * ``dense``: a boolean operand ``mask[..., q, kv]``;
+    * ``bias``: an additive float operand (not a predicate; added to the logits).
+
+    ``empty_rows`` says what a query with no visible key returns: ``"zero"`` (zero output,
+    zero gradient; what :func:`cptransform.attention` does) or ``"uniform"`` (the mean of V
+    over all keys: what softmax over logits filled with a finite minimum gives, as in
+    ``jax.nn.dot_product_attention`` and flax).
+    """
+
+    causal: bool = False
+    causal_offset: int = 0
+    window: tuple[int | None, int | None] | None = None
+    segments: bool = False
+    dense: bool = False
+    bias: bool = False
+    empty_rows: EmptyRows = "zero"
+
+    def __post_init__(self):
+        if self.empty_rows not in ("zero", "uniform"):
+            raise ValueError(f"empty_rows must be 'zero' or 'uniform', got {self.empty_rows!r}")
+        if self.window is not None:
+            left, right = self.window
+            for side in (left, right):
+                if side is not None and (not isinstance(side, int) or side < 0):
+                    raise ValueError(f"window sides must be non-negative ints or None, got "
+                                     f"{self.window}")
+
+    def band(self) -> tuple[int | None, int | None]:
+        """Bounds ``(lo, hi)`` on ``d = kv_pos - q_pos`` from causal and window (None: open)."""
+        lo = hi = None
+        if self.causal:
+            hi = self.causal_offset
+        if self.window is not None:
+            left, right = self.window
+            if left is not None:
+                lo = -left
+            if right is not None:
+                hi = right if hi is None else min(hi, right)
+        return lo, hi
+
+    @property
+    def is_trivial(self) -> bool:
+        """True when every pair is visible and nothing is added to the logits."""
+        return self.band() == (None, None) and not (self.segments or self.dense or self.bias)
+
+    def describe(self) -> str:
+        parts = []
+        if self.causal:
+            parts.append("causal" if self.causal_offset == 0 else f"causal({self.causal_offset:+d})")
+        if self.window is not None:
+            left, right = self.window
+            parts.append(f"window=({'inf' if left is None else left},"
+                         f"{'inf' if right is None else right})")
+        if self.segments:
+            parts.append("segments")
+        if self.dense:
+            parts.append("dense")
+        if self.bias:
+            parts.append("bias")
+        if self.empty_rows == "uniform":
+            parts.append("empty=uniform")
+        return " ".join(parts) if parts else "full"
+
+    def replace(self, **changes) -> "MaskSpec":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Everything ``attention_p`` needs besides its operands.
+
+    Operands, in order: ``q, k, v``, then ``q_positions, kv_positions`` if ``positions``,
+    ``q_segment_ids, kv_segment_ids`` if ``mask.segments``, ``mask`` if ``mask.dense``,
+    ``bias`` if ``mask.bias``. The output has q's layout with v's feature size.
+
+    Shapes of the optional operands, with ``nb = len(q.batch)`` leading batch dims that
+    follow q's batch dims in order and may be 1 (broadcast):
+    positions and segment ids ``(*batch, T)`` (int); mask and bias
+    ``(*batch, heads|1, Tq, Tkv)``. Without ``positions`` they are ``arange(T)``.
+
+    ``logits = softcap(scale * q·k) + bias``; ``groups`` query heads share one KV head
+    (query head ``h`` reads KV head ``h // groups``).
+    """
+
+    q: Layout
+    k: Layout
+    v: Layout
+    scale: float
+    softcap: float | None = None
+    groups: int = 1
+    mask: MaskSpec = MaskSpec()
+    positions: bool = False
+
+    def operand_names(self) -> tuple[str, ...]:
+        names = ["q", "k", "v"]
+        if self.positions:
+            names += ["q_positions", "kv_positions"]
+        if self.mask.segments:
+            names += ["q_segment_ids", "kv_segment_ids"]
+        if self.mask.dense:
+            names.append("mask")
+        if self.mask.bias:
+            names.append("bias")
+        return tuple(names)
+
+    def describe(self) -> str:
+        """Compact text, e.g. ``causal window=(128,0) gqa=4``."""
+        parts = [self.mask.describe()]
+        if self.groups > 1:
+            parts.append(f"gqa={self.groups}")
+        if self.softcap is not None:
+            parts.append(f"softcap={self.softcap:g}")
+        if self.positions:
+            parts.append("positions")
+        layouts = {self.q.letters(), self.k.letters(), self.v.letters()}
+        if layouts != {"BTHD"}:
+            parts.append("layout=" + ",".join([self.q.letters(), self.k.letters(), self.v.letters()]))
+        parts.append(f"scale={self.scale:.4g}")
+        return " ".join(parts)
+
+    def replace(self, **changes) -> "AttentionSpec":
+        return dataclasses.replace(self, **changes)

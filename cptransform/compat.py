@@ -1,0 +1,200 @@
+"""Every use of JAX internals lives here.
+
+JAX 0.10 returns ``ClosedJaxpr`` from ``make_jaxpr``; JAX 0.11 merged ``Jaxpr`` and
+``ClosedJaxpr`` (the latter is an alias, and ``.jaxpr`` / ``.consts`` still answer). The rest
+of cptransform talks to jaxprs only through the helpers below, so a JAX upgrade touches one
+file. See ``shared/JAX_VERSIONS.md`` for the measured differences.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import jax
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
+from jax._src import core as _core
+from jax._src import source_info_util as _source_info
+
+Primitive = jex_core.Primitive
+Var = jex_core.Var
+Literal = jex_core.Literal
+JaxprEqn = jex_core.JaxprEqn
+Jaxpr = jex_core.Jaxpr
+ClosedJaxpr = jex_core.ClosedJaxpr
+DropVar = jex_core.DropVar
+ShapedArray = _core.ShapedArray
+JaxprTypeError = jex_core.JaxprTypeError
+
+#: True on JAX versions where ``ClosedJaxpr`` is an alias of ``Jaxpr``.
+JAXPR_CLASSES_MERGED = ClosedJaxpr is Jaxpr
+
+
+def open_jaxpr(closed: Any) -> Any:
+    """The open jaxpr (the one holding ``eqns``) of a closed or open jaxpr."""
+    inner = getattr(closed, "jaxpr", None)
+    if inner is not None and inner is not closed and hasattr(inner, "eqns"):
+        return inner
+    return closed
+
+
+def consts_of(closed: Any) -> list:
+    """The constant values bound to a closed jaxpr's constvars (empty for an open one)."""
+    return list(getattr(closed, "consts", ()) or ())
+
+
+def close_jaxpr(jaxpr: Any, consts: list) -> Any:
+    """A closed jaxpr from an open jaxpr and its constants, on either JAX version."""
+    return ClosedJaxpr(jaxpr, list(consts))
+
+
+def is_jaxpr_like(x: Any) -> bool:
+    """Whether ``x`` is a jaxpr object (open or closed) found in equation params."""
+    return isinstance(x, (Jaxpr, ClosedJaxpr))
+
+
+def eqn_subjaxprs(eqn: Any) -> Iterator[tuple[str, Any]]:
+    """Yield ``(param_name, jaxpr)`` for each jaxpr-valued param of ``eqn``.
+
+    Reaches the bodies of pjit, closed_call, custom_jvp/custom_vjp, remat, scan, while and
+    cond (whose ``branches`` param is a tuple of jaxprs). The yielded object is whatever the
+    param holds (open or closed); use :func:`open_jaxpr` to get at its equations.
+    """
+    for name, value in eqn.params.items():
+        if is_jaxpr_like(value):
+            yield name, value
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                if is_jaxpr_like(item):
+                    yield name, item
+
+
+def check_jaxpr(closed: Any) -> None:
+    """Type-check a jaxpr; raises :class:`JaxprTypeError` when it is malformed."""
+    _core.check_jaxpr(open_jaxpr(closed))
+
+
+def eval_jaxpr(closed: Any, *args: Any) -> list:
+    """Evaluate a closed jaxpr on ``args`` under the current trace."""
+    return _core.eval_jaxpr(open_jaxpr(closed), consts_of(closed), *args)
+
+
+def jaxpr_as_fun(closed: Any) -> Callable[..., list]:
+    """A Python callable that evaluates ``closed`` (returns a list of outputs)."""
+    return jex_core.jaxpr_as_fun(closed)
+
+
+def is_literal(atom: Any) -> bool:
+    """Whether an equation input is a literal constant rather than a variable."""
+    return isinstance(atom, Literal)
+
+
+def literal_value(atom: Any) -> Any:
+    """The Python/NumPy value of a literal."""
+    return atom.val
+
+
+def aval_of(atom: Any) -> Any:
+    """The abstract value (shape, dtype) of a variable or literal."""
+    return atom.aval
+
+
+def source_line(eqn: Any) -> str:
+    """``file:line (function)`` of the user code that produced ``eqn``, or ``"?"``."""
+    traceback = getattr(eqn.source_info, "traceback", None)
+    if traceback is None:
+        return "?"
+    frame = _source_info.user_frame(traceback)
+    if frame is None:
+        return "?"
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def register_pp_rule(primitive: Primitive, rule: Callable[[dict], str]) -> None:
+    """Print equations of ``primitive`` as ``outs = rule(params)[ins]``.
+
+    ``rule`` receives the equation's params and returns the short head text, e.g.
+    ``attention[causal gqa=4]``; operands are printed after it as usual.
+    """
+
+    def pp(eqn, context, settings):
+        lhs = _core.pp_vars(eqn.outvars, context, print_shapes=settings.print_shapes)
+        rhs = [_core.pp.text(rule(eqn.params)), _core.pp.text(" "),
+               _core.pp_vars(eqn.invars, context)]
+        return _core.pp.concat([lhs, _core.pp.text(" = "), _core.pp.concat(rhs)])
+
+    _core.pp_eqn_rules[primitive] = pp
+
+
+def define_primitive(
+    name: str,
+    *,
+    multiple_results: bool,
+    impl: Callable,
+    abstract_eval: Callable,
+    jvp: Callable,
+    batch: Callable,
+) -> Primitive:
+    """Create a primitive whose evaluation and lowering are ``impl`` (plain JAX code).
+
+    ``jvp(primals, tangents, **params)`` and ``batch(args, dims, **params)`` follow the
+    signatures of ``jax.interpreters.ad.primitive_jvps`` and ``batching.primitive_batchers``.
+    """
+    prim = Primitive(name)
+    prim.multiple_results = multiple_results
+    prim.def_impl(impl)
+    prim.def_abstract_eval(abstract_eval)
+    ad.primitive_jvps[prim] = jvp
+    batching.primitive_batchers[prim] = batch
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=multiple_results))
+    return prim
+
+
+def new_eqn_like(eqn: Any, *, params: dict | None = None) -> Any:
+    """A copy of ``eqn`` with new params."""
+    return eqn.replace(params=params if params is not None else dict(eqn.params))
+
+
+not_mapped = None  # batching rules mark an unbatched operand with None
+zeros_like_aval = ad.zeros_like_aval
+instantiate_zeros = ad.instantiate_zeros
+Zero = ad.Zero
+
+
+def bind_eqn(eqn: Any, invals: list, params: dict | None = None) -> list:
+    """Re-emit ``eqn`` (optionally with new params) on ``invals`` under the current trace.
+
+    Keeps the equation's user source location and context, so rewritten programs still
+    point at the user's lines. Returns a list of outputs.
+    """
+    params = dict(eqn.params) if params is None else params
+    bind_params = eqn.primitive.get_bind_params(params)
+    subfuns: list = []
+    if isinstance(bind_params, tuple):  # older JAX: (subfuns, params)
+        subfuns, bind_params = bind_params
+    with eqn_context(eqn):
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def eqn_context(eqn: Any):
+    """A context manager that attributes new equations to ``eqn``'s user source line."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
+    stack.enter_context(_source_info.user_context(eqn.source_info.traceback,
+                                                  name_stack=name_stack))
+    ctx = getattr(eqn, "ctx", None)
+    if ctx is not None and hasattr(ctx, "manager"):
+        stack.enter_context(ctx.manager)
+    return stack
+
+
+def dce(closed: Any) -> Any:
+    """Drop equations whose results are unused (effectful ones stay)."""
+    from jax._src.interpreters import partial_eval as pe
+
+    jaxpr = open_jaxpr(closed)
+    new, used_inputs = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    del used_inputs
+    return close_jaxpr(new, consts_of(closed)) if closed is not jaxpr else new

@@ -1,0 +1,177 @@
+"""Passes, their registry, and pipelines parsed from text (``"a,b{opt=1}"``).
+
+A pass is a small named object with typed options (the xDSL habit): subclass :class:`Pass`,
+give it a kebab-case ``name`` and dataclass fields for options, implement ``run``. It
+returns a :class:`PassResult`; it never mutates the module it was given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+from cptransform.module import Module
+
+
+class PipelineError(ValueError):
+    """A pipeline text names an unknown pass or option, or a bad option value."""
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What a pass returns: the new module and whether anything changed."""
+
+    module: Module
+    changed: bool
+    log: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Base class. Subclasses are frozen dataclasses whose fields are the options."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+
+    def run(self, module: Module) -> PassResult:
+        raise NotImplementedError(f"pass {self.name} does not implement run()")
+
+    def verify(self, module: Module) -> None:
+        """Pass-specific invariants on its output; raise ``AssertionError`` with a reason."""
+
+    @classmethod
+    def options(cls) -> dict[str, dataclasses.Field]:
+        return {f.name: f for f in dataclasses.fields(cls)}
+
+    def spelled(self) -> str:
+        """This pass as pipeline text, with options that differ from their defaults."""
+        changed = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            if value != default:
+                changed.append(f"{f.name}={value}")
+        return self.name + ("{" + " ".join(changed) + "}" if changed else "")
+
+
+_REGISTRY: dict[str, type[Pass]] = {}
+
+
+def register(cls: type[Pass]) -> type[Pass]:
+    """Class decorator: make a pass known by its ``name``."""
+    if not re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", cls.name or ""):
+        raise ValueError(f"pass name {cls.name!r} must be kebab-case")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered() -> dict[str, type[Pass]]:
+    """All known passes by name (importing ``cptransform.passes`` registers the built-ins)."""
+    import cptransform.passes  # noqa: F401  (registers on import)
+    return dict(sorted(_REGISTRY.items()))
+
+
+def _convert(cls: type[Pass], field: dataclasses.Field, text: str) -> Any:
+    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
+    try:
+        if kind.startswith("bool"):
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if kind.startswith("int"):
+            return int(text)
+        if kind.startswith("float"):
+            return float(text)
+        return text
+    except ValueError:
+        raise PipelineError(f"pass {cls.name}: option {field.name} expects {kind}, "
+                            f"got {text!r}") from None
+
+
+def make_pass(name: str, options: dict[str, str] | None = None) -> Pass:
+    """Instantiate a registered pass from its name and textual options."""
+    known = registered()
+    if name not in known:
+        raise PipelineError(f"unknown pass {name!r}; known passes: {', '.join(known) or 'none'}")
+    cls = known[name]
+    fields = cls.options()
+    kwargs = {}
+    for key, text in (options or {}).items():
+        if key not in fields:
+            raise PipelineError(f"pass {name} has no option {key!r}; its options: "
+                                f"{', '.join(fields) or 'none'}")
+        kwargs[key] = _convert(cls, fields[key], text)
+    return cls(**kwargs)
+
+
+_ITEM = re.compile(r"\s*([A-Za-z0-9_-]+)\s*(\{([^{}]*)\})?\s*(,|$)")
+
+
+def parse_pipeline(text: str) -> list[Pass]:
+    """``"canonicalize,match-attention{strict=true}"`` → pass objects."""
+    passes, pos = [], 0
+    text = text.strip()
+    if not text:
+        raise PipelineError("empty pipeline; known passes: " + ", ".join(registered()))
+    while pos < len(text):
+        m = _ITEM.match(text, pos)
+        if not m or m.end() == pos:
+            raise PipelineError(f"cannot parse pipeline at {text[pos:]!r}; expected "
+                                "name or name{opt=value ...}, separated by commas")
+        opts = {}
+        for item in (m.group(3) or "").replace(",", " ").split():
+            if "=" not in item:
+                raise PipelineError(f"option {item!r} of pass {m.group(1)} needs the form key=value")
+            key, value = item.split("=", 1)
+            opts[key.strip()] = value.strip()
+        passes.append(make_pass(m.group(1), opts))
+        pos = m.end()
+        if m.group(4) == "," and pos >= len(text):
+            raise PipelineError("pipeline ends with a comma")
+    return passes
+
+
+class Instrument:
+    """Hooks called around each pass (printing, dumping, timing, verifying)."""
+
+    def before(self, index: int, p: Pass, module: Module) -> None:
+        """Called before pass number ``index`` runs."""
+
+    def after(self, index: int, p: Pass, result: PassResult, seconds: float) -> None:
+        """Called after it ran."""
+
+
+@dataclass
+class Pipeline:
+    """An ordered list of passes with instruments around each."""
+
+    passes: Sequence[Pass]
+    instruments: Sequence[Instrument] = ()
+
+    @classmethod
+    def parse(cls, text: str, instruments: Sequence[Instrument] = ()) -> "Pipeline":
+        return cls(parse_pipeline(text), instruments)
+
+    def run(self, module: Module) -> PassResult:
+        changed = False
+        logs: list[str] = []
+        for i, p in enumerate(self.passes):
+            for inst in self.instruments:
+                inst.before(i, p, module)
+            start = time.perf_counter()
+            result = p.run(module)
+            seconds = time.perf_counter() - start
+            for inst in self.instruments:
+                inst.after(i, p, result, seconds)
+            module = result.module
+            changed |= result.changed
+            logs.extend(result.log)
+        return PassResult(module, changed, tuple(logs))
+
+    def spelled(self) -> str:
+        return ",".join(p.spelled() for p in self.passes)

@@ -1,0 +1,172 @@
+"""Rewrite by re-tracing: evaluate the old jaxpr under ``make_jaxpr`` with replacements.
+
+Two kinds of change compose in one walk:
+
+* **Replacements** (multi-equation patterns): the outputs of a root equation are replaced
+  by what a builder computes from chosen input values; equations that only fed the root
+  become dead and are removed. Matches are found on a read-only :class:`~cptransform.graph.Graph`.
+* **Equation rules**, a table keyed by primitive (the custom-interpreter idiom): a rule
+  gets the equation and its input values and returns new outputs, or ``None`` to keep it.
+
+Sub-jaxprs (pjit, scan, while, cond, remat, custom_jvp/vjp) are rewritten recursively and
+the enclosing equation is re-bound with the new bodies; call-like equations can be inlined.
+Avals, effects and shardings come from re-tracing; nothing is keyed by printed names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+
+from cptransform import compat
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """Replace ``root``'s outputs with ``build(*values of inputs)`` (a sequence, one per outvar)."""
+
+    root: Any
+    inputs: tuple
+    build: Callable[..., Sequence[Any]]
+
+
+EqnRule = Callable[[Any, list], "Sequence[Any] | None"]
+Planner = Callable[[Any], "Sequence[Replacement]"]
+
+#: Call-like primitives whose body can be evaluated inline.
+INLINABLE = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
+             "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+@dataclass
+class Rewriter:
+    """One rewrite walk; see the module docstring.
+
+    ``plan(open_jaxpr)`` returns the replacements for one (sub-)jaxpr; ``rules`` maps a
+    primitive name to an :data:`EqnRule`; ``inline(eqn)`` says whether to evaluate a
+    call-like equation's body in place.
+    """
+
+    plan: Planner | None = None
+    rules: Mapping[str, EqnRule] | None = None
+    inline: Callable[[Any], bool] | None = None
+
+    def __post_init__(self):
+        self._plans: dict[int, tuple[Any, dict]] = {}
+
+    def run(self, closed: Any) -> Any:
+        """The rewritten closed jaxpr (same inputs and outputs), dead code removed."""
+        return self._retrace(closed)
+
+    def _replacements(self, jaxpr: Any) -> dict:
+        """Replacements for one jaxpr, keyed by root equation identity (computed once)."""
+        cached = self._plans.get(id(jaxpr))
+        if cached is None or cached[0] is not jaxpr:
+            reps = {id(r.root): r for r in (self.plan(jaxpr) if self.plan else ())}
+            cached = (jaxpr, reps)
+            self._plans[id(jaxpr)] = cached
+        return cached[1]
+
+    def _retrace(self, closed: Any) -> Any:
+        jaxpr = compat.open_jaxpr(closed)
+        consts = compat.consts_of(closed)
+        in_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+        new = jax.make_jaxpr(lambda *xs: self.eval(jaxpr, consts, xs))(*in_avals)
+        return compat.dce(new)
+
+    def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list:
+        """Evaluate an open jaxpr with replacements under the current trace."""
+        replacements = self._replacements(jaxpr)
+        env: dict = {}
+
+        def read(atom):
+            return compat.literal_value(atom) if compat.is_literal(atom) else env[atom]
+
+        for var, val in zip(jaxpr.constvars, consts):
+            env[var] = val
+        for var, val in zip(jaxpr.invars, args):
+            env[var] = val
+        for eqn in jaxpr.eqns:
+            invals = [read(a) for a in eqn.invars]
+            rep = replacements.get(id(eqn))
+            if rep is not None:
+                with compat.eqn_context(eqn):
+                    outs = list(rep.build(*[read(a) for a in rep.inputs]))
+            else:
+                outs = self.eval_eqn(eqn, invals)
+            for var, val in zip(eqn.outvars, outs):
+                env[var] = val
+        return [read(v) for v in jaxpr.outvars]
+
+    def eval_eqn(self, eqn: Any, invals: list) -> list:
+        rule = (self.rules or {}).get(eqn.primitive.name)
+        if rule is not None:
+            with compat.eqn_context(eqn):
+                outs = rule(eqn, invals)
+            if outs is not None:
+                return list(outs)
+        subs = list(compat.eqn_subjaxprs(eqn))
+        if not subs:
+            return compat.bind_eqn(eqn, invals)
+        body = self._call_body(eqn) if eqn.primitive.name in INLINABLE else None
+        params = self._rewrite_params(eqn)
+        wants_inline = self.inline is not None and self.inline(eqn)
+        if body is not None and (wants_inline or params is None):
+            with compat.eqn_context(eqn):
+                return self.eval(compat.open_jaxpr(body), compat.consts_of(body), invals)
+        if params is None:
+            raise NotImplementedError(
+                f"cannot rewrite inside {eqn.primitive.name}: its body gained constants and "
+                "it cannot be inlined")
+        return compat.bind_eqn(eqn, invals, params)
+
+    @staticmethod
+    def _call_body(eqn: Any) -> Any:
+        for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+            body = eqn.params.get(name)
+            if body is not None and compat.is_jaxpr_like(body):
+                return body
+        return None
+
+    def _rewrite_params(self, eqn: Any) -> dict | None:
+        """Params with every sub-jaxpr rewritten (unchanged objects where nothing matched).
+
+        ``None`` when a rewritten body needs constants its param cannot hold (an open
+        jaxpr, as remat's); the caller then inlines the equation.
+        """
+        params = dict(eqn.params)
+        for name, value in eqn.params.items():
+            if compat.is_jaxpr_like(value):
+                params[name] = self._rewrite_sub(value)
+            elif isinstance(value, tuple) and value and all(compat.is_jaxpr_like(v) for v in value):
+                params[name] = tuple(self._rewrite_sub(v) for v in value)
+            else:
+                continue
+            if any(p is None for p in (params[name] if isinstance(params[name], tuple)
+                                       else (params[name],))):
+                return None
+        return params
+
+    def _rewrite_sub(self, sub: Any) -> Any:
+        jaxpr = compat.open_jaxpr(sub)
+        if not self._touches(jaxpr):
+            return sub
+        new = self._retrace(sub)
+        if sub is jaxpr and not compat.JAXPR_CLASSES_MERGED:
+            # An open-jaxpr param (remat's) cannot carry constants.
+            return compat.open_jaxpr(new) if not compat.consts_of(new) else None
+        return new
+
+    def _touches(self, jaxpr: Any) -> bool:
+        """Whether a rewrite could change this jaxpr (skip re-tracing untouched bodies)."""
+        if self._replacements(jaxpr):
+            return True
+        for eqn in jaxpr.eqns:
+            if self.rules and eqn.primitive.name in self.rules:
+                return True
+            if self.inline is not None and eqn.primitive.name in INLINABLE and self.inline(eqn):
+                return True
+            if any(self._touches(compat.open_jaxpr(s)) for _, s in compat.eqn_subjaxprs(eqn)):
+                return True
+        return False

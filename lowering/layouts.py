@@ -1,0 +1,91 @@
+"""Sequence layouts: which global token positions each CP rank holds.
+
+A layout is only a permutation of positions. Arrays are put *in layout order* (the
+concatenation, rank by rank, of each rank's positions) and then sharded contiguously, so
+rank ``r`` holds exactly ``positions(r)``. Schedules and kernels never special-case a
+layout: they read positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import jax.numpy as jnp
+import numpy as np
+
+LayoutName = Literal["contiguous", "zigzag", "striped"]
+LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
+
+
+class LayoutError(ValueError):
+    """A sequence length that the layout cannot split evenly; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class SequenceLayout:
+    """How a sequence of ``seq_len`` tokens is spread over ``cp`` ranks.
+
+    * ``contiguous``: rank ``r`` holds ``[r*n/cp, (r+1)*n/cp)``;
+    * ``zigzag``: cut into ``2*cp`` chunks; rank ``r`` holds chunks ``r`` and ``2*cp-1-r``
+      (balances causal work);
+    * ``striped``: token ``t`` lives on rank ``t % cp``.
+    """
+
+    name: LayoutName
+    seq_len: int
+    cp: int
+
+    def __post_init__(self):
+        if self.name not in LAYOUTS:
+            raise LayoutError(f"unknown layout {self.name!r}; use one of {', '.join(LAYOUTS)}")
+        parts = 2 * self.cp if self.name == "zigzag" else self.cp
+        if self.seq_len % parts:
+            need = "2·cp" if self.name == "zigzag" else "cp"
+            raise LayoutError(
+                f"sequence length {self.seq_len} is not divisible by {need} = {parts} "
+                f"({self.name} layout over cp={self.cp}); pad the sequence to a multiple of "
+                f"{parts}" + (" or use load_balance='none'/'striped'"
+                              if self.name == "zigzag" else " or choose a cp that divides it"))
+
+    @property
+    def local_len(self) -> int:
+        return self.seq_len // self.cp
+
+    def positions(self, rank: int) -> np.ndarray:
+        """Global positions held by ``rank`` (a static NumPy int32 array, in local order)."""
+        n, cp, loc = self.seq_len, self.cp, self.local_len
+        if self.name == "contiguous":
+            return np.arange(rank * loc, (rank + 1) * loc, dtype=np.int32)
+        if self.name == "striped":
+            return np.arange(rank, n, cp, dtype=np.int32)
+        c = n // (2 * cp)
+        return np.concatenate([np.arange(rank * c, (rank + 1) * c),
+                               np.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]
+                              ).astype(np.int32)
+
+    def all_positions(self) -> np.ndarray:
+        """``[cp, local_len]``: row ``r`` is :meth:`positions` of rank ``r``."""
+        return np.stack([self.positions(r) for r in range(self.cp)])
+
+    def local_positions(self, rank) -> jnp.ndarray:
+        """Positions of a traced rank (``lax.axis_index``) inside ``shard_map``."""
+        return jnp.asarray(self.all_positions())[rank]
+
+    def permutation(self) -> np.ndarray:
+        """``perm`` such that ``x[perm]`` is ``x`` in layout order."""
+        return self.all_positions().reshape(-1)
+
+    def inverse_permutation(self) -> np.ndarray:
+        return np.argsort(self.permutation()).astype(np.int32)
+
+    def permute(self, x, axis: int):
+        """Natural order → layout order along ``axis`` (identity for contiguous)."""
+        if self.name == "contiguous":
+            return x
+        return jnp.take(x, jnp.asarray(self.permutation()), axis=axis)
+
+    def unpermute(self, x, axis: int):
+        """Layout order → natural order along ``axis``."""
+        if self.name == "contiguous":
+            return x
+        return jnp.take(x, jnp.asarray(self.inverse_permutation()), axis=axis)

@@ -1,0 +1,1 @@
+"""Compiler passes; each module defines one pass, named after its file in kebab-case."""

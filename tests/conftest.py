@@ -1,0 +1,42 @@
+"""Simulate 8 CPU devices before JAX is imported, and offer meshes built from
+``jax.devices()`` so the same tests run unchanged on a TPU or GPU slice."""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import AxisType  # noqa: E402
+
+jax.config.update("jax_enable_x64", False)
+
+
+def make_mesh(shape, names):
+    """A mesh over the first prod(shape) devices, with Auto axis types (GSPMD elsewhere)."""
+    n = int(np.prod(shape))
+    devices = jax.devices()
+    if len(devices) < n:
+        pytest.skip(f"needs {n} devices, have {len(devices)}")
+    return jax.make_mesh(tuple(shape), tuple(names), axis_types=(AxisType.Auto,) * len(shape),
+                         devices=devices[:n])
+
+
+@pytest.fixture(params=[2, 4, 8], ids=lambda n: f"cp{n}")
+def cp_mesh(request):
+    """A one-axis mesh named ``cp`` of size 2, 4 and 8."""
+    return make_mesh((request.param,), ("cp",))
+
+
+@pytest.fixture
+def mesh8():
+    """All 8 devices on one ``cp`` axis."""
+    return make_mesh((8,), ("cp",))
+
+
+@pytest.fixture
+def rng():
+    """A NumPy generator seeded per test (random data, reproducible failures)."""
+    return np.random.default_rng(0)
