@@ -35,7 +35,7 @@ EqnRule = Callable[[Any, list], "Sequence[Any] | None"]
 Planner = Callable[[Any], "Sequence[Replacement]"]
 
 #: Call-like primitives whose body can be evaluated inline.
-INLINABLE = ("pjit", "jit", "closed_call", "core_call", "remat", "checkpoint",
+INLINABLE = ("pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
              "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
 
 
@@ -71,7 +71,11 @@ class Rewriter:
     def _retrace(self, closed: Any) -> Any:
         jaxpr = compat.open_jaxpr(closed)
         consts = compat.consts_of(closed)
-        in_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+        # Keep weak types: a body re-traced with strong inputs can change its output types
+        # (a scan carry would then no longer match its initial value).
+        in_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                         weak_type=getattr(v.aval, "weak_type", False))
+                    for v in jaxpr.invars]
         new = jax.make_jaxpr(lambda *xs: self.eval(jaxpr, consts, xs))(*in_avals)
         return compat.dce(new)
 

@@ -1,1 +1,5 @@
-"""Compiler passes; each module defines one pass, named after its file in kebab-case."""
+"""Compiler passes; each module defines one pass, named after its file in kebab-case.
+
+Importing this package registers every built-in pass.
+"""
+from cptransform.passes import canonicalize  # noqa: F401

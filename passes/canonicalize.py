@@ -1,0 +1,308 @@
+"""``canonicalize``: inline calls, fold scalar scales, drop no-ops.
+
+Later passes (the attention matcher above all) look for patterns; this pass removes the
+spelling differences that would hide them:
+
+* **Inlining.** ``jit``/``pjit`` and ``closed_call``/``core_call`` bodies are evaluated in
+  place (options ``inline_jit``, ``inline_calls``), so a ``jnp.where`` or ``jnp.tril``
+  wrapped in its own ``jit`` sits in the same jaxpr as its neighbours. ``remat``, ``scan``,
+  ``while``, ``cond`` and ``custom_jvp``/``custom_vjp`` stay (they carry meaning: memory
+  policy, loops, control flow, custom derivatives); their bodies are canonicalized inside.
+* **Scale folding** (option ``fold_scales``). A chain of multiplications and divisions of
+  one floating value by scalar constants (literals or 0-d constants, including constant
+  expressions such as ``sqrt(64.0)``) becomes a single multiply by the combined factor;
+  a lone division by a constant becomes a multiply by its reciprocal. With ``p`` the
+  number of constants that are powers of two and ``n`` the others:
+
+  - ``"exact"``: fold only when no rounding changes: every divisor is a power of two and
+    at most one multiplier is not (multiplying by ``2**k`` is exact), so the result is
+    bit-identical barring overflow/underflow of an intermediate;
+  - ``"ulp"`` (default): also fold when exactly one *divisor* is not a power of two and no
+    multiplier is: ``x / c`` becomes ``x * (1/c)``, which is within 1 ulp of ``x / c``;
+  - ``"off"``: leave multiplies and divides alone.
+
+  Chains with more non-power-of-two constants are left as they are.
+* **No-ops.** ``convert_element_type`` to the same dtype and weak type, ``reshape`` and
+  ``broadcast_in_dim`` to the same shape, identity ``transpose``, ``squeeze`` of nothing,
+  ``copy``/``copy_p``, a transpose of a transpose (composed into one, dropped when it
+  is the identity), multiplication by 1 and addition/subtraction of 0 (``x + 0.0`` turns
+  ``-0.0`` into ``+0.0``; dropping it keeps ``-0.0``, the only observable difference).
+  Option ``drop_noops``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jax import lax
+
+from cptransform import compat
+from cptransform.module import Module, iter_eqns
+from cptransform.pipeline import Pass, PassResult, PipelineError, register
+from cptransform.rewrite import Rewriter
+
+FOLD_MODES = ("off", "exact", "ulp")
+JIT_PRIMITIVES = ("pjit", "jit")
+CALL_PRIMITIVES = ("closed_call", "core_call")
+
+
+def _is_concrete(value: Any) -> bool:
+    """A value known while tracing (a literal or a constant), not a traced variable."""
+    return not isinstance(value, jax.core.Tracer)
+
+
+def _concrete_scalar(value: Any) -> np.ndarray | None:
+    """``value`` as a 0-d NumPy array when it is a concrete scalar, else ``None``."""
+    if not _is_concrete(value):
+        return None
+    array = np.asarray(value)
+    return array if array.shape == () else None
+
+
+def _same_type(value: Any, outvar: Any) -> bool:
+    """Whether ``value`` can stand for ``outvar``: same shape, dtype and weak type."""
+    have, want = jax.typeof(value), compat.aval_of(outvar)
+    return (have.shape == want.shape and have.dtype == want.dtype
+            and bool(getattr(have, "weak_type", False)) == bool(getattr(want, "weak_type", False)))
+
+
+def _is_power_of_two(c: np.ndarray) -> bool:
+    if not np.isfinite(c) or c == 0:
+        return False
+    mantissa, _ = np.frexp(np.float64(c))
+    return abs(mantissa) == 0.5
+
+
+@dataclass
+class _Chain:
+    """``value == base * prod(mults) / prod(divs)``, every factor a scalar of base's dtype."""
+
+    value: Any
+    base: Any
+    mults: tuple
+    divs: tuple
+
+
+class _Canonicalizer:
+    """The equation rules of one canonicalize run (it remembers scale chains by value)."""
+
+    def __init__(self, p: "Canonicalize"):
+        self.p = p
+        self.chains: dict[int, _Chain] = {}
+        # id(value) -> (value, base, perm) for values that are a transpose of ``base``
+        self.transposes: dict[int, tuple] = {}
+
+    def rules(self) -> dict:
+        rules: dict = {}
+        if self.p.drop_noops:
+            rules.update({
+                "convert_element_type": self.convert_element_type,
+                "reshape": self.same_shape,
+                "broadcast_in_dim": self.same_shape,
+                "transpose": self.transpose,
+                "squeeze": self.squeeze,
+                "copy": self.copy,
+                "copy_p": self.copy,
+                "add": self.add,
+                "sub": self.sub,
+                "sqrt": self.constant_unary(np.sqrt),
+                "neg": self.constant_unary(np.negative),
+            })
+        rules["mul"] = self.mul
+        rules["div"] = self.div
+        return rules
+
+    # -- no-ops and constant scalars -------------------------------------------------------
+
+    def constant_unary(self, fn):
+        def rule(eqn, invals):
+            c = _concrete_scalar(invals[0])
+            if c is None:
+                return None
+            dtype = compat.aval_of(eqn.outvars[0]).dtype
+            return [np.asarray(fn(c.astype(dtype)), dtype=dtype)]
+        return rule
+
+    def convert_element_type(self, eqn, invals):
+        c = _concrete_scalar(invals[0])
+        if c is not None and eqn.params.get("sharding") is None:
+            return [np.asarray(c, dtype=eqn.params["new_dtype"])]
+        if eqn.params.get("sharding") is None and _same_type(invals[0], eqn.outvars[0]):
+            return [invals[0]]
+        return None
+
+    def same_shape(self, eqn, invals):
+        if eqn.params.get("sharding") is not None or eqn.params.get("dimensions") is not None:
+            return None
+        if len(invals) == 1 and _same_type(invals[0], eqn.outvars[0]):
+            return [invals[0]]
+        return None
+
+    def transpose(self, eqn, invals):
+        x = invals[0]
+        perm = tuple(int(d) for d in eqn.params["permutation"])
+        prev = self.transposes.get(id(x))
+        if prev is not None and prev[0] is x:
+            x, first = prev[1], prev[2]
+            perm = tuple(first[d] for d in perm)
+        if perm == tuple(range(len(perm))):
+            return [x]
+        out = lax.transpose(x, perm) if x is not invals[0] else compat.bind_eqn(eqn, invals)[0]
+        self.transposes[id(out)] = (out, x, perm)
+        return [out]
+
+    def squeeze(self, eqn, invals):
+        return [invals[0]] if not tuple(eqn.params["dimensions"]) else None
+
+    def copy(self, eqn, invals):
+        return [invals[0]] if _same_type(invals[0], eqn.outvars[0]) else None
+
+    def _arith_constants(self, eqn, invals, fn):
+        a, b = (_concrete_scalar(v) for v in invals)
+        if a is None or b is None:
+            return None
+        dtype = compat.aval_of(eqn.outvars[0]).dtype
+        with np.errstate(all="ignore"):
+            return [np.asarray(fn(a.astype(dtype), b.astype(dtype)), dtype=dtype)]
+
+    def add(self, eqn, invals):
+        folded = self._arith_constants(eqn, invals, np.add)
+        if folded is not None:
+            return folded
+        for keep, zero in ((0, 1), (1, 0)):
+            c = _concrete_scalar(invals[zero])
+            if c is not None and c == 0 and _same_type(invals[keep], eqn.outvars[0]):
+                return [invals[keep]]
+        return None
+
+    def sub(self, eqn, invals):
+        folded = self._arith_constants(eqn, invals, np.subtract)
+        if folded is not None:
+            return folded
+        c = _concrete_scalar(invals[1])
+        if c is not None and c == 0 and _same_type(invals[0], eqn.outvars[0]):
+            return [invals[0]]
+        return None
+
+    # -- scale chains ----------------------------------------------------------------------
+
+    def mul(self, eqn, invals):
+        if self.p.drop_noops:
+            folded = self._arith_constants(eqn, invals, np.multiply)
+            if folded is not None:
+                return folded
+        for keep, const in ((0, 1), (1, 0)):
+            c = _concrete_scalar(invals[const])
+            if c is None or _is_concrete(invals[keep]):
+                continue
+            if self.p.drop_noops and c == 1 and _same_type(invals[keep], eqn.outvars[0]):
+                return [invals[keep]]
+            return self._scale(eqn, invals, invals[keep], c, divide=False)
+        return None
+
+    def div(self, eqn, invals):
+        if self.p.drop_noops:
+            folded = self._arith_constants(eqn, invals, np.divide)
+            if folded is not None:
+                return folded
+        c = _concrete_scalar(invals[1])
+        if c is None or _is_concrete(invals[0]):
+            return None
+        if self.p.drop_noops and c == 1 and _same_type(invals[0], eqn.outvars[0]):
+            return [invals[0]]
+        return self._scale(eqn, invals, invals[0], c, divide=True)
+
+    def _scale(self, eqn, invals, x, c, *, divide: bool):
+        """Emit ``x * c`` or ``x / c``, folded into the chain that produced ``x`` if allowed."""
+        out_aval = compat.aval_of(eqn.outvars[0])
+        dtype = out_aval.dtype
+        if (self.p.fold_scales == "off" or not np.issubdtype(dtype, np.inexact)
+                or jax.typeof(x).shape != out_aval.shape or jax.typeof(x).dtype != dtype):
+            return None
+        c = c.astype(dtype)
+        if not np.isfinite(c) or c == 0:
+            return None
+        prev = self.chains.get(id(x))
+        if prev is not None and prev.value is not x:
+            prev = None
+        base, mults, divs = (prev.base, prev.mults, prev.divs) if prev else (x, (), ())
+        mults, divs = (mults, divs + (c,)) if divide else (mults + (c,), divs)
+        factor = self._factor(mults, divs, dtype)
+        if factor is None:
+            out = compat.bind_eqn(eqn, invals)[0]
+            self.chains[id(out)] = _Chain(out, x, () if divide else (c,), (c,) if divide else ())
+            return [out]
+        if factor == 1 and _same_type(base, eqn.outvars[0]):
+            return [base]
+        if len(mults) == 1 and not divs and prev is None:
+            out = compat.bind_eqn(eqn, invals)[0]
+        else:
+            out = lax.mul(base, factor)
+        self.chains[id(out)] = _Chain(out, base, mults, divs)
+        return [out]
+
+    def _factor(self, mults: tuple, divs: tuple, dtype) -> np.ndarray | None:
+        """The single factor for ``prod(mults) / prod(divs)`` allowed by ``fold_scales``."""
+        odd_mults = [m for m in mults if not _is_power_of_two(m)]
+        odd_divs = [d for d in divs if not _is_power_of_two(d)]
+        if odd_divs and (self.p.fold_scales != "ulp" or len(odd_divs) > 1 or odd_mults):
+            return None
+        if len(odd_mults) > 1:
+            return None
+        with np.errstate(all="ignore"):
+            if odd_divs:
+                factor = np.divide(np.ones((), dtype), odd_divs[0]).astype(dtype)
+            else:
+                factor = odd_mults[0] if odd_mults else np.ones((), dtype)
+            for m in mults:
+                if _is_power_of_two(m):
+                    factor = np.multiply(factor, m).astype(dtype)
+            for d in divs:
+                if _is_power_of_two(d):
+                    factor = np.divide(factor, d).astype(dtype)
+        if not np.isfinite(factor) or abs(factor) < np.finfo(dtype).tiny:
+            return None
+        return np.asarray(factor, dtype=dtype)
+
+
+@register
+@dataclass(frozen=True)
+class Canonicalize(Pass):
+    """Inline calls, fold scalar scale chains into one multiply, drop no-ops."""
+
+    name = "canonicalize"
+    summary = "inline jit/closed_call bodies, fold scalar multiplies/divides, drop no-ops"
+
+    inline_jit: bool = True
+    inline_calls: bool = True
+    fold_scales: str = "ulp"
+    drop_noops: bool = True
+
+    def __post_init__(self):
+        if self.fold_scales not in FOLD_MODES:
+            raise PipelineError(f"pass canonicalize: option fold_scales must be one of "
+                                f"{', '.join(FOLD_MODES)}, got {self.fold_scales!r}")
+
+    def _inlines(self, eqn: Any) -> bool:
+        name = eqn.primitive.name
+        return (self.inline_jit and name in JIT_PRIMITIVES) or \
+            (self.inline_calls and name in CALL_PRIMITIVES)
+
+    def run(self, module: Module) -> PassResult:
+        rules = _Canonicalizer(self).rules()
+        new = Rewriter(rules=rules, inline=self._inlines).run(module.jaxpr)
+        before = sum(1 for _ in iter_eqns(module.jaxpr))
+        after = sum(1 for _ in iter_eqns(new))
+        if after == before and str(new) == str(module.jaxpr):
+            return PassResult(module, False)
+        return PassResult(module.with_jaxpr(new), True,
+                          (f"canonicalize: {before} -> {after} equations",))
+
+    def verify(self, module: Module) -> None:
+        banned = (JIT_PRIMITIVES if self.inline_jit else ()) + \
+            (CALL_PRIMITIVES if self.inline_calls else ())
+        left = sorted({e.primitive.name for e in iter_eqns(module.jaxpr)
+                       if e.primitive.name in banned})
+        assert not left, f"call-like equations remain after inlining: {', '.join(left)}"
