@@ -145,6 +145,9 @@ class Instrument:
     def after(self, index: int, p: Pass, result: PassResult, seconds: float) -> None:
         """Called after it ran."""
 
+    def finish(self, result: PassResult) -> None:
+        """Called once after the last pass with the pipeline's result."""
+
 
 @dataclass
 class Pipeline:
@@ -171,7 +174,10 @@ class Pipeline:
             module = result.module
             changed |= result.changed
             logs.extend(result.log)
-        return PassResult(module, changed, tuple(logs))
+        final = PassResult(module, changed, tuple(logs))
+        for inst in self.instruments:
+            inst.finish(final)
+        return final
 
     def spelled(self) -> str:
         return ",".join(p.spelled() for p in self.passes)
