@@ -1,0 +1,277 @@
+"""The ``cptransform`` command: debug passes the way ``mlir-opt`` does.
+
+Jaxprs have no text parser, so a program comes from a Python entry point ``FILE.py:NAME``:
+either a ``make()``-style function (no required parameters) returning ``(fn, example_args)``,
+or a function whose argument shapes are given with ``--args 'f32[2,64,4,16] i32[2,64]'``.
+
+Subcommands (one ``_cmd_*`` function and one ``_add_*`` parser builder each):
+
+* ``cptransform passes`` lists registered passes and their options;
+* ``cptransform opt FILE.py:NAME -p PIPELINE`` runs a pipeline with printing, dumping,
+  timing and verification instruments.
+
+Bad input (unknown pass or option, missing file, bad shapes) prints one line on stderr and
+exits with status 2; a failed verification exits with status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from cptransform.instruments import (DumpIR, PrintIR, TimePasses, VerificationError,
+                                     VerifyEach, render)
+from cptransform.module import Module, trace
+from cptransform.pipeline import Pipeline, PipelineError, registered
+
+USAGE_ERROR = 2
+FAILURE = 1
+
+
+class CLIError(Exception):
+    """Bad command-line input; printed as one line, exit status 2."""
+
+
+# -- entry points ---------------------------------------------------------------------------
+
+DTYPES = {
+    "f16": jnp.float16, "bf16": jnp.bfloat16, "f32": jnp.float32, "f64": jnp.float64,
+    "i8": jnp.int8, "i16": jnp.int16, "i32": jnp.int32, "i64": jnp.int64,
+    "u8": jnp.uint8, "u16": jnp.uint16, "u32": jnp.uint32, "u64": jnp.uint64,
+    "bool": jnp.bool_, "pred": jnp.bool_,
+}
+_SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,\s]*)\]")
+
+
+def parse_shapes(text: str) -> list[jax.ShapeDtypeStruct]:
+    """``'f32[2,64,4,16] i32[2,64] f32[]'`` → ``jax.ShapeDtypeStruct``s."""
+    out = []
+    for token in text.split():
+        m = _SHAPE.fullmatch(token)
+        if not m:
+            raise CLIError(f"cannot read argument shape {token!r}; write dtype[dims], e.g. "
+                           "f32[2,64,4,16] or i32[] for a scalar")
+        dtype = DTYPES.get(m.group(1))
+        if dtype is None:
+            raise CLIError(f"unknown dtype {m.group(1)!r} in {token!r}; known dtypes: "
+                           f"{', '.join(DTYPES)}")
+        dims = tuple(int(d) for d in m.group(2).replace(" ", "").split(",") if d)
+        out.append(jax.ShapeDtypeStruct(dims, dtype))
+    return out
+
+
+def load_object(spec: str) -> tuple[Any, str]:
+    """``FILE.py:NAME`` → (the object, NAME)."""
+    path_text, sep, name = spec.rpartition(":")
+    if not sep or not path_text or not name:
+        raise CLIError(f"entry point {spec!r} must look like FILE.py:NAME, e.g. "
+                       "examples/llama.py:make")
+    path = Path(path_text)
+    if not path.is_file():
+        raise CLIError(f"no such file: {path_text}")
+    module_name = f"_cptransform_entry_{path.stem}"
+    loader_spec = importlib.util.spec_from_file_location(module_name, path)
+    if loader_spec is None or loader_spec.loader is None:
+        raise CLIError(f"cannot import {path_text}: not a Python file")
+    module = importlib.util.module_from_spec(loader_spec)
+    sys.modules[module_name] = module
+    loader_spec.loader.exec_module(module)
+    if not hasattr(module, name):
+        found = sorted(n for n, v in vars(module).items()
+                       if callable(v) and not n.startswith("_")
+                       and getattr(v, "__module__", None) == module_name)
+        raise CLIError(f"{path_text} has no {name!r}; its functions: {', '.join(found) or 'none'}")
+    return getattr(module, name), name
+
+
+def _required_params(fn: Callable) -> list[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is inspect.Parameter.empty
+            and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def load_program(spec: str, args_text: str | None) -> tuple[Callable, tuple, str]:
+    """Resolve an entry point to ``(fn, example_args, name)``; see the module docstring."""
+    obj, name = load_object(spec)
+    if not callable(obj):
+        raise CLIError(f"{spec} is not a function")
+    required = _required_params(obj)
+    if args_text is not None:
+        shapes = parse_shapes(args_text)
+        if required and len(shapes) != len(required):
+            raise CLIError(f"{name} takes {len(required)} arguments ({', '.join(required)}) "
+                           f"but --args gives {len(shapes)}")
+        return obj, tuple(shapes), name
+    if required:
+        raise CLIError(f"{name} takes arguments ({', '.join(required)}); give their shapes "
+                       "with --args 'f32[2,64] i32[2]', or name a make() function that "
+                       "returns (fn, example_args)")
+    made = obj()
+    if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])
+            and isinstance(made[1], (tuple, list))):
+        raise CLIError(f"{name}() must return (fn, example_args) with example_args a tuple")
+    fn, example_args = made
+    return fn, tuple(example_args), getattr(fn, "__name__", name)
+
+
+def trace_program(fn: Callable, args: Sequence[Any], name: str) -> Module:
+    """Trace, turning a failure in user code into a one-line error."""
+    try:
+        return trace(fn, *args, name=name)
+    except Exception as err:  # user code can raise anything while tracing
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CLIError(f"tracing {name} failed: {type(err).__name__}: {first}") from None
+
+
+# -- cptransform passes ---------------------------------------------------------------------
+
+def _type_name(field: dataclasses.Field) -> str:
+    return field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "?")
+
+
+def _add_passes(sub) -> None:
+    p = sub.add_parser("passes", help="list registered passes and their options")
+    p.set_defaults(handler=_cmd_passes)
+
+
+def _cmd_passes(args: argparse.Namespace) -> int:
+    for name, cls in registered().items():
+        print(f"{name:<24} {cls.summary}")
+        for field in dataclasses.fields(cls):
+            default = field.default if field.default is not dataclasses.MISSING else "required"
+            print(f"    {field.name}: {_type_name(field)} = {default}")
+    return 0
+
+
+# -- cptransform opt ------------------------------------------------------------------------
+
+def add_entry_arguments(parser: argparse.ArgumentParser) -> None:
+    """``FILE.py:NAME`` and ``--args``, shared by every subcommand that loads a program."""
+    parser.add_argument("entry", metavar="FILE.py:NAME",
+                        help="a make() returning (fn, example_args), or a function "
+                             "with --args")
+    parser.add_argument("--args", dest="arg_shapes", metavar="SHAPES", default=None,
+                        help="argument shapes, e.g. 'f32[2,64,4,16] i32[2,64]'")
+
+
+def _add_opt(sub) -> None:
+    p = sub.add_parser("opt", help="run a pass pipeline on a program and print its IR")
+    add_entry_arguments(p)
+    p.add_argument("-p", "--pipeline", default="canonicalize",
+                   help="passes, e.g. 'canonicalize,match-attention{strict=true}'")
+    p.add_argument("--print-ir-after-all", action="store_true")
+    p.add_argument("--print-ir-before-all", action="store_true")
+    p.add_argument("--print-ir-after", action="append", default=[], metavar="NAME",
+                   help="print IR after pass NAME (repeatable)")
+    p.add_argument("--print-ir-after-change", action="store_true",
+                   help="print IR only after passes that changed it")
+    p.add_argument("--ir-dump-dir", metavar="DIR", default=None,
+                   help="write 00-input.txt, 01-<pass>.txt, ... into DIR")
+    p.add_argument("--time-passes", action="store_true", help="print a per-pass timing table")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip type-checking and pass invariants after each pass")
+    p.add_argument("--match-stats", action="store_true",
+                   help="print the attention matcher's statistics and matches")
+    p.set_defaults(handler=_cmd_opt)
+
+
+def _opt_instruments(args: argparse.Namespace) -> tuple[list, TimePasses | None]:
+    known = registered()
+    for name in args.print_ir_after:
+        if name not in known:
+            raise CLIError(f"--print-ir-after: unknown pass {name!r}; known passes: "
+                           f"{', '.join(known)}")
+    instruments: list = []
+    if (args.print_ir_after_all or args.print_ir_before_all or args.print_ir_after
+            or args.print_ir_after_change):
+        instruments.append(PrintIR(before_all=args.print_ir_before_all,
+                                   after_all=args.print_ir_after_all,
+                                   after_passes=tuple(args.print_ir_after),
+                                   only_on_change=args.print_ir_after_change,
+                                   stream=sys.stdout))
+    if args.ir_dump_dir:
+        instruments.append(DumpIR(args.ir_dump_dir))
+    timing = TimePasses(stream=sys.stdout) if args.time_passes else None
+    if timing is not None:
+        instruments.append(timing)
+    if not args.no_verify:
+        instruments.append(VerifyEach())
+    return instruments, timing
+
+
+def match_stats_text(module: Module) -> str:
+    """The ``--match-stats`` report from ``module.meta`` (filled by match-attention)."""
+    stats = module.meta.get("match_stats")
+    matches = module.meta.get("matches")
+    if stats is None and matches is None:
+        return "# no match statistics (run match-attention)\n"
+    lines = ["# ----- match statistics -----"]
+    rows = sorted((stats or {}).items())
+    width = max([len(str(rule)) for rule, _ in rows] + [len("rule")])
+    lines.append(f"# {'rule':<{width}}  {'attempts':>8}  {'hits':>6}  {'ms':>9}")
+    for rule, row in rows:
+        lines.append(f"# {str(rule):<{width}}  {row.get('attempts', 0):>8}  "
+                     f"{row.get('hits', 0):>6}  {row.get('seconds', 0.0) * 1e3:9.1f}")
+    lines.append(f"# matches: {len(matches or ())}")
+    lines.extend(f"#   {report}" for report in (matches or ()))
+    return "\n".join(lines) + "\n"
+
+
+def _cmd_opt(args: argparse.Namespace) -> int:
+    instruments, _ = _opt_instruments(args)
+    try:
+        pipeline = Pipeline.parse(args.pipeline, instruments)
+    except PipelineError as err:
+        raise CLIError(str(err)) from None
+    fn, example_args, name = load_program(args.entry, args.arg_shapes)
+    module = trace_program(fn, example_args, name)
+    try:
+        result = pipeline.run(module)
+    except VerificationError as err:
+        print(f"cptransform: error: {err}", file=sys.stderr)
+        return FAILURE
+    printed = any(isinstance(i, PrintIR) for i in instruments)
+    if not printed:
+        sys.stdout.write(render("after", pipeline.spelled(), result.module,
+                                changed=result.changed))
+    if args.match_stats:
+        sys.stdout.write(match_stats_text(result.module))
+    return 0
+
+
+# -- main -----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="cptransform", description="Automatic context parallelism for JAX: "
+                                        "pass-debugging tools.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_passes(sub)
+    _add_opt(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console-script entry point; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except CLIError as err:
+        print(f"cptransform: error: {err}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
