@@ -2,9 +2,12 @@
 ``jax.devices()`` so the same tests run unchanged on a TPU or GPU slice."""
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Only on CPU: with JAX_PLATFORMS=tpu/cuda the tests use the real devices of the slice.
+if os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
