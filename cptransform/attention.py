@@ -90,6 +90,8 @@ def _abstract_eval(*avals, spec: AttentionSpec):
 
 
 def _impl(*operands, spec: AttentionSpec):
+    # Eager calls reach the impl without abstract evaluation: check shapes here too.
+    _check_shapes(spec, operands)
     return attention_reference(*operands, spec=spec)
 
 
