@@ -3,3 +3,4 @@
 Importing this package registers every built-in pass.
 """
 from cptransform.passes import canonicalize  # noqa: F401
+from cptransform.passes import match_attention  # noqa: F401
