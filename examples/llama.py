@@ -10,6 +10,7 @@ examples/llama.py:make``; ``loss(params, tokens)`` uses the default :class:`Conf
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -39,29 +40,35 @@ SMALL = Config()
 
 
 def init_params(key, cfg: Config = SMALL) -> dict:
-    """Random parameters; per-layer weights are stacked on a leading ``layers`` axis."""
-    keys = jax.random.split(key, 8)
+    """Random parameters; per-layer weights are stacked on a leading ``layers`` axis.
+
+    Weights are drawn as one normal vector and cut into tensors (one random op compiles
+    much faster on CPU than one per tensor), each scaled by ``1/sqrt(fan_in)``.
+    """
     d, hd, n = cfg.dim, cfg.head_dim, cfg.layers
-
-    def dense(k, shape, fan_in):
-        return jax.random.normal(k, shape, jnp.float32) / jnp.sqrt(jnp.float32(fan_in))
-
-    return {
-        "embed": jax.random.normal(keys[0], (cfg.vocab, d), jnp.float32) * 0.02,
-        "layers": {
-            "attn_norm": jnp.ones((n, d), jnp.float32),
-            "wq": dense(keys[1], (n, d, cfg.heads, hd), d),
-            "wk": dense(keys[2], (n, d, cfg.kv_heads, hd), d),
-            "wv": dense(keys[3], (n, d, cfg.kv_heads, hd), d),
-            "wo": dense(keys[4], (n, cfg.heads, hd, d), d),
-            "mlp_norm": jnp.ones((n, d), jnp.float32),
-            "w_gate": dense(keys[5], (n, d, cfg.mlp_dim), d),
-            "w_up": dense(keys[6], (n, d, cfg.mlp_dim), d),
-            "w_down": dense(keys[7], (n, cfg.mlp_dim, d), cfg.mlp_dim),
-        },
-        "final_norm": jnp.ones((d,), jnp.float32),
-        "unembed": dense(keys[0], (d, cfg.vocab), d),
+    shapes = {  # name -> (shape, fan_in)
+        "embed": ((cfg.vocab, d), 2500.0),  # std 0.02
+        "wq": ((n, d, cfg.heads, hd), d),
+        "wk": ((n, d, cfg.kv_heads, hd), d),
+        "wv": ((n, d, cfg.kv_heads, hd), d),
+        "wo": ((n, cfg.heads, hd, d), d),
+        "w_gate": ((n, d, cfg.mlp_dim), d),
+        "w_up": ((n, d, cfg.mlp_dim), d),
+        "w_down": ((n, cfg.mlp_dim, d), cfg.mlp_dim),
+        "unembed": ((d, cfg.vocab), d),
     }
+    sizes = [math.prod(shape) for shape, _ in shapes.values()]
+    flat = jax.random.normal(key, (sum(sizes),), jnp.float32)
+    weights, start = {}, 0
+    for (name, (shape, fan_in)), size in zip(shapes.items(), sizes):
+        weights[name] = flat[start:start + size].reshape(shape) / math.sqrt(fan_in)
+        start += size
+    layers = {name: weights[name] for name in
+              ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")}
+    layers["attn_norm"] = jnp.ones((n, d), jnp.float32)
+    layers["mlp_norm"] = jnp.ones((n, d), jnp.float32)
+    return {"embed": weights["embed"], "layers": layers,
+            "final_norm": jnp.ones((d,), jnp.float32), "unembed": weights["unembed"]}
 
 
 def rms_norm(x, weight, eps: float):
