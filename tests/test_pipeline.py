@@ -1,0 +1,139 @@
+"""Pipeline parsing, running, and the instruments (printing, dumps, timing, verification)."""
+import io
+import re
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from cptransform import attention, trace
+from cptransform.instruments import (DumpIR, PrintIR, TimePasses, VerificationError,
+                                     VerifyEach, count_equations)
+from cptransform.pipeline import (Pass, PassResult, Pipeline, PipelineError, make_pass,
+                                  parse_pipeline, registered)
+
+
+def program():
+    def f(q, k, v):
+        o = attention(q, k, v, causal=True)
+        return jax.jit(lambda a: a * 1.0)(o) / 2.0
+
+    x = jax.random.normal(jax.random.key(0), (1, 8, 2, 4), jnp.float32)
+    return trace(f, x, x, x)
+
+
+def test_parse_options_and_spelling():
+    (p,) = parse_pipeline(" canonicalize{ fold_scales=exact inline_jit=false } ")
+    assert (p.fold_scales, p.inline_jit, p.inline_calls) == ("exact", False, True)
+    assert p.spelled() == "canonicalize{inline_jit=False fold_scales=exact}"
+    two = Pipeline.parse("canonicalize,canonicalize{drop_noops=0}")
+    assert [q.drop_noops for q in two.passes] == [True, False]
+    assert Pipeline.parse(two.spelled()).spelled() == two.spelled()
+    assert "canonicalize" in registered()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("canonicalize,nosuch", r"unknown pass 'nosuch'; known passes: .*canonicalize"),
+    ("canonicalize{nosuch=1}", r"has no option 'nosuch'; its options: inline_jit"),
+    ("canonicalize{inline_jit=maybe}", r"option inline_jit expects bool, got 'maybe'"),
+    ("canonicalize{inline_jit}", r"needs the form key=value"),
+    ("canonicalize,", r"pipeline ends with a comma"),
+    ("", r"empty pipeline; known passes: .*canonicalize"),
+    ("canonicalize;x", r"cannot parse pipeline"),
+])
+def test_parse_errors(text, message):
+    with pytest.raises(PipelineError, match=message):
+        Pipeline.parse(text)
+
+
+def test_make_pass_unknown_names_known():
+    with pytest.raises(PipelineError, match="known passes"):
+        make_pass("frobnicate")
+
+
+@dataclass(frozen=True)
+class Breaks(Pass):
+    """A test pass that breaks its own invariant (never registered)."""
+
+    name = "breaks-things"
+
+    def run(self, module):
+        return PassResult(module, False)
+
+    def verify(self, module):
+        assert False, "the widget count is wrong"
+
+
+def test_run_reports_changes_and_printing():
+    out = io.StringIO()
+    pipeline = Pipeline.parse("canonicalize,canonicalize",
+                              [PrintIR(after_all=True, stream=out)])
+    result = pipeline.run(program())
+    assert result.changed
+    text = out.getvalue()
+    banners = re.findall(r"^# ----- IR after canonicalize -----$", text, re.M)
+    assert len(banners) == 2
+    summaries = re.findall(r"^# canonicalize: (\d+) equations \((\d+) before\), "
+                           r"1 attention ops, [\d.]+ ms, (changed|unchanged)$", text, re.M)
+    assert [s[2] for s in summaries] == ["changed", "unchanged"]
+    after_first = int(summaries[0][0])
+    assert after_first < int(summaries[0][1]) and int(summaries[1][1]) == after_first
+    assert after_first == count_equations(result.module)
+    assert "attention[causal" in text
+
+
+def test_print_before_named_and_on_change():
+    out = io.StringIO()
+    Pipeline.parse("canonicalize,canonicalize",
+                   [PrintIR(before_all=True, only_on_change=True, stream=out)]).run(program())
+    text = out.getvalue()
+    assert text.count("# ----- IR before canonicalize -----") == 2
+    assert text.count("# ----- IR after canonicalize -----") == 1
+    out = io.StringIO()
+    Pipeline([Breaks(), make_pass("canonicalize")],
+             [PrintIR(after_passes=("breaks-things",), stream=out)]).run(program())
+    assert re.findall(r"# ----- IR after (\S+) -----", out.getvalue()) == ["breaks-things"]
+
+
+def test_dump_dir_numbered_files(tmp_path):
+    (tmp_path / "07-stale.txt").write_text("old")
+    (tmp_path / "notes.md").write_text("keep")
+    Pipeline.parse("canonicalize,canonicalize", [DumpIR(tmp_path)]).run(program())
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["00-input.txt", "01-canonicalize.txt", "02-canonicalize.txt", "notes.md"]
+    first = (tmp_path / "01-canonicalize.txt").read_text()
+    assert first.startswith("# ----- IR after canonicalize -----\n{ lambda")
+    assert "jit" in (tmp_path / "00-input.txt").read_text()
+
+
+def test_timing_table():
+    out = io.StringIO()
+    timing = TimePasses(stream=out)
+    Pipeline.parse("canonicalize,canonicalize", [timing]).run(program())
+    assert [r.name for r in timing.rows] == ["canonicalize", "canonicalize"]
+    assert all(r.seconds > 0 for r in timing.rows)
+    assert [r.changed for r in timing.rows] == [True, False]
+    lines = out.getvalue().splitlines()
+    assert lines[0].split()[1:4] == ["pass", "ms", "share"]
+    assert re.fullmatch(r"# canonicalize\s+[\d.]+\s+[\d.]+%\s+\d+ -> \d+\s+yes", lines[1])
+    assert lines[-1].startswith("# total")
+
+
+def test_verify_each_names_the_pass():
+    with pytest.raises(VerificationError, match="after pass breaks-things: the widget count"):
+        Pipeline([make_pass("canonicalize"), Breaks()], [VerifyEach()]).run(program())
+
+
+def test_verify_each_catches_ill_typed_jaxpr():
+    @dataclass(frozen=True)
+    class Corrupts(Pass):
+        name = "corrupts"
+
+        def run(self, module):
+            other = trace(lambda x: x.astype(jnp.int32), jnp.ones(3))
+            jaxpr = module.jaxpr.jaxpr.replace(eqns=other.eqns)
+            return PassResult(module.with_jaxpr(module.jaxpr.replace(jaxpr=jaxpr)), True)
+
+    with pytest.raises(VerificationError, match="after pass corrupts: ill-typed jaxpr"):
+        Pipeline([Corrupts()], [VerifyEach()]).run(program())
