@@ -338,6 +338,15 @@ class MaskAnalyzer:
                 if np.all(steps == steps[0]):
                     return Affine(((dims[nonunit[0]], int(steps[0])),), int(line[0])) \
                         if steps[0] else Affine((), int(line[0]))
+        if array.size <= _MAX_CONSTANT_MASK:
+            values = np.unique(array)
+            if len(values) <= 2:
+                on_true = values[-1]
+                band = _constant_band(array == on_true, dims, Opaque.of(atom, dims))
+                if band is not None:
+                    if array.dtype == np.bool_:
+                        return band
+                    return Indicator(band, on_true.item(), values[0].item())
         return self._opaque(atom, Opaque.of(atom, dims))
 
     def _convert(self, value: Any, dtype: Any, atom: Any, here: Opaque) -> Any:
@@ -360,10 +369,10 @@ class MaskAnalyzer:
             b = Indicator(b, 1, 0)
         if isinstance(a, Scalar) and isinstance(b, Scalar):
             return Scalar(fn(a.value, b.value))
-        if isinstance(a, Scalar) and _is_int(a.value):
-            a = Affine((), int(a.value)) if op != "mul" else a
-        if isinstance(b, Scalar) and _is_int(b.value):
-            b = Affine((), int(b.value)) if op != "mul" else b
+        if op != "mul" and isinstance(b, Affine) and isinstance(a, Scalar) and _is_int(a.value):
+            a = Affine((), int(a.value))
+        if op != "mul" and isinstance(a, Affine) and isinstance(b, Scalar) and _is_int(b.value):
+            b = Affine((), int(b.value))
         if isinstance(a, Affine) and isinstance(b, Affine) and op != "mul":
             return a.plus(b, 1 if op == "add" else -1)
         if op == "mul":
@@ -417,6 +426,29 @@ class MaskAnalyzer:
 
 _NP_COMPARE = {"ge": np.greater_equal, "gt": np.greater, "le": np.less_equal,
                "lt": np.less, "eq": np.equal, "ne": np.not_equal}
+
+
+_MAX_CONSTANT_MASK = 1 << 22
+
+
+def _constant_band(visible: np.ndarray, dims: DimMap, origin: Opaque) -> Band | None:
+    """A constant boolean array that is a function of ``index_b - index_a`` only, as a Band."""
+    nonunit = [i for i, n in enumerate(visible.shape) if n > 1]
+    if len(nonunit) != 2 or any(dims[i] is None for i in nonunit):
+        return None
+    i, j = nonunit if dims[nonunit[0]] < dims[nonunit[1]] else nonunit[::-1]
+    grid = np.moveaxis(visible.reshape([n for n in visible.shape if n > 1]),
+                       (nonunit.index(i), nonunit.index(j)), (0, 1))
+    n_a, n_b = grid.shape
+    t = np.arange(n_b)[None, :] - np.arange(n_a)[:, None]
+    ivs, lo_t, hi_t = [], -(n_a - 1), n_b - 1
+    for diff in range(lo_t, hi_t + 1):
+        cells = grid[t == diff]
+        if cells.min() != cells.max():
+            return None
+        if cells[0]:
+            ivs.append((None if diff == lo_t else diff, None if diff == hi_t else diff))
+    return Band(dims[i], dims[j], _normalize(ivs), origin=origin)
 
 
 def _is_int(value: Any) -> bool:

@@ -297,7 +297,7 @@ class Matcher:
         else:
             rule = "deferred-normalization"
             with self.stats.attempt(rule):
-                pv, p_dims, p_operand = self._to_value_product(e, ident)
+                pv, p_dims, p_operand = self._to_value_product(e, ident, sum_eqn)
                 root, out_var = self._deferred_root(pv, p_operand, p_dims, core)
         core["rule"] = rule
         try:
@@ -308,10 +308,16 @@ class Matcher:
             raise
         return plan.replacement, plan.spec, plan.kinds, rule
 
-    def _to_value_product(self, p: Any, dims: tuple):
-        """Follow the probabilities through casts/transposes to the p·v dot_general."""
+    def _to_value_product(self, p: Any, dims: tuple, also_read_by: Any = None):
+        """Follow the probabilities through casts/transposes to the p·v dot_general.
+
+        ``also_read_by``: an equation allowed to read ``p`` itself besides the path (the
+        row sum, when the normalisation comes after the value product).
+        """
         while True:
-            user = single_user(self.g, p)
+            users = [u for u in self.g.users(p) if u is not also_read_by]
+            also_read_by = None
+            user = users[0] if len(users) == 1 and not self.g.is_output(p) else None
             if user is None:
                 err = NotAttention("the attention probabilities are also used elsewhere "
                                    "(returned weights, dropout, ...)")
