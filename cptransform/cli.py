@@ -54,7 +54,8 @@ _SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,\s]*)\]")
 def parse_shapes(text: str) -> list[jax.ShapeDtypeStruct]:
     """``'f32[2,64,4,16] i32[2,64] f32[]'`` → ``jax.ShapeDtypeStruct``s."""
     out = []
-    for token in text.split():
+    # spaces inside brackets ("i32[2, 64]") do not separate arguments
+    for token in re.sub(r"\s+(?=[^\[]*\])", "", text).split():
         m = _SHAPE.fullmatch(token)
         if not m:
             raise CLIError(f"cannot read argument shape {token!r}; write dtype[dims], e.g. "

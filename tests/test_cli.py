@@ -1,0 +1,118 @@
+"""The ``cptransform`` command, through a subprocess and in-process via ``main``."""
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cptransform.cli import main, parse_shapes
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = str(ROOT / "examples" / "llama.py")
+
+
+def run_cli(*argv):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", "cptransform.cli", *argv], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_opt_prints_banner_jaxpr_and_summary_per_pass():
+    proc = run_cli("opt", f"{LLAMA}:make", "-p", "canonicalize,canonicalize",
+                   "--print-ir-after-all")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    parts = re.split(r"^# ----- IR after canonicalize -----\n", out, flags=re.M)
+    assert parts[0] == "" and len(parts) == 3
+    for part in parts[1:]:
+        assert re.match(r"(let \w+ = )?\{ lambda ", part)
+        assert "scan[" in part and "dot_general" in part
+        assert re.search(r"^# canonicalize: \d+ equations \(\d+ before\), 0 attention ops, "
+                         r"[\d.]+ ms, (changed|unchanged)$", part, re.M)
+
+
+def test_passes_lists_canonicalize_with_options():
+    proc = run_cli("passes")
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"^canonicalize\s+inline jit", proc.stdout, re.M)
+    assert "    fold_scales: str = ulp" in proc.stdout
+
+
+def test_unknown_pass_is_one_line_exit_2():
+    proc = run_cli("opt", f"{LLAMA}:make", "-p", "canonicalize,nosuch")
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr
+    assert "unknown pass 'nosuch'" in lines[0] and "canonicalize" in lines[0]
+
+
+@pytest.fixture
+def entry_file(tmp_path):
+    path = tmp_path / "prog.py"
+    path.write_text(textwrap.dedent("""
+        import jax
+        import jax.numpy as jnp
+
+        def scaled(x, ids):
+            return jax.jit(lambda a: a / 4.0)(x) * 2.0 + ids.astype(jnp.float32)[..., None]
+
+        def broken():
+            return 3
+    """))
+    return path
+
+
+def test_function_with_args(entry_file, capsys):
+    assert main(["opt", f"{entry_file}:scaled", "--args", "f32[2,8,4] i32[2,8]"]) == 0
+    out = capsys.readouterr().out
+    assert "a:f32[2,8,4] b:i32[2,8]" in out
+    assert "mul a 0.5:f32[]" in out and "jit" not in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["{f}:scaled"], r"scaled takes arguments \(x, ids\); give their shapes with --args"),
+    (["{f}:scaled", "--args", "f32[2,8,4]"], r"takes 2 arguments .* --args gives 1"),
+    (["{f}:scaled", "--args", "q32[2] i32[2]"],
+     r"unknown dtype 'q32' in 'q32\[2\]'; known dtypes: f16"),
+    (["{f}:scaled", "--args", "f32(2) i32[2]"], r"cannot read argument shape 'f32\(2\)'"),
+    (["{f}:nothing"], r"has no 'nothing'; its functions: broken, scaled"),
+    (["{f}:broken"], r"broken\(\) must return \(fn, example_args\)"),
+    (["missing.py:make"], r"no such file: missing.py"),
+    (["{f}"], r"must look like FILE.py:NAME"),
+    (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--print-ir-after", "nosuch"],
+     r"--print-ir-after: unknown pass 'nosuch'; known passes: .*canonicalize"),
+    (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "-p", "canonicalize{x=1}"],
+     r"pass canonicalize has no option 'x'"),
+])
+def test_bad_input_is_one_line_exit_2(entry_file, capsys, argv, message):
+    argv = [a.replace("{f}", str(entry_file)) for a in argv]
+    assert main(["opt", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+
+
+def test_dump_timing_match_stats_and_no_verify(entry_file, tmp_path, capsys):
+    dump = tmp_path / "dump"
+    argv = ["opt", f"{entry_file}:scaled", "--args", "f32[2,8,4] i32[2,8]",
+            "-p", "canonicalize,canonicalize", f"--ir-dump-dir={dump}", "--time-passes",
+            "--match-stats", "--no-verify", "--print-ir-after=canonicalize",
+            "--print-ir-after-change"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert sorted(p.name for p in dump.iterdir()) == [
+        "00-input.txt", "01-canonicalize.txt", "02-canonicalize.txt"]
+    assert out.count("# ----- IR after canonicalize -----") == 1  # the second changed nothing
+    assert re.search(r"^# canonicalize\s+[\d.]+\s+[\d.]+%", out, re.M)
+    assert "# no match statistics (run match-attention)" in out
+
+
+def test_parse_shapes():
+    a, b, c = parse_shapes("f32[2,64,4,16] i32[2, 64] bf16[]")
+    assert (a.shape, str(a.dtype)) == ((2, 64, 4, 16), "float32")
+    assert (b.shape, str(b.dtype)) == ((2, 64), "int32")
+    assert (c.shape, str(c.dtype)) == ((), "bfloat16")
