@@ -413,15 +413,35 @@ class MaskAnalyzer:
     def _select(self, p: Pred, on_false: Any, on_true: Any, atom: Any, here: Opaque) -> Any:
         if isinstance(on_false, Scalar) and isinstance(on_true, Scalar):
             return Indicator(p, on_true.value, on_false.value)
-        if compat.aval_of(atom).dtype == np.bool_:
-            f = self.as_pred(on_false, here) if not isinstance(on_false, Pred) else on_false
-            t = self.as_pred(on_true, here) if not isinstance(on_true, Pred) else on_true
-            if isinstance(f, Const) and not f.value:
-                return p_and(p, t, here)
-            if isinstance(t, Const) and t.value:
-                return p_or(p, f, here)
-            return Dense(source=here, origin=here)
-        return here
+        is_bool = compat.aval_of(atom).dtype == np.bool_
+        f, t = _as_bool(on_false, is_bool), _as_bool(on_true, is_bool)
+        if f is None or t is None:
+            return self._opaque(atom, here)
+        # select_n(p, f, t) == (p and t) or (not p and f)
+        if isinstance(f, Const) and not f.value:
+            out = p_and(p, t, here)
+        elif isinstance(t, Const) and t.value:
+            out = p_or(p, f, here)
+        elif isinstance(t, Const) and not t.value:
+            out = p_and(p_not(p, here), f, here)
+        elif isinstance(f, Const) and f.value:
+            out = p_or(p_not(p, here), t, here)
+        else:
+            return self._opaque(atom, here)
+        return out if is_bool else Indicator(out, 1, 0)
+
+
+def _as_bool(value: Any, is_bool: bool) -> Pred | None:
+    """A boolean, or a number that is 0/1 everywhere, as a predicate (else None)."""
+    if isinstance(value, Pred):
+        return value
+    if isinstance(value, Scalar) and (is_bool or value.value in (0, 1)):
+        return Const(value=bool(value.value))
+    if isinstance(value, Indicator) and (value.on_true, value.on_false) == (1, 0):
+        return value.pred
+    if isinstance(value, Indicator) and (value.on_true, value.on_false) == (0, 1):
+        return p_not(value.pred, None)
+    return None
 
 
 _NP_COMPARE = {"ge": np.greater_equal, "gt": np.greater, "le": np.less_equal,

@@ -779,7 +779,8 @@ def build_plan(m: Matcher, steps, labels, core, qk, q_var, k_var, qc, kc, nb, q_
         parts: MaskParts = classify(pred, q_free_labels, kv_label, lambda lab: sizes[lab],
                                     sizes[kv_label], batch_labels)
         if any(d.source is None for d in parts.dense):
-            raise NotAttention("a mask hides every entry")
+            raise NotAttention("a mask part cannot be passed as a dense mask (a negated "
+                                  "segment comparison, or a mask hiding everything)")
     q_seq = parts.q_dim
     if q_seq is None:
         same = [lab for lab in q_free_labels if sizes[lab] == sizes[kv_label]]
