@@ -1,0 +1,128 @@
+"""Random attention problems for the schedule tests, and the check against the reference.
+
+A case is the operands of one ``attention_p`` (canonical ``BTHD`` layouts) plus its spec.
+:func:`check_schedule` runs :func:`context_parallel_attention` and compares output and
+``jax.grad`` w.r.t. q, k, v (and bias) with the unsharded reference.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cptransform.attention_reference import attention_reference
+from cptransform.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.lowering.context_parallel_attention import context_parallel_attention
+from cptransform.lowering.layouts import LAYOUTS
+
+MASK_KINDS = ("none", "causal", "window", "causal_window", "segments", "dense",
+              "dense_causal", "bias")
+#: (query heads, kv heads) per head sharing kind.
+HEAD_KINDS = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
+
+BTHD = Layout.parse("BTHD")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention problem: ``operands`` in ``attention_p`` order and its ``spec``."""
+
+    operands: tuple
+    spec: AttentionSpec
+
+    @property
+    def differentiable(self) -> tuple[int, ...]:
+        names = self.spec.operand_names()
+        return tuple(i for i, n in enumerate(names) if n in ("q", "k", "v", "bias"))
+
+
+def mask_spec(kind: str, empty_rows: str = "zero") -> MaskSpec:
+    """The :class:`MaskSpec` of a mask kind named in :data:`MASK_KINDS`."""
+    return MaskSpec(
+        causal=kind in ("causal", "causal_window", "dense_causal"),
+        window={"window": (3, 2), "causal_window": (5, None)}.get(kind),
+        segments=kind == "segments", dense=kind in ("dense", "dense_causal"),
+        bias=kind == "bias", empty_rows=empty_rows)
+
+
+def make_case(rng, kind: str = "none", heads: str = "mha", *, batch: int = 2, seq: int = 32,
+              d: int = 8, dv: int = 8, dtype=jnp.float32, empty_rows: str = "zero",
+              dense_heads: bool = True) -> Case:
+    """Random q, k, v (and segment ids, dense mask or bias as ``kind`` needs)."""
+    h, hkv = HEAD_KINDS[heads]
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
+    operands = [normal(batch, seq, h, d), normal(batch, seq, hkv, d), normal(batch, seq, hkv, dv)]
+    mspec = mask_spec(kind, empty_rows)
+    if mspec.segments:
+        ids = np.sort(rng.integers(0, 4, size=(batch, seq)), axis=1).astype(np.int32)
+        operands += [jnp.asarray(ids), jnp.asarray(ids)]
+    mh = h if dense_heads else 1
+    if mspec.dense:
+        operands.append(jnp.asarray(rng.random((batch, mh, seq, seq)) < 0.3))
+    if mspec.bias:
+        operands.append(normal(1, mh, seq, seq))
+    spec = AttentionSpec(q=BTHD, k=BTHD, v=BTHD, scale=1.0 / math.sqrt(d), groups=h // hkv,
+                         mask=mspec)
+    return Case(tuple(operands), spec)
+
+
+def pairwise_cases(cps=(2, 4, 8)):
+    """A covering list of ``(cp, layout, mask kind, head kind, dv)``: every mask kind, and
+    every pair of (layout, heads), (layout, cp), (heads, cp) at least once."""
+    heads = tuple(HEAD_KINDS)
+    cases = []
+    pairs = list(itertools.product(range(3), range(3)))
+    for i, kind in enumerate(MASK_KINDS + MASK_KINDS[1:2]):
+        a, b = pairs[i % len(pairs)]
+        cases.append((cps[(a + b) % len(cps)], LAYOUTS[a], kind, heads[b], 8 if i % 2 else 12))
+    return cases
+
+
+def relative_error(got, want) -> float:
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
+
+
+def check_schedule(case: Case, *, mesh, axes, schedule: str, layout: str,
+                   grad: bool = True, tol: float | None = None) -> None:
+    """Assert output and gradients of the schedule match the unsharded reference.
+
+    Gradients are w.r.t. q, k, v and bias, of ``sum(o * w)`` for a random ``w``; each side
+    is one jitted ``vjp`` (one compile per side).
+    """
+    dtype = case.operands[0].dtype
+    tol = TOLERANCE[jnp.dtype(dtype).type] if tol is None else tol
+    diff = case.differentiable
+
+    q, v = case.operands[0], case.operands[2]
+    out_shape = q.shape[:-1] + v.shape[-1:]
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=out_shape), dtype)
+
+    def with_grads(fn):
+        def run(weights, *xs):
+            def on_diff(*ds):
+                full = list(xs)
+                for i, x in zip(diff, ds):
+                    full[i] = x
+                return fn(*full)
+            out, vjp = jax.vjp(on_diff, *(xs[i] for i in diff))
+            return out, (vjp(weights) if grad else ())
+        return jax.jit(run)
+
+    sharded = with_grads(lambda *xs: context_parallel_attention(
+        *xs, spec=case.spec, mesh=mesh, axes=axes, schedule=schedule, layout=layout))
+    reference = with_grads(lambda *xs: attention_reference(*xs, spec=case.spec))
+    (got, got_grads), (want, want_grads) = sharded(weights, *case.operands), \
+        reference(weights, *case.operands)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    err = relative_error(got, want)
+    assert err <= tol, f"output relative error {err:.3g} > {tol:g}"
+    names = [case.spec.operand_names()[i] for i in diff]
+    for name, g, w in zip(names, got_grads, want_grads):
+        err = relative_error(g, w)
+        assert err <= tol, f"d{name} relative error {err:.3g} > {tol:g}"

@@ -1,0 +1,68 @@
+"""Ulysses schedule: outputs and gradients against the unsharded reference, errors, comm."""
+import jax
+import jax.numpy as jnp
+import pytest
+from conftest import make_mesh
+from schedule_cases import check_schedule, make_case, pairwise_cases
+
+from cptransform.cost_model import schedule_volume
+from cptransform.lowering.collectives import lower_and_count
+from cptransform.lowering.context_parallel_attention import ContextParallelError, \
+    context_parallel_attention
+
+
+@pytest.mark.parametrize("cp,layout,kind,heads,dv", pairwise_cases())
+def test_matches_reference(rng, cp, layout, kind, heads, dv):
+    case = make_case(rng, kind, heads, dv=dv)
+    check_schedule(case, mesh=make_mesh((cp,), ("cp",)), axes="cp", schedule="ulysses",
+                   layout=layout)
+
+
+@pytest.mark.parametrize("kind,heads", [("dense_causal", "gqa"), ("bias", "mha")])
+def test_bf16(rng, kind, heads):
+    case = make_case(rng, kind, heads, dtype=jnp.bfloat16)
+    check_schedule(case, mesh=make_mesh((4,), ("cp",)), axes="cp", schedule="ulysses",
+                   layout="zigzag")
+
+
+def test_uniform_empty_rows_and_shared_dense_heads(rng):
+    case = make_case(rng, "dense", "gqa", empty_rows="uniform", dense_heads=False, seq=16)
+    check_schedule(case, mesh=make_mesh((8,), ("cp",)), axes="cp", schedule="ulysses",
+                   layout="striped")
+
+
+def test_indivisible_heads_is_a_clear_error(rng):
+    case = make_case(rng, "causal", "mha")
+    q, k, v = (x[:, :, :6] for x in case.operands)
+    spec = case.spec.replace(groups=1)
+    with pytest.raises(ContextParallelError, match=r"6 query heads .* size 4.*hybrid"):
+        context_parallel_attention(q, k, v, spec=spec, mesh=make_mesh((4,), ("cp",)),
+                                   axes="cp", schedule="ulysses")
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa", "mqa"])
+def test_communication_is_four_all_to_alls(heads):
+    s, d, dv, cp = 64, 8, 12, 4
+    h, hkv = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}[heads]
+    case = make_case(__import__("numpy").random.default_rng(0), "causal", heads, seq=s,
+                     dv=dv, dtype=jnp.bfloat16)
+    mesh = make_mesh((cp,), ("cp",))
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.operands]
+
+    def forward(*xs):
+        return context_parallel_attention(*xs, spec=case.spec, mesh=mesh, axes="cp",
+                                          schedule="ulysses", layout="zigzag")
+
+    report = lower_and_count(forward, *abstract)
+    expected = schedule_volume("ulysses", seq=s, heads=h, kv_heads=hkv, head_dim=d,
+                              v_head_dim=dv, cp=cp, batch=2, dtype_bytes=2)
+    assert report.counts() == {"all_to_all": 4, "all_gather": 2}
+    assert report.bytes_by_kind() == expected.forward
+    assert all(c.group_size == cp for c in report.collectives)
+
+    def loss(*xs):
+        return jnp.sum(forward(*xs).astype(jnp.float32))
+
+    grad_report = lower_and_count(jax.value_and_grad(loss, argnums=(0, 1, 2)), *abstract)
+    assert grad_report.counts() == {"all_to_all": 8, "all_gather": 2}
+    assert grad_report.per_device_bytes == expected.forward_total + expected.backward_total
