@@ -98,8 +98,27 @@ def aval_of(atom: Any) -> Any:
     return atom.aval
 
 
+_EXCLUDED: list[str] = []
+
+
+def _exclude_own_frames() -> None:
+    """Make JAX skip cptransform's own files when it looks for the user's frame."""
+    if _EXCLUDED:
+        return
+    import importlib.util
+    import os
+
+    for package in ("cptransform", "cptransform.passes", "cptransform.lowering"):
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.origin:
+            path = os.path.dirname(spec.origin)
+            _source_info.register_exclusion(path + os.sep)
+            _EXCLUDED.append(path)
+
+
 def source_line(eqn: Any) -> str:
     """``file:line (function)`` of the user code that produced ``eqn``, or ``"?"``."""
+    _exclude_own_frames()
     traceback = getattr(eqn.source_info, "traceback", None)
     if traceback is None:
         return "?"
@@ -198,3 +217,8 @@ def dce(closed: Any) -> Any:
     new, used_inputs = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
     del used_inputs
     return close_jaxpr(new, consts_of(closed)) if closed is not jaxpr else new
+
+
+def name_stack(eqn: Any) -> str:
+    """The transformation/name stack an equation was traced under, e.g. ``transpose(jvp(f))``."""
+    return str(getattr(eqn.source_info, "name_stack", "") or "")

@@ -78,14 +78,42 @@ class SequenceLayout:
     def inverse_permutation(self) -> np.ndarray:
         return np.argsort(self.permutation()).astype(np.int32)
 
+    def position_of_slot(self, slot):
+        """Natural position stored at layout-order index ``slot`` (traced, no constants)."""
+        loc, cp = self.local_len, self.cp
+        rank, j = slot // loc, slot % loc
+        if self.name == "contiguous":
+            return slot
+        if self.name == "striped":
+            return j * cp + rank
+        c = loc // 2
+        return jnp.where(j < c, rank * c + j, (2 * cp - 1 - rank) * c + (j - c))
+
+    def slot_of_position(self, pos):
+        """Inverse of :meth:`position_of_slot`."""
+        loc, cp = self.local_len, self.cp
+        if self.name == "contiguous":
+            return pos
+        if self.name == "striped":
+            return (pos % cp) * loc + pos // cp
+        c = loc // 2
+        chunk, off = pos // c, pos % c
+        return jnp.where(chunk < cp, chunk * loc + off, (2 * cp - 1 - chunk) * loc + c + off)
+
     def permute(self, x, axis: int):
-        """Natural order → layout order along ``axis`` (identity for contiguous)."""
+        """Natural order → layout order along ``axis`` (identity for contiguous).
+
+        The index vector is computed from an iota, so no constant is captured: this works
+        inside any traced body (scan, remat) without hoisting arrays.
+        """
         if self.name == "contiguous":
             return x
-        return jnp.take(x, jnp.asarray(self.permutation()), axis=axis)
+        slots = jnp.arange(self.seq_len, dtype=jnp.int32)
+        return jnp.take(x, self.position_of_slot(slots), axis=axis)
 
     def unpermute(self, x, axis: int):
         """Layout order → natural order along ``axis``."""
         if self.name == "contiguous":
             return x
-        return jnp.take(x, jnp.asarray(self.inverse_permutation()), axis=axis)
+        positions = jnp.arange(self.seq_len, dtype=jnp.int32)
+        return jnp.take(x, self.slot_of_position(positions), axis=axis)

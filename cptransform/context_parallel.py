@@ -1,0 +1,236 @@
+"""``context_parallel``: the transform users apply to ordinary single-device code."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax.sharding import AxisType
+
+from cptransform import compat
+from cptransform.attention import attention_p
+from cptransform.module import Module, iter_eqns, trace
+from cptransform.pipeline import Pipeline, make_pass
+
+SCHEDULES = ("auto", "ring", "ulysses", "allgather", "hybrid")
+LOAD_BALANCES = ("auto", "zigzag", "striped", "none")
+KERNELS = ("auto", "xla", "pallas")
+
+
+class ContextParallelOptionError(ValueError):
+    """An option of ``context_parallel`` is unknown or inconsistent; the message says the fix."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """The public options of :func:`context_parallel` (names are the public API)."""
+
+    cp: int | None = None
+    mesh: Any = None
+    axis: str | tuple[str, ...] = "cp"
+    schedule: str = "auto"
+    load_balance: str = "auto"
+    kernel: str = "auto"
+    seq_axes: Any = None
+    strict: bool = False
+    keep_permuted: bool = False
+
+    def check(self) -> None:
+        for name, value, allowed in (("schedule", self.schedule, SCHEDULES),
+                                     ("load_balance", self.load_balance, LOAD_BALANCES),
+                                     ("kernel", self.kernel, KERNELS)):
+            if value not in allowed:
+                raise ContextParallelOptionError(
+                    f"unknown {name}={value!r}; use one of {', '.join(allowed)}")
+        axes = self.axes
+        if not 1 <= len(axes) <= 2:
+            raise ContextParallelOptionError(
+                f"axis={self.axis!r}: give one mesh axis name, or two (ulysses, ring) for hybrid")
+        if self.schedule == "hybrid" and len(axes) != 2:
+            raise ContextParallelOptionError(
+                "schedule='hybrid' needs two mesh axes: axis=('uly', 'ring') with a mesh that "
+                "has both")
+        if len(axes) == 2 and self.schedule not in ("auto", "hybrid"):
+            raise ContextParallelOptionError(
+                f"two CP axes {axes} mean the hybrid schedule; schedule={self.schedule!r} "
+                "runs over one axis")
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
+
+
+def build_mesh(options: Options):
+    """The CP mesh: the given one (checked), or ``cp`` devices on one axis."""
+    axes = options.axes
+    if options.mesh is not None:
+        missing = [a for a in axes if a not in options.mesh.axis_names]
+        if missing:
+            raise ContextParallelOptionError(
+                f"mesh axes are {options.mesh.axis_names}; the CP axis {missing} is not among "
+                "them — pass axis= naming the mesh's sequence axis")
+        size = math.prod(options.mesh.shape[a] for a in axes)
+        if options.cp is not None and options.cp != size:
+            raise ContextParallelOptionError(
+                f"cp={options.cp} but the mesh's CP axes {axes} hold {size} devices")
+        return options.mesh
+    devices = jax.devices()
+    cp = options.cp if options.cp is not None else len(devices)
+    if len(axes) != 1:
+        raise ContextParallelOptionError("for two CP axes pass mesh= with both axes")
+    if cp < 1 or cp > len(devices):
+        raise ContextParallelOptionError(
+            f"cp={cp} but only {len(devices)} devices are visible; use cp <= {len(devices)} "
+            "(on CPU, simulate more with XLA_FLAGS=--xla_force_host_platform_device_count=N "
+            "set before importing jax)")
+    return jax.make_mesh((cp,), axes, axis_types=(AxisType.Auto,), devices=devices[:cp])
+
+
+def _seq_axis_overrides(seq_axes: Any, args: tuple, kwargs: dict) -> dict[int, tuple]:
+    """``seq_axes`` → flat input index → sequence dims.
+
+    ``seq_axes`` has one entry per positional argument: ``None`` (no sequence axis), an
+    int dim, or a tuple of dims; an entry applies to every array leaf of its argument.
+    Keyword arguments are left to inference.
+    """
+    if seq_axes is None:
+        return {}
+    entries = seq_axes if isinstance(seq_axes, (tuple, list)) and len(seq_axes) == len(args) \
+        else None
+    if entries is None:
+        raise ContextParallelOptionError(
+            f"seq_axes must have one entry per positional argument ({len(args)} here): an "
+            "int dim, a tuple of dims, or None, e.g. seq_axes=(None, 1) for (params, tokens)")
+    out, index = {}, 0
+    for entry, arg in zip(entries, args):
+        for leaf in jax.tree_util.tree_leaves(arg):
+            dims = () if entry is None else (entry,) if isinstance(entry, int) else tuple(entry)
+            ndim = np.ndim(leaf)
+            if any(not -ndim <= d < ndim for d in dims):
+                raise ContextParallelOptionError(
+                    f"seq_axes entry {entry} does not fit an argument of shape {np.shape(leaf)}")
+            out[index] = tuple(d % ndim for d in dims)
+            index += 1
+    return out
+
+
+def _signature(args, kwargs):
+    leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+    return tree, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in leaves)
+
+
+class ContextParallelError(ValueError):
+    """The function cannot be transformed as written; the message says where and why."""
+
+
+class ContextParallelFunction:
+    """The result of :func:`context_parallel`: call it like the original function."""
+
+    def __init__(self, fn: Callable, options: Options):
+        options.check()
+        self.fn = fn
+        self.options = options
+        self._built: dict = {}
+        functools.update_wrapper(self, fn)
+
+    # -- building --
+    def module(self, *args, **kwargs) -> Module:
+        """The transformed program for these arguments (arrays or ShapeDtypeStructs)."""
+        return self._build(args, kwargs)[0]
+
+    def _build(self, args, kwargs):
+        key = _signature(args, kwargs)
+        if key in self._built:
+            return self._built[key]
+        abstract = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
+            (args, kwargs))
+        module = trace(self.fn, *abstract[0], **abstract[1])
+        self._refuse_gradients(module)
+        mesh = build_mesh(self.options)
+        axes = self.options.axes
+        cp = math.prod(mesh.shape[a] for a in axes)
+        ulysses = mesh.shape[axes[0]] if len(axes) == 2 else 1
+        module = module.with_jaxpr(
+            module.jaxpr, mesh=mesh, cp_axes=axes,
+            seq_axes_overrides=_seq_axis_overrides(self.options.seq_axes, args, kwargs))
+        front = Pipeline([make_pass(n) for n in ("canonicalize", "match-attention",
+                                                 "infer-seq-axes")]).run(module).module
+        layout = self._layout(front, cp)
+        schedule = "hybrid" if len(axes) == 2 else self.options.schedule
+        back = [make_pass("plan-context-parallel",
+                          {"schedule": schedule, "cp": str(cp), "ulysses": str(ulysses)}),
+                make_pass("reorder-sequence",
+                          {"layout": layout, "cp": str(cp), "strict": str(self.options.strict),
+                           "keep_permuted": str(self.options.keep_permuted)}),
+                make_pass("lower-context-parallel", {"kernel": self.options.kernel})]
+        final = Pipeline(back).run(front).module
+        out_tree = final.out_tree
+        call = jax.jit(lambda *flat: final.flat_call(*flat))
+        self._built[key] = (final, call, out_tree)
+        return self._built[key]
+
+    def _layout(self, module: Module, cp: int) -> str:
+        choice = self.options.load_balance
+        specs = [e.params["spec"] for e in iter_eqns(module.jaxpr) if e.primitive is attention_p]
+        seq_len = module.meta["seq_axes"].seq_len if "seq_axes" in module.meta else None
+        if choice == "auto":
+            causal = any(s.mask.band()[1] is not None for s in specs)
+            choice = "zigzag" if causal and seq_len and seq_len % (2 * cp) == 0 else "none"
+        return choice
+
+    @staticmethod
+    def _refuse_gradients(module: Module) -> None:
+        for eqn in iter_eqns(module.jaxpr):
+            if "transpose(" in compat.name_stack(eqn):
+                raise ContextParallelError(
+                    f"{module.name} already computes gradients (e.g. at "
+                    f"{compat.source_line(eqn)}): put @context_parallel on the loss function "
+                    f"and apply jax.grad / jax.value_and_grad outside it:\n"
+                    f"    loss = context_parallel(loss_fn, cp=...)\n"
+                    f"    grads = jax.grad(loss)(params, batch)")
+
+    # -- calling --
+    def __call__(self, *args, **kwargs):
+        final, call, out_tree = self._build(args, kwargs)
+        flat = jax.tree_util.tree_leaves((args, kwargs))
+        return jax.tree_util.tree_unflatten(out_tree, call(*flat))
+
+    def lower(self, *args, **kwargs):
+        """``jax.jit(...).lower`` of the transformed program (ShapeDtypeStructs allowed)."""
+        _, call, _ = self._build(args, kwargs)
+        return call.lower(*jax.tree_util.tree_leaves((args, kwargs)))
+
+    def explain(self, *args, **kwargs) -> str:
+        """A readable account of what the transform does for these arguments."""
+        from cptransform.explain import explain_module
+        return explain_module(self.module(*args, **kwargs), self.options)
+
+
+def context_parallel(fn: Callable | None = None, **options) -> Any:
+    """Run ``fn`` with its sequence sharded over ``cp`` devices; same results.
+
+    Usable as ``@context_parallel`` or ``@context_parallel(cp=8, schedule="ring", ...)``.
+
+    Options: ``cp`` (devices; default all), ``mesh`` (an existing mesh) and ``axis`` (its CP
+    axis name, or ``(ulysses_axis, ring_axis)`` for hybrid), ``schedule`` (ring | ulysses |
+    allgather | hybrid | auto), ``load_balance`` (zigzag | striped | none | auto: zigzag for
+    causal attention), ``kernel`` (pallas | xla | auto), ``seq_axes`` (override: a tuple
+    mirroring the positional arguments with an int dim, a tuple of dims, or None per
+    argument), ``strict`` (refuse non-equivariant ops instead of wrapping them),
+    ``keep_permuted`` (leave outputs in the load-balanced order).
+    """
+    known = {f.name for f in dataclasses.fields(Options)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ContextParallelOptionError(
+            f"unknown option(s) {', '.join(unknown)}; context_parallel takes "
+            f"{', '.join(sorted(known))}")
+    opts = Options(**options)
+    if fn is None:
+        return lambda f: ContextParallelFunction(f, opts)
+    return ContextParallelFunction(fn, opts)

@@ -1,0 +1,86 @@
+"""``explain()``: what the transform did to a program, written for a newcomer."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cptransform.attention_spec import MaskSpec
+
+
+def causal_work(mask: MaskSpec, positions: np.ndarray, seq_len: int) -> np.ndarray | None:
+    """Visible (query, key) pairs per device for a band mask (``None`` when the mask also
+    depends on data: segments or a dense mask)."""
+    if mask.segments or mask.dense:
+        return None
+    lo, hi = mask.band()
+    q = positions.astype(np.int64)
+    first = np.maximum(0, q + (lo if lo is not None else -seq_len))
+    last = np.minimum(seq_len - 1, q + (hi if hi is not None else seq_len))
+    return np.maximum(0, last - first + 1).sum(axis=-1)
+
+
+def balance_line(mask: MaskSpec, layout, seq_len: int, cp: int) -> str:
+    """``max/mean`` work per device under the chosen layout, next to contiguous."""
+    from cptransform.lowering.layouts import SequenceLayout
+
+    chosen = layout.name if layout is not None else "contiguous"
+    rows = []
+    for name in dict.fromkeys([chosen, "contiguous"]):
+        try:
+            lay = SequenceLayout(name, seq_len, cp)
+        except ValueError:
+            continue
+        work = causal_work(mask, lay.all_positions(), seq_len)
+        if work is None:
+            return "load balance: depends on the data (segment ids / dense mask)"
+        rows.append(f"{name} {work.max() / work.mean():.2f}x")
+    return "load balance (slowest device / mean): " + ", ".join(rows)
+
+
+def explain_module(module, options: Any) -> str:
+    """The report behind ``ContextParallelFunction.explain``."""
+    meta = module.meta
+    mesh, axes = meta.get("mesh"), meta.get("cp_axes", ())
+    layout = meta.get("layout")
+    cp = int(np.prod([mesh.shape[a] for a in axes])) if mesh is not None else None
+    seq = meta.get("seq_axes")
+    lines = [f"context_parallel over mesh axes {tuple(axes)} (cp={cp}) of mesh "
+             f"{dict(mesh.shape) if mesh is not None else '?'}",
+             f"  layout: {layout.name if layout is not None else 'contiguous'}"
+             f" (load_balance={options.load_balance}); kernel: {options.kernel}"]
+    if seq is not None:
+        lines.append(f"  sequence axis: {seq.describe()}")
+    matches = meta.get("matches") or []
+    if matches:
+        lines.append(f"  matcher: {sum(1 for m in matches if getattr(m, 'rewritten', False))} "
+                     f"attention(s) found, {sum(1 for m in matches if not getattr(m, 'rewritten', False))} softmax(es) left alone")
+        lines += [f"    {m}" for m in matches]
+    plans = meta.get("plan") or ()
+    if not plans:
+        lines.append("  no attention found: the function runs as is, inputs sharded by XLA")
+    for p in plans:
+        bytes_line = ", ".join(f"{s} {b / 2**20:.3f} MiB" for s, b in p.bytes_per_device.items())
+        lines += [f"  attention #{p.index} at {p.source}",
+                  f"    schedule: {p.schedule} — {p.reason}",
+                  f"    mask: {p.mask}; heads {p.shape.heads} / kv heads {p.shape.kv_heads}, "
+                  f"head dim {p.shape.head_dim}, sequence {p.shape.seq_len}",
+                  f"    forward communication per device: {bytes_line}"]
+        if seq is not None and cp:
+            mask = _mask_of(module, p.index)
+            if mask is not None:
+                lines.append("    " + balance_line(mask, layout, p.shape.seq_len, cp))
+    for entry in meta.get("reorder_log", ()):
+        lines.append(f"  {entry}")
+    return "\n".join(lines)
+
+
+def _mask_of(module, index: int):
+    from cptransform.attention import attention_p
+    from cptransform.module import iter_eqns
+
+    specs = module.meta.get("planned_specs")
+    if specs is not None and index < len(specs):
+        return specs[index].mask
+    eqns = [e for e in iter_eqns(module.jaxpr) if e.primitive is attention_p]
+    return eqns[index].params["spec"].mask if index < len(eqns) else None

@@ -1,0 +1,103 @@
+"""Pass ``lower-context-parallel``: ``attention_p`` → the planned schedule under shard_map.
+
+Each attention becomes :func:`~cptransform.lowering.context_parallel_attention.
+context_parallel_attention` with the schedule from ``meta["plan"]``: a ``shard_map`` island
+over the CP mesh axes only. Everything else stays in the program for XLA's SPMD
+partitioner; inputs and every intermediate whose dim is the whole sequence get a sharding
+constraint on that dim (other dims unconstrained, so a data axis keeps its batch sharding),
+so no stray all-gather of activations appears between attentions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from cptransform import compat
+from cptransform.attention import attention_p
+from cptransform.module import Module, iter_eqns
+from cptransform.pipeline import Pass, PassResult, register
+from cptransform.rewrite import Rewriter
+from cptransform.seq_axes import SeqAxes
+from cptransform.lowering.context_parallel_attention import context_parallel_attention
+from cptransform.passes.infer_seq_axes import analyse
+
+
+class _Lowerer(Rewriter):
+    """Re-trace with attention replaced and sequence shardings constrained."""
+
+    def __init__(self, axes: SeqAxes, plan, mesh, cp_axes, layout: str, kernel: str):
+        super().__init__()
+        self.axes, self.steps, self.mesh = axes, list(plan), mesh
+        self.cp_axes, self.layout, self.kernel = tuple(cp_axes), layout, kernel
+        self.next_attention = 0
+        self.seq = tuple(reversed(self.cp_axes))
+
+    def constrain(self, value, atom):
+        dims = self.axes.full_dims(atom)
+        if not dims or not hasattr(value, "shape"):
+            return value
+        spec = [P.UNCONSTRAINED] * value.ndim
+        spec[dims[0]] = self.seq if len(self.seq) > 1 else self.seq[0]
+        return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, P(*spec)))
+
+    def eval_eqn(self, eqn, invals):
+        if eqn.primitive is attention_p:
+            step = self.steps[self.next_attention]
+            self.next_attention += 1
+            spec = eqn.params["spec"]
+            with compat.eqn_context(eqn):
+                out = context_parallel_attention(
+                    *invals, spec=spec, mesh=self.mesh,
+                    axes=self.cp_axes,
+                    schedule=step.schedule, layout=self.layout, kernel=self.kernel,
+                    in_layout_order=spec.positions and self.layout != "contiguous")
+            outs = [out]
+        else:
+            outs = super().eval_eqn(eqn, invals)
+        return [self.constrain(o, v) for o, v in zip(outs, eqn.outvars)]
+
+    def _touches(self, jaxpr) -> bool:
+        """Every body is re-traced: attentions and sharding constraints may sit anywhere."""
+        return True
+
+
+@register
+@dataclass(frozen=True)
+class LowerContextParallel(Pass):
+    """Replace each attention with its planned context-parallel schedule."""
+
+    name = "lower-context-parallel"
+    summary = "attention_p -> shard_map schedule (ring / ulysses / allgather / hybrid)"
+    kernel: str = "auto"
+
+    def run(self, module: Module) -> PassResult:
+        mesh = module.meta.get("mesh")
+        cp_axes = module.meta.get("cp_axes")
+        plan = module.meta.get("plan")
+        if mesh is None or cp_axes is None or plan is None:
+            raise ValueError("lower-context-parallel needs meta 'mesh', 'cp_axes' (set by "
+                             "context_parallel() or the CLI's --cp) and 'plan' (run "
+                             "plan-context-parallel first)")
+        n = sum(1 for e in iter_eqns(module.jaxpr) if e.primitive is attention_p)
+        if n != len(plan):
+            raise ValueError(f"the plan covers {len(plan)} attentions but the program has {n}; "
+                             "run plan-context-parallel right before lowering")
+        layout = module.meta.get("layout")
+        layout_name = layout.name if layout is not None else "contiguous"
+        lowerer = _Lowerer(analyse(module), plan, mesh, cp_axes, layout_name, self.kernel)
+        jaxpr = compat.open_jaxpr(module.jaxpr)
+        consts = compat.consts_of(module.jaxpr)
+
+        def fn(*xs):
+            xs = [lowerer.constrain(x, v) for x, v in zip(xs, jaxpr.invars)]
+            return lowerer.eval(jaxpr, consts, xs)
+
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+        new = compat.dce(jax.make_jaxpr(fn)(*avals))
+        return PassResult(module.with_jaxpr(new), n > 0)
+
+    def verify(self, module: Module) -> None:
+        left = sum(1 for e in iter_eqns(module.jaxpr) if e.primitive is attention_p)
+        assert left == 0, f"{left} attention_p equations were not lowered"

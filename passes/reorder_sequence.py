@@ -1,0 +1,241 @@
+"""Pass ``reorder-sequence``: run the program in a load-balanced token order.
+
+Zigzag and striped layouts are permutations of positions. The pass permutes
+sequence-carrying inputs into layout order, replaces ``iota`` along the sequence with the
+permuted positions (RoPE and position tables keep working), gives every attention explicit
+position operands, and un-permutes the outputs. Values are tracked in one of three states:
+``perm`` (layout order), ``nat`` (natural order) and ``inv`` (no sequence dim, or constant
+along it). Order-independent ops keep the state; positional ops along the sequence (slices
+such as ``x[:, 1:]``, pads, concatenates, cumsums, gathers by position) get their
+operands un-permuted first, which costs a permutation of those operands; each such place is
+logged with its bytes, and ``strict`` makes it an error.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cptransform import compat
+from cptransform.attention import attention_p
+from cptransform.module import Module
+from cptransform.pipeline import Pass, PassResult, register
+from cptransform.seq_axes import ELEMENTWISE, ORDER_FREE_REDUCTIONS, SeqAxes, acting_dims
+from cptransform.lowering.layouts import SequenceLayout
+from cptransform.passes.infer_seq_axes import analyse
+
+PERM, NAT, INV = "perm", "nat", "inv"
+
+#: Primitives that commute with a permutation of any sequence dim they carry.
+EQUIVARIANT = ELEMENTWISE | ORDER_FREE_REDUCTIONS | frozenset(
+    "broadcast_in_dim reshape squeeze expand_dims transpose dot_general".split())
+
+
+class ReorderError(ValueError):
+    """``strict`` reordering met an op that is not permutation-equivariant."""
+
+
+@dataclass
+class _Reorderer:
+    axes: SeqAxes
+    layout: SequenceLayout
+    strict: bool
+    log: list = field(default_factory=list)
+    state: dict = field(default_factory=dict)
+
+    # -- state bookkeeping (by traced value identity; values are kept alive in `state`) --
+    def get(self, value) -> str:
+        entry = self.state.get(id(value))
+        return entry[1] if entry is not None and entry[0] is value else INV
+
+    def put(self, value, st: str):
+        self.state[id(value)] = (value, st)
+        return value
+
+    def to(self, value, atom, want: str):
+        """``value`` (of jaxpr atom ``atom``) in state ``want`` along its full seq dims."""
+        have = self.get(value)
+        if have == want or have == INV:
+            return value
+        for d in self.axes.full_dims(atom):
+            value = (self.layout.permute if want == PERM else self.layout.unpermute)(value, d)
+        return self.put(value, want)
+
+    # -- the interpreter --
+    def eval(self, jaxpr, consts, args):
+        env: dict = {}
+
+        def read(atom):
+            return compat.literal_value(atom) if compat.is_literal(atom) else env[atom]
+
+        for var, val in zip(jaxpr.constvars, consts):
+            env[var] = self.put(val, NAT if self.axes.full_dims(var) else INV)
+        for var, val in zip(jaxpr.invars, args):
+            env[var] = val
+        for eqn in jaxpr.eqns:
+            outs = self.eval_eqn(eqn, [read(a) for a in eqn.invars])
+            for var, val in zip(eqn.outvars, outs):
+                env[var] = val
+        return [read(v) for v in jaxpr.outvars]
+
+    def eval_eqn(self, eqn, invals):
+        name = eqn.primitive.name
+        carrying = [i for i, a in enumerate(eqn.invars) if self.axes.full_dims(a)
+                    and self.get(invals[i]) != INV]
+        out_full = any(self.axes.full_dims(v) for v in eqn.outvars)
+        if eqn.primitive is attention_p:
+            return self.attention(eqn, invals)
+        if name == "iota" and out_full:
+            return self.iota(eqn)
+        if list(compat.eqn_subjaxprs(eqn)):
+            return self.call(eqn, invals)
+        if not carrying:
+            outs = compat.bind_eqn(eqn, invals)
+            return [self.put(o, NAT if self.axes.full_dims(v) else INV)
+                    for o, v in zip(outs, eqn.outvars)]
+        states = {self.get(invals[i]) for i in carrying}
+        if name in EQUIVARIANT or (name == "gather" and self._gather_equivariant(eqn)) \
+                or self._acts_off_sequence(eqn, carrying):
+            want = PERM if PERM in states else NAT
+            invals = [self.to(x, a, want) if i in carrying else x
+                      for i, (x, a) in enumerate(zip(invals, eqn.invars))]
+            outs = compat.bind_eqn(eqn, invals)
+            return [self.put(o, want if self.axes.full_dims(v) else INV)
+                    for o, v in zip(outs, eqn.outvars)]
+        return self.positional(eqn, invals, carrying, states)
+
+    def _acts_off_sequence(self, eqn, carrying) -> bool:
+        """A positional op (slice, concatenate, pad, ...) acting only on non-sequence dims."""
+        acting = acting_dims(eqn)
+        if acting is None:
+            return False
+        return all(not acting & set(self.axes.dims(eqn.invars[i])) for i in carrying)
+
+    def _gather_equivariant(self, eqn) -> bool:
+        """Gathers that only index *by* sequence-carrying indices (embedding lookups)."""
+        dn = eqn.params["dimension_numbers"]
+        operand = eqn.invars[0]
+        return all(d in dn.operand_batching_dims for d in self.axes.full_dims(operand))
+
+    def positional(self, eqn, invals, carrying, states):
+        where = compat.source_line(eqn)
+        if PERM in states:
+            moved = sum(int(np.prod(eqn.invars[i].aval.shape)) * eqn.invars[i].aval.dtype.itemsize
+                        for i in carrying if self.get(invals[i]) == PERM)
+            message = (f"{eqn.primitive.name} at {where} is not permutation-equivariant along "
+                       f"the sequence: un-permute its operands first ({moved} bytes permuted)")
+            if self.strict:
+                raise ReorderError(message + "; strict=True refuses this. Rewrite the op to "
+                                   "work on positions, or use load_balance='none'")
+            self.log.append(message)
+        invals = [self.to(x, a, NAT) if i in carrying else x
+                  for i, (x, a) in enumerate(zip(invals, eqn.invars))]
+        outs = compat.bind_eqn(eqn, invals)
+        return [self.put(o, NAT if self.axes.dims(v) else INV)
+                for o, v in zip(outs, eqn.outvars)]
+
+    def iota(self, eqn):
+        """An iota along the sequence becomes the layout's positions (already permuted)."""
+        outs = compat.bind_eqn(eqn, [])
+        out = outs[0]
+        dim = eqn.params["dimension"]
+        if dim in self.axes.full_dims(eqn.outvars[0]):
+            out = self.layout.position_of_slot(out).astype(out.dtype)
+        others = [d for d in self.axes.full_dims(eqn.outvars[0]) if d != dim]
+        for d in others:
+            out = self.layout.permute(out, d)
+        return [self.put(out, PERM)]
+
+    def attention(self, eqn, invals):
+        spec = eqn.params["spec"]
+        invals = [self.to(x, a, PERM) for x, a in zip(invals, eqn.invars)]
+        if not spec.positions:
+            nb = len(spec.q.batch)
+            slots = jnp.arange(self.layout.seq_len, dtype=jnp.int32)
+            pos = self.layout.position_of_slot(slots).reshape((1,) * nb + (-1,))
+            invals = invals[:3] + [pos, pos] + invals[3:]
+            spec = spec.replace(positions=True)
+        with compat.eqn_context(eqn):
+            out = attention_p.bind(*invals, spec=spec)
+        return [self.put(out, PERM)]
+
+    def call(self, eqn, invals):
+        """Sub-jaxprs: every full sequence-carrying value crosses the boundary permuted."""
+        name = eqn.primitive.name
+        invals = [self.to(x, a, PERM) for x, a in zip(invals, eqn.invars)]
+        if name in ("scan", "while", "cond"):
+            params = dict(eqn.params)
+            for key, value in eqn.params.items():
+                if compat.is_jaxpr_like(value):
+                    params[key] = self.body(value)
+                elif isinstance(value, tuple) and value and all(map(compat.is_jaxpr_like, value)):
+                    params[key] = tuple(self.body(v) for v in value)
+            outs = compat.bind_eqn(eqn, invals, params)
+        else:
+            body = next(sub for _, sub in compat.eqn_subjaxprs(eqn))
+            if name.startswith("custom_"):
+                self.log.append(f"{name} at {compat.source_line(eqn)} carries the sequence: "
+                                "inlined, so its custom derivative rule is replaced by autodiff")
+            with compat.eqn_context(eqn):
+                outs = self.eval(compat.open_jaxpr(body), compat.consts_of(body),
+                                 [self.put(x, self.get(x)) for x in invals])
+            outs = [self.to(o, v, PERM) for o, v in zip(outs, eqn.outvars)]
+            return outs
+        return [self.put(o, PERM if self.axes.full_dims(v) else INV)
+                for o, v in zip(outs, eqn.outvars)]
+
+    def body(self, closed):
+        jaxpr = compat.open_jaxpr(closed)
+        consts = compat.consts_of(closed)
+
+        def fn(*xs):
+            xs = [self.put(x, PERM if self.axes.full_dims(v) else INV)
+                  for x, v in zip(xs, jaxpr.invars)]
+            outs = self.eval(jaxpr, consts, xs)
+            return [self.to(o, v, PERM) for o, v in zip(outs, jaxpr.outvars)]
+
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+        new = jax.make_jaxpr(fn)(*avals)
+        if closed is jaxpr and not compat.JAXPR_CLASSES_MERGED:
+            return compat.open_jaxpr(new)
+        return new
+
+
+@register
+@dataclass(frozen=True)
+class ReorderSequence(Pass):
+    """Permute the program into a load-balanced sequence layout (zigzag or striped)."""
+
+    name = "reorder-sequence"
+    summary = "zigzag/striped: permute inputs, rewrite sequence iotas, un-permute outputs"
+    layout: str = "zigzag"
+    cp: int = 8
+    keep_permuted: bool = False
+    strict: bool = False
+
+    def run(self, module: Module) -> PassResult:
+        if self.layout in ("none", "contiguous"):
+            return PassResult(module, False)
+        axes = analyse(module)
+        if axes.seq_len is None:
+            return PassResult(module, False, ("reorder-sequence: no attention, nothing to do",))
+        layout = SequenceLayout(self.layout, axes.seq_len, self.cp)
+        jaxpr = compat.open_jaxpr(module.jaxpr)
+        consts = compat.consts_of(module.jaxpr)
+        worker = _Reorderer(axes, layout, self.strict)
+
+        def fn(*xs):
+            xs = [worker.put(x, NAT if axes.full_dims(v) else INV)
+                  for x, v in zip(xs, jaxpr.invars)]
+            xs = [worker.to(x, v, PERM) for x, v in zip(xs, jaxpr.invars)]
+            outs = worker.eval(jaxpr, consts, xs)
+            want = PERM if self.keep_permuted else NAT
+            return [worker.to(o, v, want) for o, v in zip(outs, jaxpr.outvars)]
+
+        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
+        new = compat.dce(jax.make_jaxpr(fn)(*avals))
+        log = tuple(f"reorder-sequence: {m}" for m in worker.log)
+        return PassResult(module.with_jaxpr(new, layout=layout, reorder_log=log), True, log)
