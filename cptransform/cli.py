@@ -84,7 +84,10 @@ def load_object(spec: str) -> tuple[Any, str]:
         raise CLIError(f"cannot import {path_text}: not a Python file")
     module = importlib.util.module_from_spec(loader_spec)
     sys.modules[module_name] = module
-    loader_spec.loader.exec_module(module)
+    try:
+        loader_spec.loader.exec_module(module)
+    except Exception as err:  # the user's file can raise anything on import
+        raise CLIError(f"importing {path_text} failed: {_one_line(err)}") from None
     if not hasattr(module, name):
         found = sorted(n for n, v in vars(module).items()
                        if callable(v) and not n.startswith("_")
@@ -118,7 +121,10 @@ def load_program(spec: str, args_text: str | None) -> tuple[Callable, tuple, str
         raise CLIError(f"{name} takes arguments ({', '.join(required)}); give their shapes "
                        "with --args 'f32[2,64] i32[2]', or name a make() function that "
                        "returns (fn, example_args)")
-    made = obj()
+    try:
+        made = obj()
+    except Exception as err:  # user code
+        raise CLIError(f"{name}() failed: {_one_line(err)}") from None
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])
             and isinstance(made[1], (tuple, list))):
         raise CLIError(f"{name}() must return (fn, example_args) with example_args a tuple")
@@ -131,8 +137,13 @@ def trace_program(fn: Callable, args: Sequence[Any], name: str) -> Module:
     try:
         return trace(fn, *args, name=name)
     except Exception as err:  # user code can raise anything while tracing
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise CLIError(f"tracing {name} failed: {type(err).__name__}: {first}") from None
+        raise CLIError(f"tracing {name} failed: {_one_line(err)}") from None
+
+
+def _one_line(err: Exception) -> str:
+    """``Type: first line of the message``: user-code errors reported on one line."""
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 # -- cptransform passes ---------------------------------------------------------------------

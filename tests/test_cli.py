@@ -62,6 +62,12 @@ def entry_file(tmp_path):
 
         def broken():
             return 3
+
+        def raises():
+            raise RuntimeError("no model today\\nsecond line")
+
+        def make_bad():
+            return (lambda x: x.reshape(7), (jnp.ones(4),))
     """))
     return path
 
@@ -79,7 +85,9 @@ def test_function_with_args(entry_file, capsys):
     (["{f}:scaled", "--args", "q32[2] i32[2]"],
      r"unknown dtype 'q32' in 'q32\[2\]'; known dtypes: f16"),
     (["{f}:scaled", "--args", "f32(2) i32[2]"], r"cannot read argument shape 'f32\(2\)'"),
-    (["{f}:nothing"], r"has no 'nothing'; its functions: broken, scaled"),
+    (["{f}:nothing"], r"has no 'nothing'; its functions: broken, make_bad, raises, scaled"),
+    (["{f}:raises"], r"raises\(\) failed: RuntimeError: no model today$"),
+    (["{f}:make_bad"], r"tracing <lambda> failed: TypeError: cannot reshape"),
     (["{f}:broken"], r"broken\(\) must return \(fn, example_args\)"),
     (["missing.py:make"], r"no such file: missing.py"),
     (["{f}"], r"must look like FILE.py:NAME"),
