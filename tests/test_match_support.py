@@ -71,5 +71,6 @@ def check_refused(fn, *args, reason: str):
     assert reports and all(not r.rewritten for r in reports), reports
     assert any(reason in r.reason for r in reports), [r.reason for r in reports]
     assert all(r.source != "?" for r in reports)
-    assert_close(jax.jit(module.as_function())(*args), fn(*args), 0)
+    # canonicalize may still fold scales: equal up to rounding.
+    jax.tree.map(assert_close, jax.jit(module.as_function())(*args), fn(*args))
     return module

@@ -1,0 +1,116 @@
+"""What match-attention must leave alone, strict mode, reports and rule statistics."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cptransform.match_report import MatchReport
+from cptransform.module import trace
+from cptransform.pipeline import Pipeline
+from cptransform.passes.match_attention import MatchAttentionError
+from test_match_support import check_refused, randn, rewrite
+
+B, T, H, D, V = 2, 8, 2, 8, 16
+
+
+def scores(q, k):
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+
+
+def test_vocabulary_classifier(rng):
+    h, w = randn(rng, B, T, D), randn(rng, D, V)
+    fn = lambda h, w: jax.nn.softmax(h @ w, axis=-1)  # noqa: E731
+    check_refused(fn, h, w, reason="probabilities")
+
+
+def test_gating_softmax(rng):
+    x, wg, experts = randn(rng, B, T, D), randn(rng, D, 4), randn(rng, 4, D, D)
+
+    def fn(x, wg, experts):
+        gates = jax.nn.softmax(x @ wg, axis=-1)
+        outs = jnp.einsum("btd,edf->btef", x, experts)
+        return jnp.einsum("bte,btef->btf", gates, outs)
+
+    check_refused(fn, x, wg, experts, reason="batch dims differ")
+
+
+def test_returned_weights(rng):
+    q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
+
+    def fn(q, k, v):
+        p = jax.nn.softmax(scores(q, k))
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v), p
+
+    check_refused(fn, q, k, v, reason="also used elsewhere")
+
+
+def test_dropout_on_probabilities(rng):
+    q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
+    keep = jnp.asarray(rng.random((B, H, T, T)) > 0.1)
+
+    def fn(q, k, v, keep):
+        p = jax.nn.softmax(scores(q, k)) * keep / 0.9
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    check_refused(fn, q, k, v, keep, reason="dropout")
+
+
+def test_softmax_over_query_axis(rng):
+    q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
+
+    def fn(q, k, v):
+        p = jax.nn.softmax(scores(q, k), axis=-2)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    check_refused(fn, q, k, v, reason="does not contract the softmax axis")
+
+
+def test_mask_before_softcap(rng):
+    """``tanh`` after a ``-inf`` mask turns masked logits into ``-cap``: not a mask."""
+    q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
+
+    def fn(q, k, v):
+        s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores(q, k), -1e9)
+        s = jnp.tanh(s / 5.0) * 5.0
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+
+    check_refused(fn, q, k, v, reason="masked logits")
+
+
+def test_strict_raises_on_attention_like_refusal(rng):
+    q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
+
+    def fn(q, k, v):
+        p = jax.nn.softmax(scores(q, k))
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v), p
+
+    with pytest.raises(MatchAttentionError, match="not rewritten"):
+        Pipeline.parse("canonicalize,match-attention{strict=true}").run(trace(fn, q, k, v))
+    h, w = randn(rng, B, T, D), randn(rng, D, V)
+    module = Pipeline.parse("canonicalize,match-attention{strict=true}").run(
+        trace(lambda h, w: jax.nn.softmax(h @ w), h, w)).module
+    assert not module.meta["matches"][0].rewritten
+
+
+def test_reports_and_stats(rng):
+    q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
+    h, w = randn(rng, B, T, D), randn(rng, D, V)
+
+    def fn(q, k, v, h, w):
+        s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), scores(q, k), -jnp.inf)
+        o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+        return o, jax.nn.softmax(h @ w)
+
+    m = rewrite(fn, q, k, v, h, w)
+    reports = m.meta["matches"]
+    assert [r.status for r in reports] == ["rewritten", "refused"]
+    assert all(isinstance(r, MatchReport) and "test_match_refusals.py" in r.source
+               for r in reports)
+    assert reports[0].mask_kind == "causal" and "causal" in str(reports[0])
+    assert "refused" in str(reports[1]) and reports[1].reason
+    stats = m.meta["match_stats"]
+    assert stats["softmax"]["attempts"] == 2 and stats["softmax"]["hits"] == 2
+    assert stats["mask"]["hits"] == 1
+    assert all(entry["seconds"] >= 0 for entry in stats.values())
+    np.testing.assert_allclose(jax.jit(m.as_function())(q, k, v, h, w)[0],
+                               fn(q, k, v, h, w)[0], rtol=1e-6, atol=1e-6)
