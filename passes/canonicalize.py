@@ -46,6 +46,9 @@ from cptransform.rewrite import Rewriter
 FOLD_MODES = ("off", "exact", "ulp")
 JIT_PRIMITIVES = ("pjit", "jit")
 CALL_PRIMITIVES = ("closed_call", "core_call")
+# (kept operand, constant operand) pairs for binary ops
+EITHER_SIDE = ((0, 1), (1, 0))
+RIGHT_SIDE = ((0, 1),)
 
 
 def _is_concrete(value: Any) -> bool:
@@ -159,59 +162,46 @@ class _Canonicalizer:
     def copy(self, eqn, invals):
         return [invals[0]] if _same_type(invals[0], eqn.outvars[0]) else None
 
-    def _arith_constants(self, eqn, invals, fn):
-        a, b = (_concrete_scalar(v) for v in invals)
-        if a is None or b is None:
+    def _simplify(self, eqn, invals, fn, unit, sides):
+        """Fold an op on two constant scalars, or drop ``x op unit`` (unit on ``sides``)."""
+        if not self.p.drop_noops:
             return None
-        dtype = compat.aval_of(eqn.outvars[0]).dtype
-        with np.errstate(all="ignore"):
-            return [np.asarray(fn(a.astype(dtype), b.astype(dtype)), dtype=dtype)]
-
-    def add(self, eqn, invals):
-        folded = self._arith_constants(eqn, invals, np.add)
-        if folded is not None:
-            return folded
-        for keep, zero in ((0, 1), (1, 0)):
-            c = _concrete_scalar(invals[zero])
-            if c is not None and c == 0 and _same_type(invals[keep], eqn.outvars[0]):
+        a, b = (_concrete_scalar(v) for v in invals)
+        if a is not None and b is not None:
+            dtype = compat.aval_of(eqn.outvars[0]).dtype
+            with np.errstate(all="ignore"):
+                return [np.asarray(fn(a.astype(dtype), b.astype(dtype)), dtype=dtype)]
+        for keep, const in sides:
+            c = _concrete_scalar(invals[const])
+            if c is not None and c == unit and _same_type(invals[keep], eqn.outvars[0]):
                 return [invals[keep]]
         return None
 
+    def add(self, eqn, invals):
+        return self._simplify(eqn, invals, np.add, 0, EITHER_SIDE)
+
     def sub(self, eqn, invals):
-        folded = self._arith_constants(eqn, invals, np.subtract)
-        if folded is not None:
-            return folded
-        c = _concrete_scalar(invals[1])
-        if c is not None and c == 0 and _same_type(invals[0], eqn.outvars[0]):
-            return [invals[0]]
-        return None
+        return self._simplify(eqn, invals, np.subtract, 0, RIGHT_SIDE)
 
     # -- scale chains ----------------------------------------------------------------------
 
     def mul(self, eqn, invals):
-        if self.p.drop_noops:
-            folded = self._arith_constants(eqn, invals, np.multiply)
-            if folded is not None:
-                return folded
-        for keep, const in ((0, 1), (1, 0)):
+        simpler = self._simplify(eqn, invals, np.multiply, 1, EITHER_SIDE)
+        if simpler is not None:
+            return simpler
+        for keep, const in EITHER_SIDE:
             c = _concrete_scalar(invals[const])
-            if c is None or _is_concrete(invals[keep]):
-                continue
-            if self.p.drop_noops and c == 1 and _same_type(invals[keep], eqn.outvars[0]):
-                return [invals[keep]]
-            return self._scale(eqn, invals, invals[keep], c, divide=False)
+            if c is not None and not _is_concrete(invals[keep]):
+                return self._scale(eqn, invals, invals[keep], c, divide=False)
         return None
 
     def div(self, eqn, invals):
-        if self.p.drop_noops:
-            folded = self._arith_constants(eqn, invals, np.divide)
-            if folded is not None:
-                return folded
+        simpler = self._simplify(eqn, invals, np.divide, 1, RIGHT_SIDE)
+        if simpler is not None:
+            return simpler
         c = _concrete_scalar(invals[1])
         if c is None or _is_concrete(invals[0]):
             return None
-        if self.p.drop_noops and c == 1 and _same_type(invals[0], eqn.outvars[0]):
-            return [invals[0]]
         return self._scale(eqn, invals, invals[0], c, divide=True)
 
     def _scale(self, eqn, invals, x, c, *, divide: bool):

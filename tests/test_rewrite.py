@@ -42,28 +42,24 @@ def test_inline_predicate_controls_jit():
 
 
 def test_rules_reach_remat_scan_cond_while_bodies():
-    def f(x, w):
-        body = jax.checkpoint(lambda h, wi: (jnp.sin(h @ wi), None))
-        h, _ = lax.scan(body, x, w)
-        h = lax.cond(h.sum() > 0, jnp.sin, jnp.tanh, h)
-        return lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, jnp.sin(c[1])),
-                              (0, h))[1]
-
-    def g(x, w):
-        body = jax.checkpoint(lambda h, wi: (jnp.cos(h @ wi), None))
-        h, _ = lax.scan(body, x, w)
-        h = lax.cond(h.sum() > 0, jnp.cos, jnp.tanh, h)
-        return lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, jnp.cos(c[1])),
-                              (0, h))[1]
+    def program(act):
+        def f(x, w):
+            body = jax.checkpoint(lambda h, wi: (act(h @ wi), None))
+            h, _ = lax.scan(body, x, w)
+            h = lax.cond(h.sum() > 0, act, jnp.tanh, h)
+            return lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, act(c[1])),
+                                  (0, h))[1]
+        return f
 
     x, w = rand((4, 8)), rand((3, 8, 8), seed=1) * 0.3
-    module = trace(f, x, w)
+    module = trace(program(jnp.sin), x, w)
     new = Rewriter(rules={"sin": sin_to_cos}).run(module.jaxpr)
     names = prims(new)
     assert "sin" not in names and names.count("cos") == 3
     for kept in ("scan", "remat2", "cond", "while"):
         assert kept in names
-    np.testing.assert_allclose(module.with_jaxpr(new)(x, w), g(x, w), rtol=1e-6)
+    np.testing.assert_allclose(module.with_jaxpr(new)(x, w), program(jnp.cos)(x, w),
+                               rtol=1e-6)
 
 
 def test_replacement_removes_dead_producers():
