@@ -84,9 +84,10 @@ class Problem:
     """The shapes that decide the communication of one attention.
 
     ``seq`` tokens, ``heads``/``kv_heads`` of ``head_dim`` (``v_head_dim`` for V, default
-    ``head_dim``), ``batch`` sequences, ``dtype_bytes`` per q/k/v element; positions are
-    int32 ``[position_batch, seq]``, segment ids (if ``segments``) ``[position_batch, seq]`` of
-    ``segment_bytes``; gradients of K/V are reduced in ``grad_bytes``.
+    ``head_dim``), ``batch`` sequences, ``dtype_bytes`` per q/k/v element; gradients of K/V
+    are reduced in ``grad_bytes``. Positions (int32 ``[position_batch, seq]``) travel only
+    when the mask reads them (``positions``: causal or window; XLA drops unused transfers);
+    segment ids (``segments``) are ``[segment_batch, seq]`` of ``segment_bytes``.
     """
 
     seq: int
@@ -99,6 +100,7 @@ class Problem:
     position_batch: int = 1
     positions: bool = True
     segments: bool = False
+    segment_batch: int = 1
     segment_bytes: int = 4
     grad_bytes: int = 4
 
@@ -118,7 +120,7 @@ def _metadata(p: Problem, names: tuple[str, ...]) -> list[tuple[str, int]]:
         if p.positions:
             out.append((f"{side}_positions", p.position_batch * POSITION_BYTES))
         if p.segments:
-            out.append((f"{side}_segment_ids", p.position_batch * p.segment_bytes))
+            out.append((f"{side}_segment_ids", p.segment_batch * p.segment_bytes))
     return out
 
 
