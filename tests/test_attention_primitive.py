@@ -107,8 +107,8 @@ def test_grads_match_jax(rng, kind):
     def theirs(q, k, v, bias):
         return jnp.sum(xla_attention(q, k, v, bias=bias, is_causal=causal) * ct)
 
-    got = jax.grad(ours, argnums=(0, 1, 2, 3))(q, k, v, bias)
-    want = jax.grad(theirs, argnums=(0, 1, 2, 3))(q, k, v, bias)
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2, 3)))(q, k, v, bias)
+    want = jax.jit(jax.grad(theirs, argnums=(0, 1, 2, 3)))(q, k, v, bias)
     for name, g, w in zip("q k v bias".split(), got, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
 
