@@ -640,25 +640,32 @@ def arrange(x, dims: Sequence, target: Sequence, sizes: dict, full: Sequence = (
 
     ``target`` entries are labels or tuples of labels merged into one dim (in that order);
     labels absent from ``x`` become size 1, except those in ``full`` (broadcast to size).
+    Emits only the reshapes/transposes/broadcasts that change something (``lax``, not
+    ``jnp``: this runs once per attention while re-tracing).
     """
     keep = [i for i, d in enumerate(dims) if d is not None and x.shape[i] != 1]
     labs = [dims[i] for i in keep]
-    x = jnp.reshape(x, [x.shape[i] for i in keep])
     flat = [lab for t in target for lab in (t if isinstance(t, tuple) else (t,))]
-    missing = [lab for lab in flat if lab not in labs]
-    x = jnp.reshape(x, x.shape + (1,) * len(missing))
-    labs = labs + missing
-    x = jnp.transpose(x, [labs.index(lab) for lab in flat])
-    want, merged, pos = [], [], 0
+    if keep != list(range(x.ndim)):
+        x = lax.reshape(x, tuple(x.shape[i] for i in keep))
+    perm = [labs.index(lab) for lab in flat if lab in labs]
+    if perm != sorted(perm):
+        x = lax.transpose(x, perm)
+    labs = [labs[i] for i in perm]
+    want, merged = [], []
     for t in target:
         group = t if isinstance(t, tuple) else (t,)
-        have = x.shape[pos:pos + len(group)]
+        have = [x.shape[labs.index(lab)] if lab in labs else 1 for lab in group]
         grow = any(lab in full for lab in group) or (len(group) > 1 and any(n != 1 for n in have))
-        want.extend(sizes[lab] if grow else n for lab, n in zip(group, have))
-        merged.append(int(np.prod(want[pos:pos + len(group)])))
-        pos += len(group)
-    x = jnp.broadcast_to(x, want)
-    return jnp.reshape(x, merged)
+        sub = [sizes[lab] if grow else n for lab, n in zip(group, have)]
+        want.extend(sub)
+        merged.append(int(np.prod(sub)))
+    placed = [flat.index(lab) for lab in labs]
+    if tuple(want) != x.shape or placed != list(range(len(flat))):
+        x = lax.broadcast_in_dim(x, tuple(want), tuple(placed))
+    if tuple(merged) != x.shape:
+        x = lax.reshape(x, tuple(merged))
+    return x
 
 
 def _labels_of(label_dim: dict, feature: int, feature_label: str, ndim: int) -> list:
@@ -871,24 +878,29 @@ def build_plan(m: Matcher, steps, labels, core, qk, q_var, k_var, qc, kc, nb, q_
         if n_dense:
             mask = None
             for d, val in zip(parts.dense, vals[:n_dense]):
-                val = val if val.dtype == jnp.bool_ else val != 0
-                val = jnp.logical_not(val) if d.negated else val
+                val = val if val.dtype == jnp.bool_ else lax.ne(val, jnp.zeros((), val.dtype))
+                val = lax.bitwise_not(val) if d.negated else val
                 val = arrange(val, d.source.dims, pair_target, sizes, full)
-                mask = val if mask is None else jnp.logical_and(mask, val)
+                mask = val if mask is None else lax.bitwise_and(mask, val)
             operands.append(mask)
         vals = vals[n_dense:]
         if biases:
             total = None
             for (b, coef), val in zip(biases, vals):
-                term = arrange(val.astype(jnp.float32), b.dims, pair_target, sizes, full)
-                term = term * jnp.float32(coef) if coef != 1 else term
-                total = term if total is None else total + term
+                term = arrange(lax.convert_element_type(val, jnp.float32), b.dims, pair_target,
+                               sizes, full)
+                term = lax.mul(term, jnp.float32(coef)) if coef != 1 else term
+                total = term if total is None else lax.add(total, term)
             operands.append(total)
         out = attention_p.bind(*operands, spec=spec)
-        out = jnp.reshape(out, out.shape[:nbl + 1] + tuple(sizes[lab] for lab in heads_labels)
-                          + out.shape[-1:])
+        split = out.shape[:nbl + 1] + tuple(sizes[lab] for lab in heads_labels) \
+            + out.shape[-1:]
+        if split != out.shape:
+            out = lax.reshape(out, split)
         out = arrange(out, out_labels, out_labels_pv, sizes)
-        return [lax.convert_element_type(out, out_aval.dtype)]
+        if out.dtype != out_aval.dtype:
+            out = lax.convert_element_type(out, out_aval.dtype)
+        return [out]
 
     kinds = tuple(parts.kinds) + (("bias",) if biases else ())
     rep = Replacement(root, (q_in, k_in, v_in, *sides), build)
