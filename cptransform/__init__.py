@@ -1,8 +1,15 @@
-"""cptransform: automatic context parallelism for JAX programs."""
+"""cptransform: automatic context parallelism for JAX programs.
+
+``context_parallel`` is the transform; ``attention`` the explicit op for models whose
+attention the matcher cannot see; the rest is the compiler toolkit under them.
+"""
 from cptransform.attention import AttentionShapeError, attention, attention_p
 from cptransform.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.context_parallel import (ContextParallelError, ContextParallelOptionError,
+                                          context_parallel)
 from cptransform.graph import Graph
 from cptransform.module import Module, trace
 
 __all__ = ["attention", "attention_p", "AttentionShapeError", "AttentionSpec", "Layout",
-           "MaskSpec", "Graph", "Module", "trace"]
+           "MaskSpec", "context_parallel", "ContextParallelError", "ContextParallelOptionError",
+           "Graph", "Module", "trace"]

@@ -1,0 +1,167 @@
+"""@context_parallel end to end: loss and every gradient equal the single-device run."""
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import make_mesh
+from cptransform import ContextParallelError, ContextParallelOptionError, context_parallel
+from cptransform.passes.plan_context_parallel import PlanError
+from cptransform.passes.reorder_sequence import ReorderError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples import llama  # noqa: E402
+
+RTOL = 1e-5
+
+
+def assert_tree_close(actual, expected, rtol=RTOL):
+    """Each leaf equal within ``rtol`` of the leaf's largest magnitude."""
+    for path, a, e in zip(jax.tree_util.tree_flatten_with_path(expected)[0],
+                          jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
+        scale = float(jnp.max(jnp.abs(e))) or 1.0
+        err = float(jnp.max(jnp.abs(a - e)))
+        assert err <= rtol * scale, f"{jax.tree_util.keystr(path[0])}: {err} > {rtol} * {scale}"
+
+
+@pytest.fixture(scope="module")
+def llama_case():
+    cfg = llama.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp_dim=64)
+    params, tokens = llama.example_args(cfg, batch=2, seq=32, seed=1)
+    loss = lambda p, t: llama.loss(p, t, cfg)  # noqa: E731
+    ref = jax.jit(jax.value_and_grad(loss))(params, tokens)
+    return loss, params, tokens, ref
+
+
+@pytest.mark.parametrize("schedule,load_balance,cp", [
+    ("ring", "zigzag", 8), ("ring", "none", 4), ("ring", "striped", 2),
+    ("ulysses", "zigzag", 4), ("ulysses", "none", 2), ("allgather", "striped", 4),
+])
+def test_llama_loss_and_grads(llama_case, schedule, load_balance, cp):
+    loss, params, tokens, (ref_loss, ref_grads) = llama_case
+    f = context_parallel(loss, cp=cp, schedule=schedule, load_balance=load_balance)
+    value, grads = jax.jit(jax.value_and_grad(f))(params, tokens)
+    np.testing.assert_allclose(value, ref_loss, rtol=RTOL)
+    assert_tree_close(grads, ref_grads)
+
+
+def test_llama_hybrid(llama_case):
+    loss, params, tokens, (ref_loss, ref_grads) = llama_case
+    mesh = make_mesh((2, 4), ("uly", "ring"))
+    f = context_parallel(loss, mesh=mesh, axis=("uly", "ring"))
+    value, grads = jax.value_and_grad(f)(params, tokens)
+    np.testing.assert_allclose(value, ref_loss, rtol=RTOL)
+    assert_tree_close(grads, ref_grads)
+    assert "hybrid" in f.explain(params, tokens)
+
+
+def test_sgd_step_matches(llama_case):
+    loss, params, tokens, (_, ref_grads) = llama_case
+    f = context_parallel(loss, cp=4)
+
+    @jax.jit
+    def step(p, t):
+        g = jax.grad(f)(p, t)
+        return jax.tree_util.tree_map(lambda w, d: w - 0.1 * d, p, g)
+
+    new = step(params, tokens)
+    expected = jax.tree_util.tree_map(lambda w, d: w - 0.1 * d, params, ref_grads)
+    assert_tree_close(new, expected)
+    assert float(f(new, tokens)) < float(f(params, tokens))
+
+
+def test_data_and_cp_mesh(llama_case):
+    """A (data=2, cp=4) mesh: batch on data stays automatic, attention islands over cp."""
+    loss, params, tokens, (ref_loss, ref_grads) = llama_case
+    mesh = make_mesh((2, 4), ("data", "cp"))
+    f = context_parallel(loss, mesh=mesh, axis="cp")
+    sharded = jax.device_put(tokens, jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec("data", None)))
+    value, grads = jax.jit(jax.value_and_grad(f))(params, sharded)
+    np.testing.assert_allclose(value, ref_loss, rtol=RTOL)
+    assert_tree_close(grads, ref_grads)
+
+
+def encoder(params, tokens, segments):
+    """A bidirectional encoder layer with document (segment) masking via jax.nn."""
+    x = params["embed"][tokens]
+    b, s, d = x.shape
+    q = (x @ params["wq"]).reshape(b, s, 4, d // 4)
+    k = (x @ params["wk"]).reshape(b, s, 4, d // 4)
+    v = (x @ params["wv"]).reshape(b, s, 4, d // 4)
+    mask = segments[:, None, :, None] == segments[:, None, None, :]
+    o = jax.nn.dot_product_attention(q, k, v, mask=mask).reshape(b, s, d)
+    h = x + o @ params["wo"]
+    return jnp.mean(jnp.tanh(h) ** 2)
+
+
+@pytest.mark.parametrize("schedule,load_balance", [("ring", "none"), ("ulysses", "striped"),
+                                                   ("ring", "zigzag")])
+def test_bidirectional_encoder(schedule, load_balance):
+    keys = jax.random.split(jax.random.key(3), 6)
+    d = 16
+    params = {"embed": jax.random.normal(keys[0], (32, d)),
+              **{n: jax.random.normal(k, (d, d)) / 4 for n, k in zip(("wq", "wk", "wv", "wo"),
+                                                                      keys[1:5])}}
+    tokens = jax.random.randint(keys[5], (2, 32), 0, 32)
+    segments = jnp.cumsum(jax.random.bernoulli(keys[4], 0.15, (2, 32)), axis=1)
+    ref_v, ref_g = jax.value_and_grad(encoder)(params, tokens, segments)
+    f = context_parallel(encoder, cp=4, schedule=schedule, load_balance=load_balance)
+    value, grads = jax.value_and_grad(f)(params, tokens, segments)
+    np.testing.assert_allclose(value, ref_v, rtol=RTOL)
+    assert_tree_close(grads, ref_g)
+
+
+def test_explain_reads_well(llama_case):
+    loss, params, tokens, _ = llama_case
+    text = context_parallel(loss, cp=8).explain(params, tokens)
+    assert "attention #0 at" in text and "llama.py" in text
+    assert "schedule: ring" in text and "Ulysses splits the 4 query heads over cp=8" in text
+    assert "layout: zigzag" in text and "zigzag 1.00x" in text
+    assert re.search(r"contiguous 1\.\d\dx", text)
+    assert "sequence axis: length 32; inputs: args[1] dim [1]" in text
+
+
+def test_strict_refuses_non_equivariant_slice(llama_case):
+    loss, params, tokens, _ = llama_case
+    with pytest.raises(ReorderError, match="slice at .*llama.py.*strict=True"):
+        context_parallel(loss, cp=4, load_balance="zigzag", strict=True)(params, tokens)
+
+
+def test_errors_name_the_fix(llama_case):
+    loss, params, tokens, _ = llama_case
+    with pytest.raises(ContextParallelOptionError, match="only 8 devices"):
+        context_parallel(loss, cp=16)(params, tokens)
+    with pytest.raises(ContextParallelOptionError, match="unknown option.*cpp"):
+        context_parallel(loss, cpp=4)
+    with pytest.raises(ContextParallelOptionError, match="unknown schedule='spiral'"):
+        context_parallel(loss, schedule="spiral")
+    with pytest.raises(PlanError, match="Ulysses splits the 4 query heads over cp=8"):
+        context_parallel(loss, cp=8, schedule="ulysses")(params, tokens)
+    with pytest.raises(Exception, match="not divisible by"):
+        context_parallel(loss, cp=8, load_balance="none")(params, tokens[:, :28])
+
+
+def test_gradients_inside_are_refused(llama_case):
+    loss, params, tokens, _ = llama_case
+    train_step = context_parallel(lambda p, t: jax.grad(loss)(p, t), cp=4)
+    with pytest.raises(ContextParallelError, match="apply jax.grad"):
+        train_step(params, tokens)
+
+
+def test_seq_axes_override():
+    """An input the dataflow cannot reach (a position table) is named explicitly."""
+    def fn(x, table):
+        q = x + table
+        return jax.nn.dot_product_attention(q, x, x, is_causal=True).sum()
+
+    x = jax.random.normal(jax.random.key(0), (1, 16, 2, 4))
+    table = jax.random.normal(jax.random.key(1), (1, 16, 2, 4))
+    f = context_parallel(fn, cp=4, seq_axes=(1, 1))
+    np.testing.assert_allclose(f(x, table), fn(x, table), rtol=RTOL)
+    with pytest.raises(ContextParallelOptionError, match="one entry per positional argument"):
+        context_parallel(fn, cp=4, seq_axes=(1,))(x, table)
