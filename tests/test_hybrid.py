@@ -1,0 +1,73 @@
+"""Hybrid schedule (Ulysses × ring on two mesh axes): reference checks and communication."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from schedule_cases import HEAD_KINDS, check_schedule, make_case, pairwise_cases
+
+from cptransform.cost_model import schedule_volume
+from cptransform.lowering.collectives import lower_and_count
+from cptransform.lowering.context_parallel_attention import ContextParallelError, \
+    context_parallel_attention
+
+AXES = ("uly", "ring")
+
+
+@pytest.mark.parametrize("shape,layout,kind,heads,dv",
+                         pairwise_cases(cps=((2, 2), (2, 4), (4, 2))))
+def test_matches_reference(rng, shape, layout, kind, heads, dv):
+    case = make_case(rng, kind, heads, dv=dv)
+    check_schedule(case, mesh=make_mesh(shape, AXES), axes=AXES, schedule="hybrid",
+                   layout=layout)
+
+
+@pytest.mark.parametrize("shape", [(1, 4), (8, 1)])
+def test_degenerate_factorisations(rng, shape):
+    case = make_case(rng, "causal_window", "gqa", dtype=jnp.bfloat16, empty_rows="uniform")
+    check_schedule(case, mesh=make_mesh(shape, AXES), axes=AXES, schedule="hybrid",
+                   layout="zigzag")
+
+
+def test_ulysses_axis_must_divide_heads(rng):
+    case = make_case(rng, "causal", "mha")
+    q, k, v = (x[:, :, :6] for x in case.operands)
+    with pytest.raises(ContextParallelError, match=r"hybrid: 6 query heads .* 'uly' of size 4"):
+        context_parallel_attention(q, k, v, spec=case.spec.replace(groups=1),
+                                   mesh=make_mesh((4, 2), AXES), axes=AXES, schedule="hybrid")
+
+
+@pytest.mark.parametrize("shape,heads", [((2, 4), "gqa"), ((4, 2), "mqa")])
+def test_communication_on_each_axis(shape, heads):
+    u, r = shape
+    s, d, dv = 64, 8, 12
+    h, hkv = HEAD_KINDS[heads]
+    case = make_case(np.random.default_rng(0), "causal", heads, seq=s, dv=dv,
+                     dtype=jnp.bfloat16)
+    mesh = make_mesh(shape, AXES)
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.operands]
+
+    def forward(*xs):
+        return context_parallel_attention(*xs, spec=case.spec, mesh=mesh, axes=AXES,
+                                          schedule="hybrid", layout="zigzag")
+
+    report = lower_and_count(forward, *abstract)
+    expected = schedule_volume("hybrid", seq=s, heads=h, kv_heads=hkv, head_dim=d,
+                               v_head_dim=dv, cp=u * r, ulysses=u, batch=2, dtype_bytes=2)
+    assert report.counts() == {"all_to_all": 4, "all_gather": 2,
+                               "collective_permute": 3 * (r - 1)}
+    assert report.bytes_by_kind() == expected.forward
+    ids = np.arange(u * r).reshape(u, r)
+    ulysses_groups = {tuple(ids[:, j]) for j in range(r)}
+    ring_pairs = {(int(ids[i, j]), int(ids[i, (j + 1) % r])) for i in range(u) for j in range(r)}
+    for c in report.collectives:
+        if c.kind == "collective_permute":
+            assert set(c.groups) == ring_pairs
+        else:
+            assert set(c.groups) == ulysses_groups
+
+    def loss(*xs):
+        return jnp.sum(forward(*xs).astype(jnp.float32))
+
+    grad_report = lower_and_count(jax.value_and_grad(loss, argnums=(0, 1, 2)), *abstract)
+    assert grad_report.per_device_bytes == expected.forward_total + expected.backward_total
