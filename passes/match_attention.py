@@ -43,7 +43,7 @@ from cptransform import compat
 from cptransform.attention import attention_p
 from cptransform.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.graph import Graph
-from cptransform.mask_analysis import (And, Dense, Indicator, MaskAnalyzer, MaskParts, Opaque,
+from cptransform.mask_analysis import (And, Indicator, MaskAnalyzer, MaskParts, Opaque,
                                        Pred, Scalar, classify, p_not,
                                        unit_reshape_dims)
 from cptransform.match_report import MatchReport
@@ -371,7 +371,7 @@ class Matcher:
 
     def _reaches_dot(self, atom: Any) -> bool:
         """Whether ``atom`` comes from a dot_general through chain equations only."""
-        stack, order = [atom], []
+        stack = [atom]
         while stack:
             a = stack.pop()
             if compat.is_literal(a) or a in self._reaches:
@@ -388,7 +388,6 @@ class Matcher:
             if pending:
                 stack.append(a)
                 stack.extend(pending)
-                order.append(a)
                 continue
             self._reaches[a] = any(self._reaches.get(x, False) for x in eqn.invars
                                    if not compat.is_literal(x))

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_match_support import check, randn, specs
+from test_match_support import assert_close, check, randn, rewrite, specs
 
 B, T, H, D = 2, 8, 4, 8
 CAUSAL = np.tril(np.ones((T, T), bool))
@@ -169,7 +169,6 @@ def test_gqa_by_repeat(rng):
 
 
 def test_gradient_of_hand_written(rng):
-    from test_match_support import assert_close, rewrite
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     m = rewrite(arithmetic_mask, q, k, v)
     loss = lambda f: lambda *a: jnp.sum(f(*a) ** 2)  # noqa: E731

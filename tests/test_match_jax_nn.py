@@ -1,10 +1,10 @@
 """match-attention on ``jax.nn.dot_product_attention`` (XLA path) and hand-written einsum."""
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from test_match_support import check, randn, specs
+from cptransform.attention import attention_p
+from test_match_support import assert_close, check, randn, rewrite, specs
 
 B, T, H, D = 2, 8, 4, 8
 
@@ -70,11 +70,10 @@ def test_hand_written_causal_einsum(qkv):
 
 def test_gradient_matches(qkv):
     fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
-    from test_match_support import assert_close, rewrite
     m = rewrite(fn, *qkv)
     loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))  # noqa: E731
     got = jax.grad(loss(m.as_function()), argnums=(0, 1, 2))(*qkv)
     want = jax.grad(loss(fn), argnums=(0, 1, 2))(*qkv)
     for g, w in zip(got, want):
         assert_close(g, w, 1e-5)
-    np.testing.assert_array_equal(m.count(__import__("cptransform").attention_p), 1)
+    assert m.count(attention_p) == 1

@@ -32,8 +32,7 @@ ANALYTIC = {
     "window_triu_tril": (lambda: jnp.triu(jnp.tril(jnp.ones((T, T))), -3) > 0, (-3, 0)),
     "window_difference": (lambda: (positions()[0] - positions()[1] < 4)
                           & (positions()[1] <= positions()[0]), (-3, 0)),
-    "two_sided_window": (lambda: jnp.abs(positions()[0] - positions()[1]) <= 2
-                         if False else (positions()[0] - positions()[1] <= 2)
+    "two_sided_window": (lambda: (positions()[0] - positions()[1] <= 2)
                          & (positions()[1] - positions()[0] <= 2), (-2, 2)),
     "or_of_bands": (lambda: (positions()[1] <= positions()[0])
                     | (positions()[1] == positions()[0] + 1), (None, 1)),
