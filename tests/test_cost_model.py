@@ -1,0 +1,81 @@
+"""Closed-form communication: the design brief's worked numbers, and agreement to the byte
+with the collectives counted in the lowered StableHLO of every schedule."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from schedule_cases import HEAD_KINDS, make_case
+
+from cptransform.cost_model import schedule_volume
+from cptransform.lowering.collectives import lower_and_count
+from cptransform.lowering.context_parallel_attention import context_parallel_attention
+
+MiB = 2 ** 20
+DESIGN = dict(seq=128 * 1024, heads=32, head_dim=128, cp=8, dtype_bytes=2, positions=False)
+
+
+@pytest.mark.parametrize("kv_heads,ring_mib,ulysses_mib", [(32, 1792, 448), (8, 448, 280)])
+def test_design_worked_numbers(kv_heads, ring_mib, ulysses_mib):
+    ring = schedule_volume("ring", kv_heads=kv_heads, **DESIGN)
+    ulysses = schedule_volume("ulysses", kv_heads=kv_heads, **DESIGN)
+    assert ring.payload_bytes() == ring_mib * MiB == ring.forward_total
+    assert ulysses.payload_bytes() == ulysses_mib * MiB == ulysses.forward_total
+    allgather = schedule_volume("allgather", kv_heads=kv_heads, **DESIGN)
+    assert allgather.forward_total == ring.forward_total
+
+
+def test_backward_volumes():
+    s, h, d, cp = DESIGN["seq"], 4096, 128, 8
+    h_kv = h // 4
+    kw = dict(DESIGN, kv_heads=8)
+    ulysses = schedule_volume("ulysses", **kw)
+    assert ulysses.backward == {"all_to_all": ulysses.forward_total}
+    allgather = schedule_volume("allgather", **kw)
+    assert allgather.backward == {"reduce_scatter": 2 * s * h_kv * (cp - 1) // cp * 4}
+    ring = schedule_volume("ring", **kw)
+    assert ring.backward_total == ring.forward_total + 2 * s * h_kv * 4
+    hybrid = schedule_volume("hybrid", ulysses=2, **kw)
+    u, r = 2, 4
+    a2a = (s // cp) * (2 * h + 2 * h_kv) * (u - 1) // u * 2
+    kv_rotations = 2 * s * h_kv // u * (r - 1) // r * 2
+    assert hybrid.forward_total == a2a + kv_rotations
+    assert hybrid.backward_total == a2a + kv_rotations + 2 * s * h_kv // u * 4
+
+
+def test_kv_head_replication_costs_the_same_as_a_gather():
+    mqa = schedule_volume("ulysses", seq=1024, heads=8, kv_heads=1, head_dim=16, cp=8,
+                          positions=False)
+    q_bytes = 1024 // 8 * 8 * 16 * 2 * 7 // 8
+    assert mqa.forward["all_to_all"] == 2 * q_bytes + 2 * (1024 // 8 * 16 * 2 * 7)
+
+
+CASES = [("ring", "cp", (8,), "gqa", "causal"), ("ring", "cp", (4,), "mqa", "segments"),
+         ("ulysses", "cp", (8,), "mqa", "window"), ("allgather", "cp", (4,), "mha", "causal"),
+         ("hybrid", ("uly", "ring"), (2, 4), "gqa", "causal_window")]
+
+
+@pytest.mark.parametrize("schedule,axes,shape,heads,kind", CASES)
+def test_counted_bytes_equal_the_formula(schedule, axes, shape, heads, kind):
+    s, d, dv = 64, 8, 16
+    h, hkv = HEAD_KINDS[heads]
+    case = make_case(np.random.default_rng(0), kind, heads, seq=s, dv=dv, dtype=jnp.bfloat16)
+    names = (axes,) if isinstance(axes, str) else axes
+    mesh = make_mesh(shape, names)
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.operands]
+
+    def forward(*xs):
+        return context_parallel_attention(*xs, spec=case.spec, mesh=mesh, axes=axes,
+                                          schedule=schedule, layout="zigzag")
+
+    def loss(*xs):
+        return jnp.sum(forward(*xs).astype(jnp.float32))
+
+    expected = schedule_volume(
+        schedule, seq=s, heads=h, kv_heads=hkv, head_dim=d, v_head_dim=dv,
+        cp=int(np.prod(shape)), ulysses=shape[0] if schedule == "hybrid" else None, batch=2,
+        positions=kind != "segments", segments=kind == "segments", segment_batch=2)
+    forward_report = lower_and_count(forward, *abstract)
+    assert forward_report.bytes_by_kind() == expected.forward
+    both = lower_and_count(jax.value_and_grad(loss, argnums=(0, 1, 2)), *abstract)
+    assert both.per_device_bytes == expected.forward_total + expected.backward_total
