@@ -5,11 +5,12 @@ causal attention, RMSNorm and a gated MLP, then times ``jax.make_jaxpr`` against
 ``canonicalize,match-attention`` pipeline. Prints a table and writes
 ``bench/results/match_cost.json``.
 
-    python bench/match_cost.py [--layers 4 8 16 32] [--repeats 3]
+    python bench/match_cost.py [--layers 4 8 16 32] [--repeats 7]
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import pathlib
 import time
@@ -52,8 +53,10 @@ def transformer(params, x):
 
 
 def best_of(fn, repeats: int) -> float:
+    """Fastest of ``repeats`` runs (the machine is shared; the minimum is the least noisy)."""
     times = []
     for _ in range(repeats):
+        gc.collect()
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
@@ -89,7 +92,7 @@ def measure(layers: int, repeats: int) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[4, 8, 16, 32])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" /
                                          "match_cost.json"))
     args = ap.parse_args(argv)
