@@ -165,3 +165,30 @@ def test_seq_axes_override():
     np.testing.assert_allclose(f(x, table), fn(x, table), rtol=RTOL)
     with pytest.raises(ContextParallelOptionError, match="one entry per positional argument"):
         context_parallel(fn, cp=4, seq_axes=(1,))(x, table)
+
+
+@pytest.mark.parametrize("schedule", ["ring", "ulysses"])
+def test_one_layer_moves_only_schedule_collectives(schedule):
+    """Compiled (GSPMD-partitioned) HLO of one layer's value_and_grad: no all-gather of a
+    sequence-sharded activation; only the schedule's collectives and gradient reductions."""
+    cfg = llama.Config(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, mlp_dim=64)
+    params = jax.eval_shape(lambda k: llama.init_params(k, cfg), jax.random.key(0))
+    layer = jax.tree_util.tree_map(lambda p: jax.ShapeDtypeStruct(p.shape[1:], p.dtype),
+                                   params["layers"])
+    x = jax.ShapeDtypeStruct((2, 64, 32), jnp.float32)
+
+    def one_layer(layer, x):
+        return jnp.sum(llama.block(x, layer, cfg) ** 2)
+
+    f = context_parallel(one_layer, cp=4, schedule=schedule, load_balance="none")
+    hlo = jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(layer, x).compile().as_text()
+    kind = re.compile(r" (all-gather|all-to-all|collective-permute|all-reduce|reduce-scatter)"
+                      r"(?:-start)?\(")
+    ops = [(re.search(r"= \(?(\w+)\[([\d,]*)\]", line).groups() + (m.group(1),))
+           for line in hlo.splitlines() if (m := kind.search(line))]
+    # Ulysses gathers the int32 positions of the whole sequence: its own, small collective.
+    gathered = [(t, s) for t, s, op in ops if op == "all-gather" and t != "s32"]
+    assert gathered == [], f"activations gathered: {gathered}"
+    kinds = {op for t, _, op in ops if t != "s32"}
+    assert ("collective-permute" if schedule == "ring" else "all-to-all") in kinds
+    assert kinds <= {"collective-permute", "all-to-all", "all-reduce"}
