@@ -53,8 +53,9 @@ def explain_module(module, options: Any) -> str:
         lines.append(f"  sequence axis: {seq.describe()}")
     matches = meta.get("matches") or []
     if matches:
-        lines.append(f"  matcher: {sum(1 for m in matches if getattr(m, 'rewritten', False))} "
-                     f"attention(s) found, {sum(1 for m in matches if not getattr(m, 'rewritten', False))} softmax(es) left alone")
+        found = sum(1 for m in matches if m.rewritten)
+        lines.append(f"  matcher: {found} attention(s) rewritten, {len(matches) - found} "
+                     "softmax(es) left alone")
         lines += [f"    {m}" for m in matches]
     plans = meta.get("plan") or ()
     if not plans:
