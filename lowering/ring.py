@@ -5,7 +5,8 @@ At step ``i`` (``0 … cp-1``) rank ``r`` holds the KV block that started on ran
 masks need no layout knowledge). Each step attends the local queries to that block and
 merges the partial result exactly in float32 (:func:`attention_reference.merge`). The next
 block is sent (``ppermute`` to rank ``r + 1``) before the current block is computed so XLA
-can overlap the transfer with the compute.
+can overlap the transfer with the compute. Steps ``0 … cp-2`` are one ``lax.scan``, so
+compile time does not grow with ``cp``; the last step sends nothing.
 
 Each step is computed as a grid of tiles (2 × 2 when the local lengths are even, else
 1 × 1); a tile that :func:`block_may_be_visible` proves fully masked is skipped with
@@ -18,9 +19,10 @@ block of its source rank ``(r - i) mod cp``.
 
 Communication, per device (``Tkv_loc`` local keys, ``B`` batch, element sizes in bytes):
 
-* forward: ``cp - 1`` collective-permutes each of K, V, kv positions (and kv segment ids):
-  ``(cp-1)·B·Tkv_loc·(Hkv·D·|k| + Hkv·Dv·|v| + |pos| [+ |seg|])`` bytes (positions of
-  size 1 along batch move only ``Tkv_loc`` elements);
+* forward: ``cp - 1`` collective-permutes each of K, V, the kv positions (only when the
+  mask reads them: causal or window) and the kv segment ids (with a segment mask):
+  ``(cp-1)·Tkv_loc·(B·Hkv·(D·|k| + Dv·|v|) [+ B_pos·|pos|] [+ B_seg·|seg|])`` bytes, where
+  ``B_pos``/``B_seg`` are 1 for positions / segment ids shared by the batch;
 * backward: the same ``cp - 1`` rotations of K, V, positions and segment ids, plus ``cp``
   rotations each of the float32 dK and dV accumulators, which travel with their block and
   arrive at the owner after the last step (``cp·B·Tkv_loc·Hkv·(D + Dv)·4`` bytes). dQ and
@@ -75,6 +77,20 @@ def _zeros(like, shape, fill=0.0):
     return jnp.full_like(like, fill, dtype=jnp.float32, shape=shape)
 
 
+def _travelling(spec, k, v, kv_pos, kv_seg):
+    """The block that moves around the ring: K, V, segment ids, and the kv positions only
+    when the mask reads them (causal or window)."""
+    reads_positions = spec.mask.band() != (None, None)
+    return k, v, kv_pos if reads_positions else None, kv_seg
+
+
+def _arrived(block, local_kv_pos):
+    """``(k, v, kv_pos, kv_seg)`` of a block that arrived; positions that were not sent
+    (the mask does not read them) are stood in for by the local ones, same shape."""
+    k, v, kv_pos, kv_seg = block
+    return k, v, local_kv_pos if kv_pos is None else kv_pos, kv_seg
+
+
 class _Grid:
     """One step's (query tile, key tile) grid: the operands of every tile."""
 
@@ -99,6 +115,24 @@ class _Grid:
                                     self.kv_seg[j], self.mask[a][j])
 
 
+def _around_the_ring(step, state, block, axes, cp: int):
+    """``state = step(i, state, block_i)`` for ``i = 0 … cp-1``, ``block_i`` the block that
+    started ``i`` ranks down the ring.
+
+    Steps ``0 … cp-2`` run in a ``lax.scan`` (one compiled body whatever ``cp``), each
+    sending the block on before computing with it, so the transfer can overlap the compute;
+    the last step runs after the loop and sends nothing: ``cp - 1`` rotations in all.
+    """
+    def body(carry, i):
+        state, block = carry
+        following = _rotate(block, axes, cp)
+        return (step(i, state, block), following), None
+
+    if cp > 1:
+        (state, block), _ = lax.scan(body, (state, block), jnp.arange(cp - 1))
+    return step(cp - 1, state, block)
+
+
 def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec, axes, kernel):
     cp = lax.axis_size(axes)
     rank = lax.axis_index(axes)
@@ -106,25 +140,26 @@ def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec, axes, kern
     tkv, dv = k.shape[1], v.shape[3]
     nq = tiles_per_block(tq)
     tile_q = tq // nq
-    acc = [(_zeros(q, (b, tile_q, h, dv)), _zeros(q, (b, h, tile_q), -jnp.inf))
-           for _ in range(nq)]
-    block = (k, v, kv_pos, kv_seg)
-    for step in range(cp):
-        following = _rotate(block, axes, cp) if step < cp - 1 else None
-        source = (rank - step) % cp
-        grid = _Grid(q, q_pos, q_seg, *block, _columns(mask, source, tkv),
+
+    def step(i, acc, block):
+        source = (rank - i) % cp
+        grid = _Grid(q, q_pos, q_seg, *_arrived(block, kv_pos), _columns(mask, source, tkv),
                      _columns(bias, source, tkv))
+        acc = list(acc)
         for a in range(grid.nq):
             for j in range(grid.nk):
-                operands = grid.operands(a, j)
                 o_t, lse_t = lax.cond(
                     grid.may_be_visible(spec, a, j),
                     lambda ops: kernel.forward(*ops, spec),
-                    lambda ops: (_zeros(ops[0], acc[a][0].shape),
-                                 _zeros(ops[0], acc[a][1].shape, -jnp.inf)),
-                    operands)
+                    lambda ops: (_zeros(ops[0], (b, tile_q, h, dv)),
+                                 _zeros(ops[0], (b, h, tile_q), -jnp.inf)),
+                    grid.operands(a, j))
                 acc[a] = merge(*acc[a], o_t, lse_t)
-        block = following
+        return tuple(acc)
+
+    empty = tuple((_zeros(q, (b, tile_q, h, dv)), _zeros(q, (b, h, tile_q), -jnp.inf))
+                  for _ in range(nq))
+    acc = _around_the_ring(step, empty, _travelling(spec, k, v, kv_pos, kv_seg), axes, cp)
     o = jnp.concatenate([o for o, _ in acc], axis=1)
     lse = jnp.concatenate([lse for _, lse in acc], axis=2)
     return o.astype(q.dtype), lse
@@ -155,36 +190,29 @@ def _ring_bwd(spec, axes, kernel, residuals, cotangents):
     rank = lax.axis_index(axes)
     tkv = k.shape[1]
     nq, nk = tiles_per_block(q.shape[1]), tiles_per_block(tkv)
-    o_t, lse_t, do_t, dlse_t = _cut(o, 1, nq), _cut(lse, 2, nq), _cut(do, 1, nq), \
-        _cut(dlse, 2, nq)
-    dq = [_zeros(x, x.shape) for x in _cut(q, 1, nq)]
-    dkv = (_zeros(k, k.shape), _zeros(v, v.shape))
-    dbias = None if bias is None else _zeros(q, bias.shape)
-    block = (k, v, kv_pos, kv_seg)
-    for step in range(cp):
-        following = _rotate(block, axes, cp) if step < cp - 1 else None
-        source = (rank - step) % cp
-        bias_cols = _columns(bias, source, tkv)
-        grid = _Grid(q, q_pos, q_seg, *block, _columns(mask, source, tkv), bias_cols)
-        dk_t, dv_t = _cut(dkv[0], 1, nk), _cut(dkv[1], 1, nk)
+    row_tiles = list(zip(_cut(o, 1, nq), _cut(lse, 2, nq), _cut(do, 1, nq), _cut(dlse, 2, nq)))
+
+    def compute(ops):
+        *tile, o_a, lse_a, do_a, dlse_a = ops
+        return kernel.backward(*tile, o_a, lse_a, do_a, spec, dlse=dlse_a)
+
+    def skip(ops):
+        q_a, k_j, v_j, bias_aj = ops[0], ops[1], ops[2], ops[8]
+        return (_zeros(q_a, q_a.shape), _zeros(q_a, k_j.shape), _zeros(q_a, v_j.shape),
+                None if bias_aj is None else _zeros(q_a, bias_aj.shape))
+
+    def step(i, state, block):
+        dq, dk, dv, dbias = state
+        source = (rank - i) % cp
+        grid = _Grid(q, q_pos, q_seg, *_arrived(block, kv_pos), _columns(mask, source, tkv),
+                     _columns(bias, source, tkv))
+        dq, dk_t, dv_t = list(_cut(dq, 1, nq)), _cut(dk, 1, nk), _cut(dv, 1, nk)
         dbias_rows = []
         for a in range(nq):
             dbias_row = []
             for j in range(nk):
-                operands = grid.operands(a, j) + (o_t[a], lse_t[a], do_t[a], dlse_t[a])
-
-                def compute(ops):
-                    *tile, o_a, lse_a, do_a, dlse_a = ops
-                    return kernel.backward(*tile, o_a, lse_a, do_a, spec, dlse=dlse_a)
-
-                def skip(ops):
-                    q_a, k_j, v_j, bias_aj = ops[0], ops[1], ops[2], ops[8]
-                    return (_zeros(q_a, q_a.shape), _zeros(q_a, k_j.shape),
-                            _zeros(q_a, v_j.shape),
-                            None if bias_aj is None else _zeros(q_a, bias_aj.shape))
-
                 g_q, g_k, g_v, g_b = lax.cond(grid.may_be_visible(spec, a, j), compute, skip,
-                                              operands)
+                                              grid.operands(a, j) + row_tiles[a])
                 dq[a] = dq[a] + g_q
                 dk_t[j] = dk_t[j] + g_k
                 dv_t[j] = dv_t[j] + g_v
@@ -193,12 +221,17 @@ def _ring_bwd(spec, axes, kernel, residuals, cotangents):
         if dbias is not None:
             cols = jnp.concatenate([jnp.concatenate(row, axis=3) for row in dbias_rows], axis=2)
             dbias = lax.dynamic_update_slice_in_dim(dbias, cols, source * tkv, axis=3)
-        dkv = _rotate((jnp.concatenate(dk_t, axis=1), jnp.concatenate(dv_t, axis=1)), axes, cp)
-        block = following
-    dq = jnp.concatenate(dq, axis=1).astype(q.dtype)
+        dk, dv = _rotate((jnp.concatenate(dk_t, axis=1), jnp.concatenate(dv_t, axis=1)),
+                         axes, cp)
+        return jnp.concatenate(dq, axis=1), dk, dv, dbias
+
+    zeros = (_zeros(q, q.shape), _zeros(k, k.shape), _zeros(v, v.shape),
+             None if bias is None else _zeros(q, bias.shape))
+    dq, dk, dv, dbias = _around_the_ring(step, zeros, _travelling(spec, k, v, kv_pos, kv_seg),
+                                         axes, cp)
     dbias = None if dbias is None else dbias.astype(bias.dtype)
-    return (dq, dkv[0].astype(k.dtype), dkv[1].astype(v.dtype), None, None, None, None, None,
-            dbias)
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None,
+            None, None, dbias)
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)

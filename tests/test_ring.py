@@ -1,0 +1,205 @@
+"""Ring schedule: outputs and gradients against the unsharded reference, the local-step
+kernel's backward, block skipping, fully masked rows and the communication volume."""
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from schedule_cases import check_schedule, make_case, pairwise_cases, relative_error
+
+from cptransform.attention_reference import attention_reference
+from cptransform.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.cost_model import schedule_volume
+from cptransform.lowering import kernel as kernel_module
+from cptransform.lowering.collectives import lower_and_count
+from cptransform.lowering.context_parallel_attention import context_parallel_attention
+from cptransform.lowering.kernel import XlaKernel, block_may_be_visible
+
+BTHD = Layout.parse("BTHD")
+
+
+def ring(cp, layout):
+    """Keyword arguments of context_parallel_attention for the ring on a ``cp`` mesh."""
+    return dict(mesh=make_mesh((cp,), ("cp",)), axes="cp", schedule="ring", layout=layout)
+
+
+@pytest.mark.parametrize("cp,layout,kind,heads,dv", pairwise_cases())
+def test_matches_reference(rng, cp, layout, kind, heads, dv):
+    case = make_case(rng, kind, heads, dv=dv)
+    check_schedule(case, **ring(cp, layout))
+
+
+def test_causal_zigzag_cp8_mqa(rng):
+    case = make_case(rng, "causal", "mqa", seq=32, dv=12)
+    check_schedule(case, **ring(8, "zigzag"))
+
+
+@pytest.mark.parametrize("kind,heads,layout", [("dense_causal", "gqa", "zigzag"),
+                                               ("bias", "mha", "contiguous")])
+def test_bf16(rng, kind, heads, layout):
+    case = make_case(rng, kind, heads, dtype=jnp.bfloat16)
+    check_schedule(case, **ring(4, layout))
+
+
+@pytest.mark.parametrize("cp,layout,seq", [(4, "contiguous", 12), (2, "zigzag", 12)])
+def test_local_length_not_a_multiple_of_a_tile(rng, cp, layout, seq):
+    """Local lengths 3 (one tile) and 6 (two tiles of 3, zigzag chunks of 3)."""
+    case = make_case(rng, "causal_window", "gqa", seq=seq, dv=12)
+    check_schedule(case, **ring(cp, layout))
+
+
+def _with_empty_rows(case, rows):
+    """``case`` with every key hidden from the query ``rows`` of batch element 0."""
+    mask = np.array(case.operands[-1])
+    mask[0, :, rows, :] = False
+    return type(case)(case.operands[:-1] + (jnp.asarray(mask),), case.spec)
+
+
+@pytest.mark.parametrize("empty_rows", ["zero", "uniform"])
+def test_fully_masked_rows_match_reference(rng, empty_rows):
+    """Rows that see no key: 0 (zero) or the mean of V over all keys (uniform)."""
+    case = _with_empty_rows(make_case(rng, "dense_causal", "gqa", seq=16, dv=12,
+                                      empty_rows=empty_rows), [0, 5, 13])
+    check_schedule(case, **ring(4, "zigzag"))
+
+
+def test_fully_masked_rows_are_exactly_zero_with_zero_gradient(rng):
+    rows = [0, 5, 13]
+    case = _with_empty_rows(make_case(rng, "dense", "mha", seq=16), rows)
+    q, k, v, mask = case.operands
+
+    @jax.jit
+    def out_and_dq(q):
+        out = context_parallel_attention(q, k, v, mask, spec=case.spec, **ring(4, "striped"))
+        return out, jax.grad(lambda q: jnp.sum(jnp.sin(context_parallel_attention(
+            q, k, v, mask, spec=case.spec, **ring(4, "striped")))))(q)
+
+    out, dq = out_and_dq(q)
+    assert np.all(np.asarray(out[0, rows]) == 0) and np.all(np.asarray(dq[0, rows]) == 0)
+    assert np.all(np.isfinite(np.asarray(dq))) and np.any(np.asarray(dq[1, rows]) != 0)
+
+
+def test_kernel_backward_matches_autodiff(rng):
+    """The XLA kernel's backward (probabilities recomputed from lse) against jax.vjp of the
+    forward, with soft-cap, bias broadcast over heads, GQA, a dense mask and dlse."""
+    spec = AttentionSpec(q=BTHD, k=BTHD, v=BTHD, scale=0.4, softcap=3.0, groups=2,
+                         mask=MaskSpec(causal=True, dense=True, bias=True))
+    normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    q, k, v = normal(2, 6, 4, 8), normal(2, 5, 2, 8), normal(2, 5, 2, 12)
+    bias = normal(2, 1, 6, 5)
+    mask = jnp.asarray(rng.random((1, 4, 6, 5)) < 0.7).at[0, 0, 3].set(False)
+    q_pos, kv_pos = jnp.arange(6)[None] + 2, jnp.arange(5)[None]
+    kern = XlaKernel()
+
+    def fwd(q, k, v, bias):
+        return kern.forward(q, k, v, q_pos, kv_pos, None, None, mask, bias, spec)
+
+    do, dlse = normal(2, 6, 4, 12), normal(2, 4, 6)
+
+    @jax.jit
+    def both(q, k, v, bias, do, dlse):
+        (o, lse), vjp = jax.vjp(fwd, q, k, v, bias)
+        want = vjp((do, jnp.where(jnp.isfinite(lse), dlse, 0.0)))
+        got = kern.backward(q, k, v, q_pos, kv_pos, None, None, mask, bias, o, lse, do, spec,
+                            dlse=dlse)
+        return got, want
+
+    got, want = both(q, k, v, bias, do, dlse)
+    for name, g, w in zip(("dq", "dk", "dv", "dbias"), got, want):
+        assert g.shape == w.shape
+        assert relative_error(g, w) <= 1e-5, name
+
+
+def test_block_classification():
+    spec = AttentionSpec(q=BTHD, k=BTHD, v=BTHD, scale=1.0,
+                         mask=MaskSpec(causal=True, window=(4, None), segments=True))
+    pos = lambda *p: jnp.asarray([p])  # noqa: E731
+    seg = pos(0, 0, 1)
+    assert block_may_be_visible(spec, pos(8, 9, 10), pos(5, 6, 7), seg, seg)
+    assert not block_may_be_visible(spec, pos(0, 1, 2), pos(3, 4, 5), seg, seg)  # causal
+    assert not block_may_be_visible(spec, pos(12, 13, 14), pos(5, 6, 7), seg, seg)  # window
+    assert not block_may_be_visible(spec, pos(8, 9, 10), pos(5, 6, 7), seg, seg + 2)
+    dense = spec.replace(mask=MaskSpec(dense=True))
+    tile = jnp.zeros((2, 1, 3, 3), bool)
+    assert not block_may_be_visible(dense, pos(0, 1, 2), pos(0, 1, 2), mask_tile=tile)
+    assert block_may_be_visible(dense, pos(0, 1, 2), pos(0, 1, 2),
+                                mask_tile=tile.at[1, 0, 2, 0].set(True))
+
+
+class _CountingKernel(XlaKernel):
+    """The XLA kernel, reporting which rank runs a forward tile (so skips can be counted)."""
+
+    name = "counting"
+
+    def __init__(self, axes):
+        self.axes = axes
+        self.calls = Counter()
+
+    def forward(self, *args):
+        jax.debug.callback(lambda r: self.calls.update([int(r)]), jax.lax.axis_index(self.axes))
+        return super().forward(*args)
+
+
+@pytest.mark.parametrize("layout,per_rank", [("contiguous", [3, 7, 11, 15]),
+                                             ("zigzag", [9, 9, 9, 9])])
+def test_causal_skips_fully_masked_tiles(rng, monkeypatch, layout, per_rank):
+    """cp=4, 2×2 tiles per step (16 per rank): contiguous shards compute 3 tiles on the
+    diagonal step and 4 per earlier block; zigzag computes the same 9 on every rank."""
+    counting = _CountingKernel("cp")
+    monkeypatch.setitem(kernel_module.KERNELS, "counting", counting)
+    case = make_case(rng, "causal", "gqa", seq=32)
+    out = context_parallel_attention(*case.operands, spec=case.spec, kernel="counting",
+                                     **ring(4, layout))
+    want = attention_reference(*case.operands, spec=case.spec)
+    assert relative_error(out, want) <= 1e-5
+    assert [counting.calls[r] for r in range(4)] == per_rank
+    assert sum(per_rank) == 36 < 64
+
+
+@pytest.mark.parametrize("cp,heads,kind", [(2, "mha", "causal"), (4, "gqa", "segments"),
+                                           (8, "mqa", "window")])
+def test_communication(cp, heads, kind):
+    """Forward: cp-1 collective-permutes each of K, V, the kv positions (when the mask
+    reads them) and segment ids, to the byte of the closed form and the cost model; the
+    backward adds the same rotations again plus cp float32 rotations of dK and dV."""
+    seq, d, dv, batch = 64, 8, 12, 2
+    case = make_case(np.random.default_rng(0), kind, heads, seq=seq, dv=dv, batch=batch,
+                     dtype=jnp.bfloat16)
+    h, hkv = case.operands[0].shape[2], case.operands[1].shape[2]
+    kw = ring(cp, "zigzag")
+    abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.operands]
+
+    def forward(*xs):
+        return context_parallel_attention(*xs, spec=case.spec, **kw)
+
+    def grad(*xs):
+        return jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v, *xs[3:]).astype(jnp.float32)),
+                        argnums=(0, 1, 2))(*xs[:3])
+
+    segments, positions = kind == "segments", kind != "segments"
+    loc = seq // cp
+    want_shapes = {f"{batch}x{loc}x{hkv}x{d}xbf16": cp - 1, f"{batch}x{loc}x{hkv}x{dv}xbf16": cp - 1}
+    if positions:
+        want_shapes[f"1x{loc}xi32"] = cp - 1
+    if segments:
+        want_shapes[f"{batch}x{loc}xi32"] = cp - 1
+    fwd = lower_and_count(forward, *abstract)
+    by_shape = Counter()
+    for c in fwd.collectives:
+        assert c.kind == "collective_permute"
+        by_shape[str(c.operands[0])] += c.count
+    assert dict(by_shape) == want_shapes
+    closed_form = (cp - 1) * loc * (batch * hkv * (d + dv) * 2 + 4 * positions
+                                    + batch * 4 * segments)
+    assert fwd.per_device_bytes == closed_form
+    expected = schedule_volume("ring", seq=seq, heads=h, kv_heads=hkv, head_dim=d,
+                               v_head_dim=dv, cp=cp, batch=batch, dtype_bytes=2,
+                               positions=positions, segments=segments, segment_batch=batch)
+    assert fwd.bytes_by_kind() == expected.forward
+    bwd = lower_and_count(grad, *abstract)
+    assert bwd.counts() == {"collective_permute": 2 * sum(want_shapes.values()) + 2 * cp}
+    dkv_bytes = cp * batch * loc * hkv * (d + dv) * 4
+    assert bwd.per_device_bytes == 2 * closed_form + dkv_bytes
+    assert bwd.per_device_bytes == expected.forward_total + expected.backward_total
