@@ -167,9 +167,8 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
             return pos if in_layout_order else lay.permute(pos, axis=1)
         return jnp.asarray(lay.permutation(), dtype=jnp.int32)[None]
 
-    def seq_operand(x, lay, axis):
-        x = _flatten_batch(x, nb, batch_shape)
-        return x if x is None or in_layout_order else lay.permute(x, axis=axis)
+    def in_order(x, lay):
+        return x if x is None or in_layout_order else lay.permute(x, axis=1)
 
     def dense(x):
         x = _flatten_batch(x, nb, batch_shape)
@@ -177,14 +176,12 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
             return x
         return kv_layout.permute(q_layout.permute(x, axis=2), axis=3)
 
-    q, k, v = (seq_operand(x, lay, 1) for x, lay in
-               ((q, q_layout), (k, kv_layout), (v, kv_layout)))
     local = {
-        "q": q, "k": k, "v": v,
+        "q": in_order(q, q_layout), "k": in_order(k, kv_layout), "v": in_order(v, kv_layout),
         "q_pos": positions(a["q_positions"], q_layout),
         "kv_pos": positions(a["kv_positions"], kv_layout),
-        "q_seg": seq_operand(a["q_segment_ids"], q_layout, 1),
-        "kv_seg": seq_operand(a["kv_segment_ids"], kv_layout, 1),
+        "q_seg": in_order(_flatten_batch(a["q_segment_ids"], nb, batch_shape), q_layout),
+        "kv_seg": in_order(_flatten_batch(a["kv_segment_ids"], nb, batch_shape), kv_layout),
         "mask": dense(a["mask"]),
         "bias": dense(a["bias"]),
     }
