@@ -26,6 +26,8 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
+import jax
+
 COLLECTIVE_KINDS = ("all_to_all", "all_gather", "collective_permute", "reduce_scatter",
                     "all_reduce")
 
@@ -79,7 +81,7 @@ class Collective:
     """One collective op of the program and the bytes one device sends for it.
 
     ``groups`` holds the replica groups (device ids per group) or, for
-    ``collective_permute``, the ``(source, target)`` pairs. ``count`` is how many times it
+    ``collective_permute``, the ``(source, target)`` pairs (``group_size`` is then 2). ``count`` is how many times it
     runs per program execution (loop trip counts times call sites); ``bytes_per_device`` is
     for one execution, ``total_bytes`` for all of them.
     """
@@ -163,149 +165,173 @@ def _tensor_types(text: str) -> tuple[TensorType, ...]:
     return tuple(TensorType.parse(t) for t in _TENSOR.findall(text))
 
 
-def _groups(attrs: str, partitions: int) -> tuple[tuple[tuple[int, ...], ...], str]:
+def _groups(attrs: str, partitions: int) -> tuple[tuple[int, ...], ...]:
+    """Replica groups or source-target pairs of an op (all devices when absent or empty)."""
     m = _GROUPS.search(attrs)
     if m is None:
-        return (tuple(range(partitions)),), "replica_groups"
-    name, body, shape = m.groups()
+        return (tuple(range(partitions)),)
+    _, body, shape = m.groups()
     dims = [int(d) for d in shape.split("x") if d]
     if not body or 0 in dims:
-        return (tuple(range(partitions)),), name
+        return (tuple(range(partitions)),)
     if body.lstrip().startswith("["):
         rows = json.loads(body)
     else:
         rows = [[int(body)] * dims[1] for _ in range(dims[0])]
-    return tuple(tuple(r) for r in rows), name
+    return tuple(tuple(r) for r in rows)
 
 
-@dataclass
-class _Pending:
-    kind: str
-    attrs: str
-    depth: int
-
-
-@dataclass
+@dataclass(eq=False)
 class _Loop:
-    init: dict[int, str]
+    """A ``stablehlo.while`` being read: its counter's start, limit and step.
+
+    Values are read when seen: SSA names repeat across sibling regions (cond and body).
+    """
+
+    start: dict[str, int | None]
     depth: int
-    cond: tuple[str, str, str] | None = None
+    counter: str | None = None
+    limit: int | None = None
     step: int = 1
     trips: int | None = None
     in_body: bool = False
 
+    def finish(self) -> None:
+        if self.counter is None:
+            raise CollectiveParseError("a stablehlo.while loop has no counter compare in its "
+                                       "condition; cannot count the collectives in its body")
+        start = self.start[self.counter]
+        if start is None or self.limit is None:
+            raise CollectiveParseError(
+                f"cannot read the trip count of a stablehlo.while loop (counter "
+                f"{self.counter}); its start and limit must be constants")
+        self.trips = max(0, -(-(self.limit - start) // self.step))
+
 
 @dataclass
-class _Function:
-    collectives: list[tuple[str, tuple, tuple, str, int]] = field(default_factory=list)
-    calls: list[tuple[str, int]] = field(default_factory=list)
+class _Site:
+    """A collective or call found in a function, inside ``loops`` (outermost first)."""
+
+    loops: tuple[_Loop, ...]
+    kind: str = ""
+    attrs: str = ""
+    depth: int = 0
+    callee: str = ""
+    operands: tuple[TensorType, ...] = ()
+    results: tuple[TensorType, ...] = ()
+
+    @property
+    def times(self) -> int:
+        return math.prod(loop.trips for loop in self.loops)
 
 
-def _trip_count(loop: _Loop, consts: dict[str, int]) -> int:
-    if loop.cond is None:
-        raise CollectiveParseError("a stablehlo.while loop has no counter compare in its "
-                                   "condition; cannot count the collectives in its body")
-    op, lhs, rhs = loop.cond
-    start_name = loop.init.get(lhs)
-    if start_name not in consts or rhs not in consts:
-        raise CollectiveParseError(
-            f"cannot read the trip count of a stablehlo.while loop ({lhs} {op} {rhs}); "
-            "the counter's start and limit must be constants")
-    start, limit = consts[start_name], consts[rhs] + (op == "LE")
-    return max(0, -(-(limit - start) // loop.step))
+class _ModuleReader:
+    """Reads StableHLO text line by line: functions, loops, collectives and calls.
+
+    Region nesting is followed by counting braces outside string literals; a collective
+    with a reduction region (all_reduce, reduce_scatter) gets its types from the line that
+    closes the region.
+    """
+
+    def __init__(self):
+        self.functions: dict[str, list[_Site]] = {}
+        self.sites: list[_Site] | None = None
+        self.depth = 0
+        self.consts: dict[str, int] = {}
+        self.loops: list[_Loop] = []
+        self.pending: list[_Site] = []
+
+    def enclosing(self) -> tuple[_Loop, ...]:
+        return tuple(loop for loop in self.loops if loop.in_body)
+
+    def record(self, site: _Site, signature: str) -> None:
+        sig = _SIGNATURE.search(signature)
+        if sig is None:
+            raise CollectiveParseError(f"no type signature found for stablehlo.{site.kind}")
+        site.operands, site.results = _tensor_types(sig.group(1)), _tensor_types(sig.group(2))
+        self.sites.append(site)
+
+    def read(self, text: str) -> None:
+        for raw in text.splitlines():
+            line = _strip_strings(raw)
+            function = _FUNC.search(line)
+            if function:
+                self.sites = self.functions.setdefault(function.group(1), [])
+                self.consts = {}
+            elif self.sites is not None:
+                self.read_body_line(line)
+            self.depth += line.count("{") - line.count("}")
+
+    def read_body_line(self, line: str) -> None:
+        const = _CONST.search(line)
+        if const:
+            self.consts[const.group(1)] = int(const.group(2))
+        stripped = line.strip()
+        if stripped.startswith("}") and self.loops and self.depth == self.loops[-1].depth + 1:
+            if stripped.startswith("} do {"):
+                self.loops[-1].in_body = True
+            else:
+                self.loops.pop().finish()
+        if stripped.startswith("})") and self.pending \
+                and self.depth == self.pending[-1].depth + 1:
+            self.record(self.pending.pop(), line)
+        op = _OP.search(line)
+        if op:
+            site = _Site(self.enclosing(), kind=op.group(1), attrs=line, depth=self.depth)
+            if line.rstrip().endswith("{"):
+                self.pending.append(site)
+            else:
+                self.record(site, line)
+        for callee in _CALL.findall(line):
+            self.sites.append(_Site(self.enclosing(), callee=callee))
+        self.read_loop_line(line)
+
+    def read_loop_line(self, line: str) -> None:
+        loop_start = _WHILE.search(line)
+        if loop_start:
+            start = {}
+            for pair in loop_start.group(1).split(","):
+                if "=" in pair:
+                    arg, value = (s.strip() for s in pair.split("=", 1))
+                    start[arg] = self.consts.get(value)
+            self.loops.append(_Loop(start, self.depth))
+            return
+        if not self.loops:
+            return
+        loop = self.loops[-1]
+        if not loop.in_body:
+            compare = _COMPARE.search(line)
+            if compare and compare.group(2) in loop.start:
+                op, loop.counter, limit = compare.groups()
+                loop.limit = None if limit not in self.consts else \
+                    self.consts[limit] + (op == "LE")
+        else:
+            add = _ADD.search(line)
+            if add and add.group(1) == loop.counter and add.group(2) in self.consts:
+                loop.step = self.consts[add.group(2)]
 
 
 def count_collectives(text: str) -> CommunicationReport:
     """Every collective in a StableHLO module, with how often it runs per execution."""
     m = _PARTITIONS.search(text)
     partitions = int(m.group(1)) if m else 1
-    functions: dict[str, _Function] = {}
-    current: _Function | None = None
-    name = ""
-    depth = 0
-    consts: dict[str, int] = {}
-    loops: list[_Loop] = []
-    pending: list[_Pending] = []
-
-    def multiplier() -> int:
-        return math.prod(loop.trips for loop in loops if loop.in_body)
-
-    def record(kind: str, attrs: str, signature: str) -> None:
-        sig = _SIGNATURE.search(signature)
-        if sig is None:
-            raise CollectiveParseError(f"no type signature found for stablehlo.{kind}")
-        operands, results = _tensor_types(sig.group(1)), _tensor_types(sig.group(2))
-        current.collectives.append((kind, operands, results, attrs, multiplier()))
-
-    for raw in text.splitlines():
-        line = _strip_strings(raw)
-        fm = _FUNC.search(line)
-        if fm:
-            name = fm.group(1)
-            current = functions.setdefault(name, _Function())
-            consts = {}
-        if current is None:
-            depth += line.count("{") - line.count("}")
-            continue
-        cm = _CONST.search(line)
-        if cm:
-            consts[cm.group(1)] = int(cm.group(2))
-        stripped = line.strip()
-        if stripped.startswith("}") and loops and depth == loops[-1].depth + 1:
-            loop = loops[-1]
-            if stripped.startswith("} do {"):
-                loop.trips = _trip_count(loop, consts)
-                loop.in_body = True
-            else:
-                loops.pop()
-        if stripped.startswith("})") and pending and depth == pending[-1].depth + 1:
-            p = pending.pop()
-            record(p.kind, p.attrs, line)
-        om = _OP.search(line)
-        if om:
-            kind = om.group(1)
-            if line.rstrip().endswith("{"):
-                pending.append(_Pending(kind, line, depth))
-            else:
-                record(kind, line, line)
-        for callee in _CALL.findall(line):
-            if not fm:
-                current.calls.append((callee, multiplier()))
-        wm = _WHILE.search(line)
-        if wm:
-            init = {}
-            for pair in wm.group(1).split(","):
-                if "=" in pair:
-                    lhs, rhs = (s.strip() for s in pair.split("=", 1))
-                    init[lhs] = rhs
-            loops.append(_Loop(init, depth))
-        if loops and not loops[-1].in_body:
-            cmp = _COMPARE.search(line)
-            if cmp and cmp.group(2) in loops[-1].init:
-                loops[-1].cond = cmp.groups()
-        elif loops:
-            am = _ADD.search(line)
-            if am and am.group(1) in loops[-1].init and am.group(2) in consts:
-                loops[-1].step = consts[am.group(2)]
-        depth += line.count("{") - line.count("}")
-
+    reader = _ModuleReader()
+    reader.read(text)
     report = CommunicationReport()
 
-    def walk(fn_name: str, times: int, stack: tuple[str, ...]) -> None:
-        if fn_name in stack:
-            raise CollectiveParseError(f"recursive call to @{fn_name}")
-        fn = functions.get(fn_name)
-        if fn is None:
-            return
-        for kind, operands, results, attrs, mult in fn.collectives:
-            groups, _ = _groups(attrs, partitions)
-            size = len(groups[0]) if kind != "collective_permute" else 2
-            report.collectives.append(Collective(kind, operands, results, groups, size,
-                                                 fn_name, times * mult))
-        for callee, mult in fn.calls:
-            walk(callee, times * mult, stack + (fn_name,))
+    def walk(name: str, times: int, stack: tuple[str, ...]) -> None:
+        if name in stack:
+            raise CollectiveParseError(f"recursive call to @{name}")
+        for site in reader.functions.get(name, ()):
+            if site.callee:
+                walk(site.callee, times * site.times, stack + (name,))
+                continue
+            groups = _groups(site.attrs, partitions)
+            size = 2 if site.kind == "collective_permute" else len(groups[0])
+            report.collectives.append(Collective(site.kind, site.operands, site.results,
+                                                 groups, size, name, times * site.times))
 
-    entry = "main" if "main" in functions else next(iter(functions), None)
+    entry = "main" if "main" in reader.functions else next(iter(reader.functions), None)
     if entry is not None:
         walk(entry, 1, ())
     return report
@@ -313,6 +339,4 @@ def count_collectives(text: str) -> CommunicationReport:
 
 def lower_and_count(fn, *args, **kwargs) -> CommunicationReport:
     """Lower ``jax.jit(fn)`` on ``args`` (arrays or ``jax.ShapeDtypeStruct``) and count."""
-    import jax
-
     return count_collectives(jax.jit(fn).lower(*args, **kwargs).as_text())

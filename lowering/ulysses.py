@@ -23,20 +23,15 @@ never the probabilities.
 """
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cptransform.cost_model import kv_head_repeats
 from cptransform.lowering.context_parallel_attention import ContextParallelError, \
     fill_empty_rows_sharded, register_schedule
-
-
-def kv_head_repeats(heads: int, kv_heads: int, n: int) -> int:
-    """How many times each KV head is repeated so ``n`` devices split them by query head."""
-    return n // math.gcd(kv_heads, n)
 
 
 def check_heads(heads: int, n: int, axis: str, schedule: str) -> None:
@@ -83,7 +78,7 @@ def ulysses_around(inner, q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, *, 
     n = lax.axis_size(axis)
     heads, kv_heads = q.shape[2], k.shape[2]
     check_heads(heads, n, axis, schedule)
-    repeats = kv_head_repeats(heads, kv_heads, n)
+    repeats = kv_head_repeats(kv_heads, n)
     if repeats > 1:
         k, v = (jnp.repeat(x, repeats, axis=2) for x in (k, v))
     spec = spec.replace(groups=heads // (kv_heads * repeats))

@@ -63,7 +63,9 @@ def make_case(rng, kind: str = "none", heads: str = "mha", *, batch: int = 2, se
         operands += [jnp.asarray(ids), jnp.asarray(ids)]
     mh = h if dense_heads else 1
     if mspec.dense:
-        operands.append(jnp.asarray(rng.random((batch, mh, seq, seq)) < 0.3))
+        dense = rng.random((batch, mh, seq, seq)) < 0.3
+        dense[:, :, 1] = False  # a query that sees no key: zero (or uniform) output
+        operands.append(jnp.asarray(dense))
     if mspec.bias:
         operands.append(normal(1, mh, seq, seq))
     spec = AttentionSpec(q=BTHD, k=BTHD, v=BTHD, scale=1.0 / math.sqrt(d), groups=h // hkv,

@@ -1,9 +1,10 @@
 """Ulysses schedule: outputs and gradients against the unsharded reference, errors, comm."""
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from conftest import make_mesh
-from schedule_cases import check_schedule, make_case, pairwise_cases
+from schedule_cases import HEAD_KINDS, check_schedule, make_case, pairwise_cases
 
 from cptransform.cost_model import schedule_volume
 from cptransform.lowering.collectives import lower_and_count
@@ -19,14 +20,14 @@ def test_matches_reference(rng, cp, layout, kind, heads, dv):
 
 
 @pytest.mark.parametrize("kind,heads", [("dense_causal", "gqa"), ("bias", "mha")])
-def test_bf16(rng, kind, heads):
-    case = make_case(rng, kind, heads, dtype=jnp.bfloat16)
+def test_bf16_with_dense_operands_shared_by_heads(rng, kind, heads):
+    case = make_case(rng, kind, heads, dtype=jnp.bfloat16, dense_heads=False)
     check_schedule(case, mesh=make_mesh((4,), ("cp",)), axes="cp", schedule="ulysses",
                    layout="zigzag")
 
 
-def test_uniform_empty_rows_and_shared_dense_heads(rng):
-    case = make_case(rng, "dense", "gqa", empty_rows="uniform", dense_heads=False, seq=16)
+def test_uniform_empty_rows(rng):
+    case = make_case(rng, "dense", "gqa", empty_rows="uniform", seq=16)
     check_schedule(case, mesh=make_mesh((8,), ("cp",)), axes="cp", schedule="ulysses",
                    layout="striped")
 
@@ -43,9 +44,9 @@ def test_indivisible_heads_is_a_clear_error(rng):
 @pytest.mark.parametrize("heads", ["mha", "gqa", "mqa"])
 def test_communication_is_four_all_to_alls(heads):
     s, d, dv, cp = 64, 8, 12, 4
-    h, hkv = {"mha": (8, 8), "gqa": (8, 2), "mqa": (8, 1)}[heads]
-    case = make_case(__import__("numpy").random.default_rng(0), "causal", heads, seq=s,
-                     dv=dv, dtype=jnp.bfloat16)
+    h, hkv = HEAD_KINDS[heads]
+    case = make_case(np.random.default_rng(0), "causal", heads, seq=s, dv=dv,
+                     dtype=jnp.bfloat16)
     mesh = make_mesh((cp,), ("cp",))
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.operands]
 
