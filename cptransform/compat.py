@@ -196,13 +196,21 @@ def bind_eqn(eqn: Any, invals: list, params: dict | None = None) -> list:
 
 
 def eqn_context(eqn: Any):
-    """A context manager that attributes new equations to ``eqn``'s user source line."""
+    """A context manager that attributes new equations to ``eqn``'s user source line.
+
+    Equations from inside a library's ``jit`` body (``jnp.cumsum``) carry a traceback that
+    stops at that ``jit``: when such an equation is inlined, the enclosing context (the
+    call site's user line) is kept instead.
+    """
     import contextlib
 
+    _exclude_own_frames()
     stack = contextlib.ExitStack()
     name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
-    stack.enter_context(_source_info.user_context(eqn.source_info.traceback,
-                                                  name_stack=name_stack))
+    traceback = eqn.source_info.traceback
+    if traceback is not None and _source_info.user_frame(traceback) is None:
+        traceback = None
+    stack.enter_context(_source_info.user_context(traceback, name_stack=name_stack))
     ctx = getattr(eqn, "ctx", None)
     if ctx is not None and hasattr(ctx, "manager"):
         stack.enter_context(ctx.manager)

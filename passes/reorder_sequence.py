@@ -23,7 +23,8 @@ from cptransform import compat
 from cptransform.attention import attention_p
 from cptransform.module import Module
 from cptransform.pipeline import Pass, PassResult, register
-from cptransform.seq_axes import ELEMENTWISE, ORDER_FREE_REDUCTIONS, SeqAxes, acting_dims
+from cptransform.seq_axes import (ELEMENTWISE, ORDER_FREE_REDUCTIONS, SeqAxes, acting_dims,
+                                  reshape_dim_map)
 from cptransform.lowering.layouts import SequenceLayout
 from cptransform.passes.infer_seq_axes import analyse
 
@@ -32,6 +33,31 @@ PERM, NAT, INV = "perm", "nat", "inv"
 #: Primitives that commute with a permutation of any sequence dim they carry.
 EQUIVARIANT = ELEMENTWISE | ORDER_FREE_REDUCTIONS | frozenset(
     "broadcast_in_dim reshape squeeze expand_dims transpose dot_general".split())
+
+
+#: Primitives that can work on a shifted value (see :class:`Shift`) without materializing it.
+SHIFTABLE = ELEMENTWISE | ORDER_FREE_REDUCTIONS | frozenset(
+    "broadcast_in_dim reshape squeeze gather".split())
+
+_IDENTITY = {"reduce_sum": 0, "reduce_max": -np.inf, "reduce_min": np.inf, "reduce_prod": 1,
+             "reduce_and": True, "reduce_or": False, "reduce_xor": False}
+
+
+@dataclass(frozen=True)
+class Shift:
+    """State of a slice ``x[..., offset:offset+length, ...]`` along the sequence (dim
+    ``dim``) that is *held unsliced*: the value is the full-length array in layout order.
+
+    Next-token losses slice logits and labels by one (``logits[:, :-1]``, ``tokens[:, 1:]``).
+    Materializing those slices would un-permute the logits (an all-gather of the largest
+    activation); instead token-wise ops and reductions run on the full array, differently
+    shifted operands are re-aligned (moving the smaller one), and reductions over the
+    sequence mask out the positions outside the slice.
+    """
+
+    offset: int
+    length: int
+    dim: int
 
 
 class ReorderError(ValueError):
@@ -58,6 +84,8 @@ class _Reorderer:
     def to(self, value, atom, want: str):
         """``value`` (of jaxpr atom ``atom``) in state ``want`` along its full seq dims."""
         have = self.get(value)
+        if isinstance(have, Shift):
+            raise AssertionError("shifted values are materialized before conversions")
         if have == want or have == INV:
             return value
         for d in self.axes.full_dims(atom):
@@ -83,6 +111,17 @@ class _Reorderer:
 
     def eval_eqn(self, eqn, invals):
         name = eqn.primitive.name
+        shifted = [i for i, x in enumerate(invals) if isinstance(self.get(x), Shift)]
+        if shifted:
+            outs = self.shifted(eqn, invals, shifted)
+            if outs is not None:
+                return outs
+            where = f"{name} at {compat.source_line(eqn)}"
+            invals = [self.settle(x, where) for x in invals]
+        if name == "slice":
+            outs = self.start_shift(eqn, invals)
+            if outs is not None:
+                return outs
         carrying = [i for i, a in enumerate(eqn.invars) if self.axes.full_dims(a)
                     and self.get(invals[i]) != INV]
         out_full = any(self.axes.full_dims(v) for v in eqn.outvars)
@@ -106,6 +145,110 @@ class _Reorderer:
             return [self.put(o, want if self.axes.full_dims(v) else INV)
                     for o, v in zip(outs, eqn.outvars)]
         return self.positional(eqn, invals, carrying, states)
+
+    # -- shifted slices along the sequence --
+    def start_shift(self, eqn, invals):
+        """A stride-1 slice along one sequence dim of a layout-order value: keep it whole."""
+        x, atom = invals[0], eqn.invars[0]
+        full = self.axes.full_dims(atom)
+        acting = acting_dims(eqn)
+        strides = eqn.params.get("strides") or (1,) * atom.aval.ndim
+        if self.get(x) != PERM or len(acting & set(full)) != 1 or len(full) != 1:
+            return None
+        (d,) = acting & set(full)
+        if strides[d] != 1:
+            return None
+        start, limit = list(eqn.params["start_indices"]), list(eqn.params["limit_indices"])
+        offset, length = start[d], limit[d] - start[d]
+        start[d], limit[d] = 0, atom.aval.shape[d]
+        params = {**eqn.params, "start_indices": tuple(start), "limit_indices": tuple(limit)}
+        (out,) = compat.bind_eqn(eqn, [x], params)
+        return [self.put(out, Shift(offset, length, d))]
+
+    def settle(self, value, where: str):
+        """``value`` itself, or for a shifted value its real slice in natural order (which
+        costs a permutation; ``where`` names the consumer in the log)."""
+        st = self.get(value)
+        if not isinstance(st, Shift):
+            return value
+        moved = int(np.prod(value.shape)) * value.dtype.itemsize
+        self.log.append(f"{where} needs a sliced sequence in natural order: un-permute "
+                        f"({moved} bytes permuted)")
+        if self.strict:
+            raise ReorderError(self.log[-1] + "; strict=True refuses this")
+        full = self.layout.unpermute(value, st.dim)
+        return self.put(jax.lax.slice_in_dim(full, st.offset, st.offset + st.length,
+                                             axis=st.dim), NAT)
+
+    def realign(self, value, st: Shift, offset: int):
+        """Move a shifted value so that its slice starts at ``offset`` (a gather)."""
+        slots = jnp.arange(self.layout.seq_len, dtype=jnp.int32)
+        source = (self.layout.position_of_slot(slots) + st.offset - offset) % self.layout.seq_len
+        moved = jnp.take(value, self.layout.slot_of_position(source), axis=st.dim)
+        return self.put(moved, Shift(offset, st.length, st.dim))
+
+    def shifted(self, eqn, invals, shifted):
+        """Run ``eqn`` on shifted operands, or ``None`` when it needs them materialized."""
+        name = eqn.primitive.name
+        if name not in SHIFTABLE:
+            return None
+        states = {i: self.get(invals[i]) for i in shifted}
+        length = {st.length for st in states.values()}
+        if len(length) != 1:
+            return None
+        (length,) = length
+        for i, atom in enumerate(eqn.invars):
+            if i not in states and any(atom.aval.shape[d] == length
+                                       for d in self.axes.dims(atom)):
+                return None  # a natural-order slice meets a shifted one
+        if name == "gather" and not self._gather_by_batch(eqn):
+            return None
+        big = max(shifted, key=lambda i: np.prod(invals[i].shape))
+        offset = states[big].offset
+        invals = list(invals)
+        for i, st in states.items():
+            if st.offset != offset:
+                self.log.append(f"{name} at {compat.source_line(eqn)}: re-align a sequence "
+                                f"shifted by {st.offset - offset} "
+                                f"({int(np.prod(invals[i].shape)) * invals[i].dtype.itemsize} "
+                                "bytes gathered)")
+                invals[i] = self.realign(invals[i], st, offset)
+        st = states[big]
+        params = dict(eqn.params)
+        seq = self.layout.seq_len
+        atom = eqn.invars[big]
+        if name == "broadcast_in_dim":
+            shape = list(params["shape"])
+            shape[params["broadcast_dimensions"][st.dim]] = seq
+            params["shape"] = tuple(shape)
+        elif name == "reshape":
+            out_dim = reshape_dim_map(atom.aval.shape, eqn.outvars[0].aval.shape).get(st.dim)
+            if out_dim is None:
+                return None
+            sizes = list(params["new_sizes"])
+            sizes[out_dim] = seq
+            params["new_sizes"] = tuple(sizes)
+        elif name in ORDER_FREE_REDUCTIONS and st.dim in params["axes"]:
+            x = invals[big]
+            pos = self.layout.position_of_slot(
+                jax.lax.broadcasted_iota(jnp.int32, x.shape, st.dim))
+            valid = (pos >= st.offset) & (pos < st.offset + st.length)
+            invals[big] = jnp.where(valid, x, jnp.asarray(_IDENTITY[name], x.dtype))
+        outs = compat.bind_eqn(eqn, invals, params)
+        result = []
+        for out, var in zip(outs, eqn.outvars):
+            dims = [d for d in self.axes.dims(var) if var.aval.shape[d] == length]
+            if len(dims) > 1:
+                return None
+            result.append(self.put(out, Shift(offset, length, dims[0]) if dims else INV))
+        return result
+
+    def _gather_by_batch(self, eqn) -> bool:
+        """A gather whose sequence dims are batching dims on both sides (take_along_axis)."""
+        dn = eqn.params["dimension_numbers"]
+        operand, indices = eqn.invars
+        return (set(self.axes.dims(operand)) <= set(dn.operand_batching_dims)
+                and set(self.axes.dims(indices)) <= set(dn.start_indices_batching_dims))
 
     def _acts_off_sequence(self, eqn, carrying) -> bool:
         """A positional op (slice, concatenate, pad, ...) acting only on non-sequence dims."""
@@ -182,8 +325,8 @@ class _Reorderer:
             with compat.eqn_context(eqn):
                 outs = self.eval(compat.open_jaxpr(body), compat.consts_of(body),
                                  [self.put(x, self.get(x)) for x in invals])
-            outs = [self.to(o, v, PERM) for o, v in zip(outs, eqn.outvars)]
-            return outs
+            return [self.to(self.settle(o, f"the result of {name}"), v, PERM)
+                    for o, v in zip(outs, eqn.outvars)]
         return [self.put(o, PERM if self.axes.full_dims(v) else INV)
                 for o, v in zip(outs, eqn.outvars)]
 
@@ -194,7 +337,8 @@ class _Reorderer:
         def fn(*xs):
             xs = [self.put(x, PERM if self.axes.full_dims(v) else INV)
                   for x, v in zip(xs, jaxpr.invars)]
-            outs = self.eval(jaxpr, consts, xs)
+            outs = [self.settle(o, "a loop or branch result") for o in
+                    self.eval(jaxpr, consts, xs)]
             return [self.to(o, v, PERM) for o, v in zip(outs, jaxpr.outvars)]
 
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
@@ -232,6 +376,7 @@ class ReorderSequence(Pass):
                   for x, v in zip(xs, jaxpr.invars)]
             xs = [worker.to(x, v, PERM) for x, v in zip(xs, jaxpr.invars)]
             outs = worker.eval(jaxpr, consts, xs)
+            outs = [worker.settle(o, "a program output") for o in outs]
             want = PERM if self.keep_permuted else NAT
             return [worker.to(o, v, want) for o, v in zip(outs, jaxpr.outvars)]
 

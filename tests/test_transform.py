@@ -126,10 +126,30 @@ def test_explain_reads_well(llama_case):
     assert "sequence axis: length 32; inputs: args[1] dim [1]" in text
 
 
-def test_strict_refuses_non_equivariant_slice(llama_case):
+def test_next_token_shift_stays_permuted(llama_case):
+    """``logits[:, :-1]`` vs ``tokens[:, 1:]`` under zigzag: the small labels are re-aligned,
+    the logits are never un-permuted."""
     loss, params, tokens, _ = llama_case
-    with pytest.raises(ReorderError, match="slice at .*llama.py.*strict=True"):
-        context_parallel(loss, cp=4, load_balance="zigzag", strict=True)(params, tokens)
+    text = context_parallel(loss, cp=4, load_balance="zigzag").explain(params, tokens)
+    assert "re-align a sequence shifted by 1 (256 bytes gathered)" in text
+    assert "un-permute" not in text
+
+
+def cumulative_model(x):
+    """Attention over a running sum along the sequence: not permutation-equivariant."""
+    h = jnp.cumsum(x, axis=1)
+    return jnp.sum(jax.nn.dot_product_attention(h, x, x, is_causal=True) ** 2)
+
+
+def test_positional_op_is_wrapped_or_refused():
+    x = jax.random.normal(jax.random.key(5), (1, 32, 2, 8))
+    f = context_parallel(cumulative_model, cp=4, load_balance="zigzag")
+    np.testing.assert_allclose(f(x), cumulative_model(x), rtol=RTOL)
+    assert re.search(r"cumsum at .*test_transform.py.* un-permute its operands first "
+                     r"\(2048 bytes permuted\)", f.explain(x))
+    strict = context_parallel(cumulative_model, cp=4, load_balance="zigzag", strict=True)
+    with pytest.raises(ReorderError, match="cumsum at .*strict=True"):
+        strict(x)
 
 
 def test_errors_name_the_fix(llama_case):
