@@ -22,11 +22,13 @@ def test_matches_reference(rng, shape, layout, kind, heads, dv):
                    layout=layout)
 
 
-@pytest.mark.parametrize("shape", [(1, 4), (8, 1)])
-def test_degenerate_factorisations(rng, shape):
-    case = make_case(rng, "causal_window", "gqa", dtype=jnp.bfloat16, empty_rows="uniform")
+@pytest.mark.parametrize("shape,seq,layout", [((1, 4), 12, "striped"), ((8, 1), 32, "zigzag")])
+def test_degenerate_factorisations_and_odd_blocks(rng, shape, seq, layout):
+    """(1, 4) with 12 tokens: the ring sees odd blocks of 3 keys (its 1 × 1 tiling)."""
+    case = make_case(rng, "causal_window", "gqa", seq=seq, dtype=jnp.bfloat16,
+                     empty_rows="uniform")
     check_schedule(case, mesh=make_mesh(shape, AXES), axes=AXES, schedule="hybrid",
-                   layout="zigzag")
+                   layout=layout)
 
 
 def test_ulysses_axis_must_divide_heads(rng):
