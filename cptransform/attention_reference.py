@@ -128,6 +128,19 @@ def split_operands(spec: AttentionSpec, operands):
              "kv_segment_ids", "mask", "bias")}
 
 
+def flatten_batch(x, nb: int, batch_shape):
+    """Bring an operand's ``nb`` leading batch dims to one dim: 1 when they are all 1
+    (broadcast), else q's ``batch_shape`` flattened. ``None`` stays ``None``."""
+    if x is None:
+        return None
+    if nb == 0:
+        return x[None]
+    if all(d == 1 for d in x.shape[:nb]):
+        return x.reshape((1,) + x.shape[nb:])
+    x = jnp.broadcast_to(x, tuple(batch_shape) + x.shape[nb:])
+    return x.reshape((-1,) + x.shape[nb:])
+
+
 def attention_reference(*operands, spec: AttentionSpec):
     """The unsharded attention ``attention_p`` stands for (float32 softmax)."""
     a = split_operands(spec, operands)
@@ -137,15 +150,7 @@ def attention_reference(*operands, spec: AttentionSpec):
     tq, tkv = q.shape[nb], k.shape[nb]
 
     def bcast(x):
-        """Bring an optional operand's leading batch dims to one dim (1 or q's batch)."""
-        if x is None:
-            return None
-        if nb == 0:
-            return x[None]
-        if all(d == 1 for d in x.shape[:nb]):
-            return x.reshape((1,) + x.shape[nb:])
-        x = jnp.broadcast_to(x, batch_shape + x.shape[nb:])
-        return x.reshape((-1,) + x.shape[nb:])
+        return flatten_batch(x, nb, batch_shape)
 
     q, k, v = (x.reshape((-1,) + x.shape[nb:]) if nb else x[None] for x in (q, k, v))
     q_pos = a["q_positions"]

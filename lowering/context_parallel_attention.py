@@ -45,8 +45,8 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from cptransform.attention import attention_p
-from cptransform.attention_reference import fill_empty_rows, from_canonical, split_operands, \
-    to_canonical
+from cptransform.attention_reference import fill_empty_rows, flatten_batch, from_canonical, \
+    split_operands, to_canonical
 from cptransform.attention_spec import AttentionSpec, Layout
 from cptransform.lowering.kernel import get_kernel
 from cptransform.lowering.layouts import LAYOUTS, LayoutError, SequenceLayout
@@ -101,18 +101,6 @@ def _ensure_schedules_registered() -> None:
                 raise
 
 
-def _flatten_batch(x, nb: int, batch_shape):
-    """``(*batch, …)`` → ``(B|1, …)``; all-1 batch dims stay a broadcastable 1."""
-    if x is None:
-        return None
-    if nb == 0:
-        return x[None]
-    if all(d == 1 for d in x.shape[:nb]):
-        return x.reshape((1,) + x.shape[nb:])
-    x = jnp.broadcast_to(x, tuple(batch_shape) + x.shape[nb:])
-    return x.reshape((-1,) + x.shape[nb:])
-
-
 def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
                                schedule: str = "ring", layout: str = "contiguous",
                                kernel: str = "xla", in_layout_order: bool = False):
@@ -151,7 +139,7 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     q, k, v = to_canonical(spec, a["q"], a["k"], a["v"])
     nb = len(spec.q.batch)
     batch_shape = q.shape[:nb]
-    q, k, v = (_flatten_batch(x, nb, batch_shape) for x in (q, k, v))
+    q, k, v = (flatten_batch(x, nb, batch_shape) for x in (q, k, v))
     tq, tkv = q.shape[1], k.shape[1]
     cp = math.prod(mesh.shape[name] for name in axes)
     try:
@@ -163,7 +151,7 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
 
     def positions(given, lay):
         if given is not None:
-            pos = _flatten_batch(given, nb, batch_shape).astype(jnp.int32)
+            pos = flatten_batch(given, nb, batch_shape).astype(jnp.int32)
             return pos if in_layout_order else lay.permute(pos, axis=1)
         return jnp.asarray(lay.permutation(), dtype=jnp.int32)[None]
 
@@ -171,7 +159,7 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
         return x if x is None or in_layout_order else lay.permute(x, axis=1)
 
     def dense(x):
-        x = _flatten_batch(x, nb, batch_shape)
+        x = flatten_batch(x, nb, batch_shape)
         if x is None or in_layout_order:
             return x
         return kv_layout.permute(q_layout.permute(x, axis=2), axis=3)
@@ -180,8 +168,8 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
         "q": in_order(q, q_layout), "k": in_order(k, kv_layout), "v": in_order(v, kv_layout),
         "q_pos": positions(a["q_positions"], q_layout),
         "kv_pos": positions(a["kv_positions"], kv_layout),
-        "q_seg": in_order(_flatten_batch(a["q_segment_ids"], nb, batch_shape), q_layout),
-        "kv_seg": in_order(_flatten_batch(a["kv_segment_ids"], nb, batch_shape), kv_layout),
+        "q_seg": in_order(flatten_batch(a["q_segment_ids"], nb, batch_shape), q_layout),
+        "kv_seg": in_order(flatten_batch(a["kv_segment_ids"], nb, batch_shape), kv_layout),
         "mask": dense(a["mask"]),
         "bias": dense(a["bias"]),
     }
