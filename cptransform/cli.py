@@ -8,7 +8,11 @@ Subcommands (one ``_cmd_*`` function and one ``_add_*`` parser builder each):
 
 * ``cptransform passes`` lists registered passes and their options;
 * ``cptransform opt FILE.py:NAME -p PIPELINE`` runs a pipeline with printing, dumping,
-  timing and verification instruments.
+  timing and verification instruments; ``--cp N`` (with ``--schedule``, ``--load-balance``,
+  ``--kernel``) gives the program a CP mesh and, without ``-p``, runs the whole
+  context-parallel pipeline; ``--grad`` also prints the differentiated program;
+* ``cptransform plan FILE.py:NAME --cp N`` shows each attention's schedule and draws the
+  ring (devices × steps, blocks full / partial / skipped) with the load balance.
 
 Bad input (unknown pass or option, missing file, bad shapes) prints one line on stderr and
 exits with status 2; a failed verification exits with status 1.
@@ -180,8 +184,9 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_opt(sub) -> None:
     p = sub.add_parser("opt", help="run a pass pipeline on a program and print its IR")
     add_entry_arguments(p)
-    p.add_argument("-p", "--pipeline", default="canonicalize",
-                   help="passes, e.g. 'canonicalize,match-attention{strict=true}'")
+    p.add_argument("-p", "--pipeline", default=None,
+                   help="passes, e.g. 'canonicalize,match-attention{strict=true}' (default: "
+                        "canonicalize, or the whole CP pipeline with --cp)")
     p.add_argument("--print-ir-after-all", action="store_true")
     p.add_argument("--print-ir-before-all", action="store_true")
     p.add_argument("--print-ir-after", action="append", default=[], metavar="NAME",
@@ -195,7 +200,47 @@ def _add_opt(sub) -> None:
                    help="skip type-checking and pass invariants after each pass")
     p.add_argument("--match-stats", action="store_true",
                    help="print the attention matcher's statistics and matches")
+    p.add_argument("--grad", action="store_true",
+                   help="also print the program of jax.grad (w.r.t. the first argument) of "
+                        "the result: the backward schedule's collectives and kernels")
+    add_cp_arguments(p)
     p.set_defaults(handler=_cmd_opt)
+
+
+def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--cp`` and the ``context_parallel`` options, shared by ``opt`` and ``plan``."""
+    from cptransform.context_parallel import KERNELS, LOAD_BALANCES, SCHEDULES
+
+    g = parser.add_argument_group("context parallelism")
+    g.add_argument("--cp", type=int, default=None, metavar="N",
+                   help="devices on the CP axis (simulated on CPU when needed)")
+    g.add_argument("--schedule", default="auto", choices=SCHEDULES)
+    g.add_argument("--load-balance", default="auto", choices=LOAD_BALANCES)
+    g.add_argument("--kernel", default="auto", choices=KERNELS)
+
+
+def cp_options(args: argparse.Namespace):
+    """The :class:`~cptransform.context_parallel.Options` of the command line."""
+    from cptransform.context_parallel import ContextParallelOptionError, Options
+
+    options = Options(cp=args.cp, schedule=args.schedule, load_balance=args.load_balance,
+                      kernel=args.kernel)
+    try:
+        options.check()
+    except ContextParallelOptionError as err:
+        raise CLIError(str(err)) from None
+    return options
+
+
+def prepare_cp(module: Module, args: argparse.Namespace):
+    """``(module with the CP mesh attached, options)``; a CLI error for bad options."""
+    from cptransform.context_parallel import ContextParallelOptionError, prepare
+
+    options = cp_options(args)
+    try:
+        return prepare(module, options), options
+    except ContextParallelOptionError as err:
+        raise CLIError(str(err)) from None
 
 
 def _opt_instruments(args: argparse.Namespace) -> tuple[list, TimePasses | None]:
@@ -241,15 +286,21 @@ def match_stats_text(module: Module) -> str:
 
 
 def _cmd_opt(args: argparse.Namespace) -> int:
+    from cptransform.context_parallel import pipeline_text
+
     instruments, _ = _opt_instruments(args)
-    try:
-        pipeline = Pipeline.parse(args.pipeline, instruments)
-    except PipelineError as err:
-        raise CLIError(str(err)) from None
     fn, example_args, name = load_program(args.entry, args.arg_shapes)
     module = trace_program(fn, example_args, name)
+    text = args.pipeline or "canonicalize"
+    if args.cp is not None:
+        module, options = prepare_cp(module, args)
+        text = args.pipeline or pipeline_text(module, options)
     try:
-        result = pipeline.run(module)
+        pipeline = Pipeline.parse(text, instruments)
+    except PipelineError as err:
+        raise CLIError(str(err)) from None
+    try:
+        result = run_pipeline(pipeline, module)
     except VerificationError as err:
         print(f"cptransform: error: {err}", file=sys.stderr)
         return FAILURE
@@ -259,6 +310,58 @@ def _cmd_opt(args: argparse.Namespace) -> int:
                                 changed=result.changed))
     if args.match_stats:
         sys.stdout.write(match_stats_text(result.module))
+    if args.grad:
+        sys.stdout.write(grad_text(result.module, example_args))
+    return 0
+
+
+def run_pipeline(pipeline: Pipeline, module: Module):
+    """Run, turning the passes' own input errors (a schedule that cannot run, an ambiguous
+    sequence axis, a strict refusal: all ``ValueError``s naming the fix) into one line."""
+    try:
+        return pipeline.run(module)
+    except VerificationError:
+        raise
+    except ValueError as err:
+        raise CLIError(_one_line(err)) from None
+
+
+def grad_text(module: Module, example_args: Sequence[Any]) -> str:
+    """The jaxpr of ``jax.grad`` of the program w.r.t. its first argument."""
+    outs = module.out_avals
+    if len(outs) != 1 or outs[0].shape != () or not jnp.issubdtype(outs[0].dtype, jnp.floating):
+        raise CLIError("--grad needs a function returning one float scalar (a loss)")
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), x.dtype),
+                                      tuple(example_args))
+    grad = jax.make_jaxpr(jax.grad(module.as_function()))(*abstract)
+    return f"# ----- IR of jax.grad (w.r.t. argument 0) -----\n{grad}\n"
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="show each attention's schedule, ring chart and balance")
+    add_entry_arguments(p)
+    add_cp_arguments(p)
+    p.set_defaults(handler=_cmd_plan)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from cptransform.context_parallel import pipeline_text
+    from cptransform.explain import explain_module
+    from cptransform.lowering.layouts import SequenceLayout
+    from cptransform.plan_chart import ring_chart
+
+    if args.cp is None:
+        raise CLIError("plan needs --cp N")
+    fn, example_args, name = load_program(args.entry, args.arg_shapes)
+    module, options = prepare_cp(trace_program(fn, example_args, name), args)
+    upto = pipeline_text(module, options).rsplit(",lower-context-parallel", 1)[0]
+    result = run_pipeline(Pipeline.parse(upto), module).module
+    print(explain_module(result, options))
+    layout = result.meta.get("layout")
+    for step, spec in zip(result.meta.get("plan", ()), result.meta.get("planned_specs", ())):
+        lay = layout or SequenceLayout("contiguous", step.shape.seq_len, step.shape.cp)
+        print(f"\nattention #{step.index} ({step.schedule}):")
+        print(ring_chart(spec.mask, lay))
     return 0
 
 
@@ -272,12 +375,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_passes(sub)
     _add_opt(sub)
+    _add_plan(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point; returns the exit status."""
     args = build_parser().parse_args(argv)
+    if getattr(args, "cp", None) and jax.config.jax_platforms in (None, "", "cpu"):
+        # Simulate the CP devices on CPU; must happen before any JAX computation starts
+        # the backend (loading the program may already compute).
+        jax.config.update("jax_num_cpu_devices", max(args.cp, 8))
     try:
         return args.handler(args)
     except CLIError as err:

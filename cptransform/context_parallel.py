@@ -12,9 +12,8 @@ import numpy as np
 from jax.sharding import AxisType
 
 from cptransform import compat
-from cptransform.attention import attention_p
 from cptransform.module import Module, iter_eqns, trace
-from cptransform.pipeline import Pipeline, make_pass
+from cptransform.pipeline import Pipeline
 
 SCHEDULES = ("auto", "ring", "ulysses", "allgather", "hybrid")
 LOAD_BALANCES = ("auto", "zigzag", "striped", "none")
@@ -127,6 +126,40 @@ class ContextParallelError(ValueError):
     """The function cannot be transformed as written; the message says where and why."""
 
 
+def prepare(module: Module, options: Options, overrides: dict | None = None) -> Module:
+    """Attach the CP mesh, its axes and the ``seq_axes`` overrides to a traced module."""
+    options.check()
+    mesh = build_mesh(options)
+    return module.with_jaxpr(module.jaxpr, mesh=mesh, cp_axes=options.axes,
+                             seq_axes_overrides=overrides or {})
+
+
+def pipeline_text(module: Module, options: Options) -> str:
+    """The full pass pipeline for a prepared module, as text (what the CLI prints)."""
+    mesh, axes = module.meta["mesh"], module.meta["cp_axes"]
+    cp = math.prod(mesh.shape[a] for a in axes)
+    ulysses = mesh.shape[axes[0]] if len(axes) == 2 else 1
+    schedule = "hybrid" if len(axes) == 2 else options.schedule
+    return ("canonicalize,match-attention,infer-seq-axes,"
+            f"plan-context-parallel{{schedule={schedule} cp={cp} ulysses={ulysses}}},"
+            f"reorder-sequence{{layout={options.load_balance} cp={cp} "
+            f"strict={options.strict} keep_permuted={options.keep_permuted}}},"
+            f"lower-context-parallel{{kernel={options.kernel}}}")
+
+
+def refuse_gradients(module: Module) -> None:
+    """Raise when the traced function already differentiates (the decorator sits on a train
+    step): the transform must see the forward program; gradients go outside."""
+    for eqn in iter_eqns(module.jaxpr):
+        if "transpose(" in compat.name_stack(eqn):
+            raise ContextParallelError(
+                f"{module.name} already computes gradients (e.g. at "
+                f"{compat.source_line(eqn)}): put @context_parallel on the loss function "
+                f"and apply jax.grad / jax.value_and_grad outside it:\n"
+                f"    loss = context_parallel(loss_fn, cp=...)\n"
+                f"    grads = jax.grad(loss)(params, batch)")
+
+
 class ContextParallelFunction:
     """The result of :func:`context_parallel`: call it like the original function."""
 
@@ -150,49 +183,13 @@ class ContextParallelFunction:
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
             (args, kwargs))
         module = trace(self.fn, *abstract[0], **abstract[1])
-        self._refuse_gradients(module)
-        mesh = build_mesh(self.options)
-        axes = self.options.axes
-        cp = math.prod(mesh.shape[a] for a in axes)
-        ulysses = mesh.shape[axes[0]] if len(axes) == 2 else 1
-        module = module.with_jaxpr(
-            module.jaxpr, mesh=mesh, cp_axes=axes,
-            seq_axes_overrides=_seq_axis_overrides(self.options.seq_axes, args, kwargs))
-        front = Pipeline([make_pass(n) for n in ("canonicalize", "match-attention",
-                                                 "infer-seq-axes")]).run(module).module
-        layout = self._layout(front, cp)
-        schedule = "hybrid" if len(axes) == 2 else self.options.schedule
-        back = [make_pass("plan-context-parallel",
-                          {"schedule": schedule, "cp": str(cp), "ulysses": str(ulysses)}),
-                make_pass("reorder-sequence",
-                          {"layout": layout, "cp": str(cp), "strict": str(self.options.strict),
-                           "keep_permuted": str(self.options.keep_permuted)}),
-                make_pass("lower-context-parallel", {"kernel": self.options.kernel})]
-        final = Pipeline(back).run(front).module
-        out_tree = final.out_tree
+        refuse_gradients(module)
+        module = prepare(module, self.options, _seq_axis_overrides(self.options.seq_axes,
+                                                                   args, kwargs))
+        final = Pipeline.parse(pipeline_text(module, self.options)).run(module).module
         call = jax.jit(lambda *flat: final.flat_call(*flat))
-        self._built[key] = (final, call, out_tree)
+        self._built[key] = (final, call, final.out_tree)
         return self._built[key]
-
-    def _layout(self, module: Module, cp: int) -> str:
-        choice = self.options.load_balance
-        specs = [e.params["spec"] for e in iter_eqns(module.jaxpr) if e.primitive is attention_p]
-        seq_len = module.meta["seq_axes"].seq_len if "seq_axes" in module.meta else None
-        if choice == "auto":
-            causal = any(s.mask.band()[1] is not None for s in specs)
-            choice = "zigzag" if causal and seq_len and seq_len % (2 * cp) == 0 else "none"
-        return choice
-
-    @staticmethod
-    def _refuse_gradients(module: Module) -> None:
-        for eqn in iter_eqns(module.jaxpr):
-            if "transpose(" in compat.name_stack(eqn):
-                raise ContextParallelError(
-                    f"{module.name} already computes gradients (e.g. at "
-                    f"{compat.source_line(eqn)}): put @context_parallel on the loss function "
-                    f"and apply jax.grad / jax.value_and_grad outside it:\n"
-                    f"    loss = context_parallel(loss_fn, cp=...)\n"
-                    f"    grads = jax.grad(loss)(params, batch)")
 
     # -- calling --
     def __call__(self, *args, **kwargs):

@@ -6,18 +6,7 @@ from typing import Any
 import numpy as np
 
 from cptransform.attention_spec import MaskSpec
-
-
-def causal_work(mask: MaskSpec, positions: np.ndarray, seq_len: int) -> np.ndarray | None:
-    """Visible (query, key) pairs per device for a band mask (``None`` when the mask also
-    depends on data: segments or a dense mask)."""
-    if mask.segments or mask.dense:
-        return None
-    lo, hi = mask.band()
-    q = positions.astype(np.int64)
-    first = np.maximum(0, q + (lo if lo is not None else -seq_len))
-    last = np.minimum(seq_len - 1, q + (hi if hi is not None else seq_len))
-    return np.maximum(0, last - first + 1).sum(axis=-1)
+from cptransform.plan_chart import device_work
 
 
 def balance_line(mask: MaskSpec, layout, seq_len: int, cp: int) -> str:
@@ -31,7 +20,7 @@ def balance_line(mask: MaskSpec, layout, seq_len: int, cp: int) -> str:
             lay = SequenceLayout(name, seq_len, cp)
         except ValueError:
             continue
-        work = causal_work(mask, lay.all_positions(), seq_len)
+        work = device_work(mask, lay.all_positions(), seq_len)
         if work is None:
             return "load balance: depends on the data (segment ids / dense mask)"
         rows.append(f"{name} {work.max() / work.mean():.2f}x")

@@ -355,18 +355,29 @@ class ReorderSequence(Pass):
 
     name = "reorder-sequence"
     summary = "zigzag/striped: permute inputs, rewrite sequence iotas, un-permute outputs"
-    layout: str = "zigzag"
+    layout: str = "auto"
     cp: int = 8
     keep_permuted: bool = False
     strict: bool = False
 
+    def choose(self, axes: SeqAxes) -> str:
+        """``auto``: zigzag when some attention is causal and the length splits in 2·cp."""
+        if self.layout != "auto":
+            return self.layout
+        causal = any(e.params["spec"].mask.band()[1] is not None for e in axes.attentions)
+        return "zigzag" if causal and axes.seq_len % (2 * self.cp) == 0 else "none"
+
     def run(self, module: Module) -> PassResult:
-        if self.layout in ("none", "contiguous"):
-            return PassResult(module, False)
+        if self.layout not in ("auto", "none", "contiguous", "zigzag", "striped"):
+            raise ReorderError(f"unknown layout {self.layout!r}; use auto, none, zigzag or "
+                               "striped")
         axes = analyse(module)
         if axes.seq_len is None:
             return PassResult(module, False, ("reorder-sequence: no attention, nothing to do",))
-        layout = SequenceLayout(self.layout, axes.seq_len, self.cp)
+        name = self.choose(axes)
+        if name in ("none", "contiguous"):
+            return PassResult(module, False)
+        layout = SequenceLayout(name, axes.seq_len, self.cp)
         jaxpr = compat.open_jaxpr(module.jaxpr)
         consts = compat.consts_of(module.jaxpr)
         worker = _Reorderer(axes, layout, self.strict)

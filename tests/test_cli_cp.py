@@ -1,0 +1,42 @@
+"""The CLI's context-parallel side: opt --cp/--grad and plan, run as a user would."""
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "cptransform.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_plan_draws_the_ring_and_balance():
+    out = cli("plan", "examples/llama.py:make", "--cp", "4", "--load-balance", "none")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    start = lines.index("attention #0 (ring):")
+    chart = lines[start + 1:start + 9]
+    assert chart[1].split() == ["step", "0", "1", "2", "3"]
+    assert chart[2].split() == ["device", "0", "+", ".", ".", "."]
+    assert chart[5].split() == ["device", "3", "+", "#", "#", "#"]
+    assert "slowest device: 1.7" in out.stdout
+    assert "schedule: ring" in out.stdout and "llama.py" in out.stdout
+
+
+def test_opt_with_cp_lowers_and_prints_the_gradient_program():
+    out = cli("opt", "examples/llama.py:make", "--cp", "4", "--schedule", "ulysses",
+              "--print-ir-after=lower-context-parallel", "--grad")
+    assert out.returncode == 0, out.stderr
+    assert "# ----- IR after lower-context-parallel -----" in out.stdout
+    lowered, grad = out.stdout.split("# ----- IR of jax.grad (w.r.t. argument 0) -----")
+    assert "shard_map[" in lowered and "all_to_all[" in lowered
+    assert "attention[" not in lowered
+    assert grad.count("all_to_all[") >= 8  # forward q, k, v, o and their transposes
+
+
+def test_bad_schedule_is_one_line():
+    out = cli("opt", "examples/llama.py:make", "--cp", "8", "--schedule", "ulysses")
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1
+    assert "Ulysses splits the 4 query heads over cp=8" in out.stderr
