@@ -91,29 +91,19 @@ def _reshape(eqn) -> list[Link]:
     return [(x, a, out, b) for a, b in reshape_dim_map(x.aval.shape, out.aval.shape).items()]
 
 
-def _squeeze(eqn) -> list[Link]:
-    x, out = eqn.invars[0], eqn.outvars[0]
-    kept = [d for d in range(x.aval.ndim) if d not in eqn.params["dimensions"]]
-    return [(x, d, out, j) for j, d in enumerate(kept)]
-
-
-def _expand_dims(eqn) -> list[Link]:
-    x, out = eqn.invars[0], eqn.outvars[0]
-    new = set(eqn.params["dimensions"])
-    kept = [d for d in range(out.aval.ndim) if d not in new]
-    return [(x, i, out, d) for i, d in enumerate(kept)]
+def _dropping(param: str):
+    """Rule for ops that remove the dims listed in ``params[param]`` (squeeze, reductions)."""
+    def rule(eqn) -> list[Link]:
+        x, out = eqn.invars[0], eqn.outvars[0]
+        dropped = set(eqn.params[param])
+        kept = [d for d in range(x.aval.ndim) if d not in dropped]
+        return [(x, d, out, j) for j, d in enumerate(kept)]
+    return rule
 
 
 def _transpose(eqn) -> list[Link]:
     x, out = eqn.invars[0], eqn.outvars[0]
     return [(x, src, out, dst) for dst, src in enumerate(eqn.params["permutation"])]
-
-
-def _reduce(eqn) -> list[Link]:
-    x, out = eqn.invars[0], eqn.outvars[0]
-    axes = set(eqn.params["axes"])
-    kept = [d for d in range(x.aval.ndim) if d not in axes]
-    return [(x, d, out, j) for j, d in enumerate(kept)]
 
 
 def _dot_general(eqn) -> list[Link]:
@@ -178,12 +168,11 @@ RULES: dict[str, Callable[[Any], list[Link]]] = {
     **{name: _same_dims for name in ELEMENTWISE},
     "broadcast_in_dim": _broadcast_in_dim,
     "reshape": _reshape,
-    "squeeze": _squeeze,
-    "expand_dims": _expand_dims,
+    "squeeze": _dropping("dimensions"),
     "transpose": _transpose,
     "dot_general": _dot_general,
     "gather": _gather,
-    **{name: _reduce for name in ORDER_FREE_REDUCTIONS | {"argmax", "argmin"}},
+    **{name: _dropping("axes") for name in ORDER_FREE_REDUCTIONS | {"argmax", "argmin"}},
     **{name: _cumulative for name in ("cumsum", "cumprod", "cummax", "cummin",
                                        "cumlogsumexp", "rev")},
     **{name: _slice_like for name in ("slice", "dynamic_slice", "pad")},

@@ -32,7 +32,7 @@ PERM, NAT, INV = "perm", "nat", "inv"
 
 #: Primitives that commute with a permutation of any sequence dim they carry.
 EQUIVARIANT = ELEMENTWISE | ORDER_FREE_REDUCTIONS | frozenset(
-    "broadcast_in_dim reshape squeeze expand_dims transpose dot_general".split())
+    "broadcast_in_dim reshape squeeze transpose dot_general".split())
 
 
 #: Primitives that can work on a shifted value (see :class:`Shift`) without materializing it.

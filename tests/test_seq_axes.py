@@ -1,0 +1,70 @@
+"""infer-seq-axes: sequence dims follow dataflow from attention, never sizes."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from cptransform import compat, trace
+from cptransform.pipeline import Pipeline
+from cptransform.seq_axes import SeqAxisError, infer_seq_axes, reshape_dim_map
+
+
+@pytest.mark.parametrize("src,dst,expected", [
+    ((2, 16, 32), (2, 16, 4, 8), {0: 0, 1: 1}),
+    ((2, 16, 4, 8), (32, 4, 8), {2: 1, 3: 2}),
+    ((1, 16, 8), (16, 8), {1: 0, 2: 1}),
+    ((2, 16, 8), (2, 1, 16, 8), {0: 0, 1: 2, 2: 3}),
+    ((6, 4), (4, 6), {}),
+])
+def test_reshape_dim_map(src, dst, expected):
+    assert reshape_dim_map(src, dst) == expected
+
+
+def matched(fn, *args):
+    module = trace(fn, *args)
+    return Pipeline.parse("canonicalize,match-attention").run(module).module
+
+
+def model(embed, tokens, mask, table):
+    """Tokens [B,S] -> embeddings; a dense [B,S,S] mask input; a [S,S] table not reaching
+    attention (same sizes as the sequence, on purpose)."""
+    x = embed[tokens].reshape(tokens.shape + (2, 4))
+    out = jax.nn.dot_product_attention(x, x, x, mask=mask[:, None])
+    return out.sum() + table.sum()
+
+
+def test_inputs_found_by_dataflow_not_by_size():
+    args = (jnp.ones((16, 8)), jnp.ones((2, 16), jnp.int32), jnp.ones((2, 16, 16), bool),
+            jnp.ones((16, 16)))
+    module = matched(model, *args)
+    axes = infer_seq_axes(module.jaxpr)
+    ins = compat.open_jaxpr(module.jaxpr).invars
+    assert axes.seq_len == 16
+    assert [axes.dims(v) for v in ins] == [(), (1,), (1, 2), ()]
+
+
+def test_override_seeds_and_cuts():
+    args = (jnp.ones((16, 8)), jnp.ones((2, 16), jnp.int32), jnp.ones((2, 16, 16), bool),
+            jnp.ones((16, 16)))
+    module = matched(model, *args)
+    axes = infer_seq_axes(module.jaxpr, {3: (0,)})
+    table = compat.open_jaxpr(module.jaxpr).invars[3]
+    assert axes.dims(table) == (0,)
+
+
+def test_different_lengths_are_refused():
+    def two(a, b):
+        return (jax.nn.dot_product_attention(a, a, a).sum()
+                + jax.nn.dot_product_attention(b, b, b).sum())
+
+    module = matched(two, jnp.ones((1, 8, 2, 4)), jnp.ones((1, 16, 2, 4)))
+    with pytest.raises(SeqAxisError, match=r"different sequence lengths \[8, 16\]"):
+        infer_seq_axes(module.jaxpr)
+
+
+def test_cross_attention_is_not_supported():
+    def cross(q, kv):
+        return jax.nn.dot_product_attention(q, kv, kv).sum()
+
+    module = matched(cross, jnp.ones((1, 8, 2, 4)), jnp.ones((1, 16, 2, 4)))
+    with pytest.raises(NotImplementedError, match="8 queries and 16 keys"):
+        infer_seq_axes(module.jaxpr)
