@@ -7,6 +7,7 @@ file. See ``shared/JAX_VERSIONS.md`` for the measured differences.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Iterator
 
 import jax
@@ -195,26 +196,42 @@ def bind_eqn(eqn: Any, invals: list, params: dict | None = None) -> list:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+_INLINING = [0]
+
+
+@contextlib.contextmanager
 def eqn_context(eqn: Any):
     """A context manager that attributes new equations to ``eqn``'s user source line.
 
-    Equations from inside a library's ``jit`` body (``jnp.cumsum``) carry a traceback that
-    stops at that ``jit``: when such an equation is inlined, the enclosing context (the
-    call site's user line) is kept instead.
+    Inside :func:`inlining`, an equation from a library's ``jit`` body (``jnp.cumsum``)
+    carries a traceback that stops at that ``jit``; the enclosing context (the call site's
+    user line) is kept for it instead.
     """
-    import contextlib
-
-    _exclude_own_frames()
-    stack = contextlib.ExitStack()
     name_stack = _source_info.current_name_stack() + eqn.source_info.name_stack
     traceback = eqn.source_info.traceback
-    if traceback is not None and _source_info.user_frame(traceback) is None:
-        traceback = None
-    stack.enter_context(_source_info.user_context(traceback, name_stack=name_stack))
-    ctx = getattr(eqn, "ctx", None)
-    if ctx is not None and hasattr(ctx, "manager"):
-        stack.enter_context(ctx.manager)
-    return stack
+    if _INLINING[0] and traceback is not None:
+        _exclude_own_frames()
+        if _source_info.user_frame(traceback) is None:
+            traceback = None
+    with _source_info.user_context(traceback, name_stack=name_stack):
+        manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+        if manager is None:
+            yield
+        else:
+            with manager:
+                yield
+
+
+@contextlib.contextmanager
+def inlining(eqn: Any):
+    """Evaluate a call equation's body in place under ``eqn``'s context (see
+    :func:`eqn_context`)."""
+    with eqn_context(eqn):
+        _INLINING[0] += 1
+        try:
+            yield
+        finally:
+            _INLINING[0] -= 1
 
 
 def dce(closed: Any) -> Any:

@@ -117,7 +117,7 @@ class Rewriter:
         params = self._rewrite_params(eqn)
         wants_inline = self.inline is not None and self.inline(eqn)
         if body is not None and (wants_inline or params is None):
-            with compat.eqn_context(eqn):
+            with compat.inlining(eqn):
                 return self.eval(compat.open_jaxpr(body), compat.consts_of(body), invals)
         if params is None:
             raise NotImplementedError(

@@ -322,7 +322,7 @@ class _Reorderer:
             if name.startswith("custom_"):
                 self.log.append(f"{name} at {compat.source_line(eqn)} carries the sequence: "
                                 "inlined, so its custom derivative rule is replaced by autodiff")
-            with compat.eqn_context(eqn):
+            with compat.inlining(eqn):
                 outs = self.eval(compat.open_jaxpr(body), compat.consts_of(body),
                                  [self.put(x, self.get(x)) for x in invals])
             return [self.to(self.settle(o, f"the result of {name}"), v, PERM)
