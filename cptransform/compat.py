@@ -17,12 +17,9 @@ from jax._src import core as _core
 from jax._src import source_info_util as _source_info
 
 Primitive = jex_core.Primitive
-Var = jex_core.Var
 Literal = jex_core.Literal
-JaxprEqn = jex_core.JaxprEqn
 Jaxpr = jex_core.Jaxpr
 ClosedJaxpr = jex_core.ClosedJaxpr
-DropVar = jex_core.DropVar
 ShapedArray = _core.ShapedArray
 JaxprTypeError = jex_core.JaxprTypeError
 
@@ -75,13 +72,11 @@ def check_jaxpr(closed: Any) -> None:
 
 
 def eval_jaxpr(closed: Any, *args: Any) -> list:
-    """Evaluate a closed jaxpr on ``args`` under the current trace."""
-    return _core.eval_jaxpr(open_jaxpr(closed), consts_of(closed), *args)
+    """Evaluate a closed jaxpr on ``args`` under the current trace.
 
-
-def jaxpr_as_fun(closed: Any) -> Callable[..., list]:
-    """A Python callable that evaluates ``closed`` (returns a list of outputs)."""
-    return jex_core.jaxpr_as_fun(closed)
+    Goes through the public ``jaxpr_as_fun``, which binds the constants on both JAX 0.10
+    (separate ``ClosedJaxpr``) and 0.11 (constants inside the merged ``Jaxpr``)."""
+    return list(jex_core.jaxpr_as_fun(closed)(*args))
 
 
 def is_literal(atom: Any) -> bool:
@@ -169,15 +164,7 @@ def define_primitive(
     return prim
 
 
-def new_eqn_like(eqn: Any, *, params: dict | None = None) -> Any:
-    """A copy of ``eqn`` with new params."""
-    return eqn.replace(params=params if params is not None else dict(eqn.params))
-
-
-not_mapped = None  # batching rules mark an unbatched operand with None
-zeros_like_aval = ad.zeros_like_aval
 instantiate_zeros = ad.instantiate_zeros
-Zero = ad.Zero
 
 
 def bind_eqn(eqn: Any, invals: list, params: dict | None = None) -> list:
