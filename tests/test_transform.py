@@ -246,9 +246,12 @@ def test_flax_linen_block():
 
 def test_bf16_model_is_at_least_as_close_to_float32(llama_case):
     """bf16 parameters: attention accumulates in float32, so the transformed gradients are
-    within 2e-2 of the float32 run, no worse than the bf16 single-device run."""
-    loss, params, tokens, (ref_loss, ref_grads) = llama_case
+    within 2e-2 of the float32 run on the same (rounded) parameters, no worse than the bf16
+    single-device run."""
+    loss, params, tokens, _ = llama_case
     half = jax.tree_util.tree_map(lambda p: p.astype(jnp.bfloat16), params)
+    ref_loss, ref_grads = jax.value_and_grad(loss)(
+        jax.tree_util.tree_map(lambda p: p.astype(jnp.float32), half), tokens)
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(ref_grads))
 
     def error(grads):
