@@ -264,3 +264,20 @@ def test_bf16_model_is_at_least_as_close_to_float32(llama_case):
     np.testing.assert_allclose(float(value), float(ref_loss), rtol=2e-2)
     assert error(grads) <= 2e-2
     assert error(grads) <= error(single)
+
+
+def test_bare_decorator_and_permuted_outputs():
+    """``@context_parallel`` without arguments uses every device; ``keep_permuted`` returns
+    sequence outputs in the layout's order (zigzag over 8 devices here)."""
+    from cptransform.lowering.layouts import SequenceLayout
+
+    def hidden(x):
+        return jax.nn.dot_product_attention(x, x, x, is_causal=True)
+
+    x = jax.random.normal(jax.random.key(7), (1, 32, 2, 4))
+    bare = context_parallel(hidden)
+    np.testing.assert_allclose(bare(x), hidden(x), rtol=RTOL, atol=1e-6)
+    assert "cp=8" in bare.explain(x)
+    kept = context_parallel(hidden, keep_permuted=True)
+    expected = SequenceLayout("zigzag", 32, 8).permute(hidden(x), axis=1)
+    np.testing.assert_allclose(kept(x), expected, rtol=RTOL, atol=1e-6)
