@@ -60,6 +60,11 @@ class Shift:
     dim: int
 
 
+#: Primitives whose bodies are re-traced in layout order and re-bound (loops, branches and
+#: remat keep their structure); other calls (custom derivatives) are inlined.
+REBUILT = frozenset({"scan", "while", "cond", "remat2", "checkpoint"})
+
+
 class ReorderError(ValueError):
     """``strict`` reordering met an op that is not permutation-equivariant."""
 
@@ -309,13 +314,8 @@ class _Reorderer:
         """Sub-jaxprs: every full sequence-carrying value crosses the boundary permuted."""
         name = eqn.primitive.name
         invals = [self.to(x, a, PERM) for x, a in zip(invals, eqn.invars)]
-        if name in ("scan", "while", "cond"):
-            params = dict(eqn.params)
-            for key, value in eqn.params.items():
-                if compat.is_jaxpr_like(value):
-                    params[key] = self.body(value)
-                elif isinstance(value, tuple) and value and all(map(compat.is_jaxpr_like, value)):
-                    params[key] = tuple(self.body(v) for v in value)
+        params = self.rebuilt_params(eqn) if name in REBUILT else None
+        if params is not None:
             outs = compat.bind_eqn(eqn, invals, params)
         else:
             body = next(sub for _, sub in compat.eqn_subjaxprs(eqn))
@@ -329,6 +329,22 @@ class _Reorderer:
                     for o, v in zip(outs, eqn.outvars)]
         return [self.put(o, PERM if self.axes.full_dims(v) else INV)
                 for o, v in zip(outs, eqn.outvars)]
+
+    def rebuilt_params(self, eqn):
+        """``eqn``'s params with every body re-traced in layout order, or ``None`` when a
+        body gained constants its param cannot hold (remat's open jaxpr): then inline."""
+        params = dict(eqn.params)
+        for key, value in eqn.params.items():
+            if compat.is_jaxpr_like(value):
+                params[key] = self.body(value)
+            elif isinstance(value, tuple) and value and all(map(compat.is_jaxpr_like, value)):
+                params[key] = tuple(self.body(v) for v in value)
+            else:
+                continue
+            if any(p is None for p in (params[key] if isinstance(params[key], tuple)
+                                       else (params[key],))):
+                return None
+        return params
 
     def body(self, closed):
         jaxpr = compat.open_jaxpr(closed)
@@ -344,7 +360,7 @@ class _Reorderer:
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
         new = jax.make_jaxpr(fn)(*avals)
         if closed is jaxpr and not compat.JAXPR_CLASSES_MERGED:
-            return compat.open_jaxpr(new)
+            return None if compat.consts_of(new) else compat.open_jaxpr(new)
         return new
 
 
