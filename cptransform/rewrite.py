@@ -134,33 +134,15 @@ class Rewriter:
         return None
 
     def _rewrite_params(self, eqn: Any) -> dict | None:
-        """Params with every sub-jaxpr rewritten (unchanged objects where nothing matched).
-
-        ``None`` when a rewritten body needs constants its param cannot hold (an open
-        jaxpr, as remat's); the caller then inlines the equation.
-        """
-        params = dict(eqn.params)
-        for name, value in eqn.params.items():
-            if compat.is_jaxpr_like(value):
-                params[name] = self._rewrite_sub(value)
-            elif isinstance(value, tuple) and value and all(compat.is_jaxpr_like(v) for v in value):
-                params[name] = tuple(self._rewrite_sub(v) for v in value)
-            else:
-                continue
-            if any(p is None for p in (params[name] if isinstance(params[name], tuple)
-                                       else (params[name],))):
-                return None
-        return params
+        """Params with every sub-jaxpr rewritten (unchanged objects where nothing matched);
+        ``None`` when the caller must inline instead (see :func:`map_bodies`)."""
+        return map_bodies(eqn, self._rewrite_sub)
 
     def _rewrite_sub(self, sub: Any) -> Any:
         jaxpr = compat.open_jaxpr(sub)
         if not self._touches(jaxpr):
             return sub
-        new = self._retrace(sub)
-        if sub is jaxpr and not compat.JAXPR_CLASSES_MERGED:
-            # An open-jaxpr param (remat's) cannot carry constants.
-            return compat.open_jaxpr(new) if not compat.consts_of(new) else None
-        return new
+        return fit_body(sub, self._retrace(sub))
 
     def _touches(self, jaxpr: Any) -> bool:
         """Whether a rewrite could change this jaxpr (skip re-tracing untouched bodies)."""
@@ -174,3 +156,29 @@ class Rewriter:
             if any(self._touches(compat.open_jaxpr(s)) for _, s in compat.eqn_subjaxprs(eqn)):
                 return True
         return False
+
+
+def fit_body(old: Any, new: Any) -> Any:
+    """``new`` (a closed jaxpr) in the form of the param ``old`` came from, or ``None`` when
+    it cannot be: an open-jaxpr param (remat's, on JAX 0.10) cannot carry constants."""
+    if old is compat.open_jaxpr(old) and not compat.JAXPR_CLASSES_MERGED:
+        return None if compat.consts_of(new) else compat.open_jaxpr(new)
+    return new
+
+
+def map_bodies(eqn: Any, rewrite: Callable[[Any], Any]) -> dict | None:
+    """``eqn``'s params with ``rewrite`` applied to every jaxpr-valued param (and each
+    jaxpr of a tuple, as cond's branches). ``None`` when ``rewrite`` returned ``None`` for
+    some body: the equation cannot be re-bound and should be inlined."""
+    params = dict(eqn.params)
+    for name, value in eqn.params.items():
+        if compat.is_jaxpr_like(value):
+            params[name] = rewrite(value)
+        elif isinstance(value, tuple) and value and all(compat.is_jaxpr_like(v) for v in value):
+            params[name] = tuple(rewrite(v) for v in value)
+        else:
+            continue
+        if any(p is None for p in (params[name] if isinstance(params[name], tuple)
+                                   else (params[name],))):
+            return None
+    return params

@@ -23,6 +23,7 @@ from cptransform import compat
 from cptransform.attention import attention_p
 from cptransform.module import Module
 from cptransform.pipeline import Pass, PassResult, register
+from cptransform.rewrite import fit_body, map_bodies
 from cptransform.seq_axes import (ELEMENTWISE, ORDER_FREE_REDUCTIONS, SeqAxes, acting_dims,
                                   reshape_dim_map)
 from cptransform.lowering.layouts import SequenceLayout
@@ -314,7 +315,7 @@ class _Reorderer:
         """Sub-jaxprs: every full sequence-carrying value crosses the boundary permuted."""
         name = eqn.primitive.name
         invals = [self.to(x, a, PERM) for x, a in zip(invals, eqn.invars)]
-        params = self.rebuilt_params(eqn) if name in REBUILT else None
+        params = map_bodies(eqn, self.body) if name in REBUILT else None
         if params is not None:
             outs = compat.bind_eqn(eqn, invals, params)
         else:
@@ -330,22 +331,6 @@ class _Reorderer:
         return [self.put(o, PERM if self.axes.full_dims(v) else INV)
                 for o, v in zip(outs, eqn.outvars)]
 
-    def rebuilt_params(self, eqn):
-        """``eqn``'s params with every body re-traced in layout order, or ``None`` when a
-        body gained constants its param cannot hold (remat's open jaxpr): then inline."""
-        params = dict(eqn.params)
-        for key, value in eqn.params.items():
-            if compat.is_jaxpr_like(value):
-                params[key] = self.body(value)
-            elif isinstance(value, tuple) and value and all(map(compat.is_jaxpr_like, value)):
-                params[key] = tuple(self.body(v) for v in value)
-            else:
-                continue
-            if any(p is None for p in (params[key] if isinstance(params[key], tuple)
-                                       else (params[key],))):
-                return None
-        return params
-
     def body(self, closed):
         jaxpr = compat.open_jaxpr(closed)
         consts = compat.consts_of(closed)
@@ -358,10 +343,7 @@ class _Reorderer:
             return [self.to(o, v, PERM) for o, v in zip(outs, jaxpr.outvars)]
 
         avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-        new = jax.make_jaxpr(fn)(*avals)
-        if closed is jaxpr and not compat.JAXPR_CLASSES_MERGED:
-            return None if compat.consts_of(new) else compat.open_jaxpr(new)
-        return new
+        return fit_body(closed, jax.make_jaxpr(fn)(*avals))
 
 
 @register
