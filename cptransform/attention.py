@@ -116,7 +116,6 @@ def _jvp(primals, tangents, *, spec: AttentionSpec):
 
 
 def _batch(args, dims, *, spec: AttentionSpec):
-    nb = len(spec.q.batch)
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     moved = []
     for i, (x, d) in enumerate(zip(args, dims)):

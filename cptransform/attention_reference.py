@@ -7,7 +7,6 @@ partial results can be merged exactly. :func:`attention_reference` is the whole
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-import jax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 from jax._src import core as _core

@@ -13,7 +13,6 @@ logged with its bytes, and ``strict`` makes it an error.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import jax
 import jax.numpy as jnp

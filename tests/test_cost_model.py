@@ -26,7 +26,7 @@ def test_design_worked_numbers(kv_heads, ring_mib, ulysses_mib):
 
 
 def test_backward_volumes():
-    s, h, d, cp = DESIGN["seq"], 4096, 128, 8
+    s, h, cp = DESIGN["seq"], 4096, 8
     h_kv = h // 4
     kw = dict(DESIGN, kv_heads=8)
     ulysses = schedule_volume("ulysses", **kw)
