@@ -306,3 +306,26 @@ def test_remat_layers_stay_rematerialized(llama_case):
     assert_tree_close(grads, ref_g)
     names = {e.primitive.name for e in iter_eqns(f.module(params, tokens).jaxpr)}
     assert names & {"remat2", "checkpoint"}
+
+
+def position_table_model(p, tokens):
+    """A learned position table longer than the sequence, sliced, plus a position table
+    computed with numpy at trace time (a constant that carries the sequence axis)."""
+    s = tokens.shape[1]
+    x = p["emb"][tokens] + p["pos"][:s][None]
+    x = x + jnp.asarray(np.sin(np.arange(s)[:, None] * np.linspace(0.1, 1.0, 16)), jnp.float32)
+    q = x.reshape(x.shape[0], s, 2, 8)
+    return jnp.mean(jnp.tanh(jax.nn.dot_product_attention(q, q, q, is_causal=True)) ** 2)
+
+
+@pytest.mark.parametrize("load_balance", ["zigzag", "striped"])
+def test_position_tables_follow_the_reordering(load_balance):
+    keys = jax.random.split(jax.random.key(9), 3)
+    p = {"emb": jax.random.normal(keys[0], (20, 16)), "pos": jax.random.normal(keys[1], (48, 16))}
+    tokens = jax.random.randint(keys[2], (2, 32), 0, 20)
+    ref_v, ref_g = jax.value_and_grad(position_table_model)(p, tokens)
+    f = context_parallel(position_table_model, cp=4, load_balance=load_balance)
+    value, grads = jax.value_and_grad(f)(p, tokens)
+    np.testing.assert_allclose(value, ref_v, rtol=RTOL)
+    assert_tree_close(grads, ref_g)
+    assert "args[0]['pos'] dim [0], args[1] dim [1]" in f.explain(p, tokens)
