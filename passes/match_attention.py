@@ -843,45 +843,54 @@ def build_plan(m: Matcher, steps, labels, core, qk, q_var, k_var, qc, kc, nb, q_
     if sorted(map(str, out_labels_pv)) != sorted(map(str, out_labels)):
         raise NotAttention("the output dims do not line up with q's dims")
 
+    # Padding masks (a query-only or key-only predicate, e.g. ``tokens != pad``) need no
+    # S×S operand: they are folded into segment ids (see ``padding_ids``).
+    pads = [d for d in parts.dense
+            if _only_on(d, batch_labels, q_seq) or _only_on(d, batch_labels, kv_label)]
+    q_pads = [d for d in pads if _only_on(d, batch_labels, q_seq)]
+    kv_pads = [d for d in pads if d not in q_pads]
+    dense_parts = [d for d in parts.dense if d not in pads]
     band = parts.band
     mask_spec = MaskSpec(
         causal=band is not None and band[1] is not None,
         causal_offset=band[1] if band is not None and band[1] is not None else 0,
         window=(-band[0], None) if band is not None and band[0] is not None else None,
-        segments=parts.segments is not None, dense=bool(parts.dense), bias=bool(biases),
-        empty_rows=empty_rows)
+        segments=parts.segments is not None or bool(pads), dense=bool(dense_parts),
+        bias=bool(biases), empty_rows=empty_rows)
     spec = AttentionSpec(q=canonical, k=k_layout, v=k_layout, scale=float(scale),
                          softcap=softcap, groups=groups, mask=mask_spec)
 
     sides: list = []
     seg_sides = list(parts.segments) if parts.segments else []
     sides += [s.var for s in seg_sides]
-    sides += [d.source.var for d in parts.dense]
+    sides += [d.source.var for d in q_pads + kv_pads + dense_parts]
     sides += [b.var for b, _ in biases]
     pair_target = [*batch_labels, tuple(heads_labels), q_seq, kv_label]
     full = (q_seq, kv_label)
     out_aval = compat.aval_of(out_var)
-    n_seg, n_dense = len(seg_sides), len(parts.dense)
+    n_seg, n_dense = len(seg_sides), len(dense_parts)
+    n_qpad, n_kvpad = len(q_pads), len(kv_pads)
 
     def build(q, k, v, *side_values):
         operands = [arrange(q, q_labels, q_target, sizes), arrange(k, k_labels, k_target, sizes),
                     arrange(v, v_labels, v_target, sizes)]
         vals = list(side_values)
+        q_seq_target, kv_seq_target = [*batch_labels, q_seq], [*batch_labels, kv_label]
+        ids = [None, None]
         if n_seg:
-            qs, ks = vals[:2]
-            operands.append(arrange(qs, seg_sides[0].dims, [*batch_labels, q_seq], sizes,
-                                    (q_seq,)))
-            operands.append(arrange(ks, seg_sides[1].dims, [*batch_labels, kv_label], sizes,
-                                    (kv_label,)))
+            ids = [arrange(vals[0], seg_sides[0].dims, q_seq_target, sizes, (q_seq,)),
+                   arrange(vals[1], seg_sides[1].dims, kv_seq_target, sizes, (kv_label,))]
         vals = vals[n_seg:]
+        if n_qpad or n_kvpad:
+            q_ok = _all_of(q_pads, vals[:n_qpad], q_seq_target, sizes, (q_seq,))
+            kv_ok = _all_of(kv_pads, vals[n_qpad:n_qpad + n_kvpad], kv_seq_target, sizes,
+                            (kv_label,))
+            ids = padding_ids(ids, q_ok, kv_ok, nbl, sizes[q_seq], sizes[kv_label])
+        vals = vals[n_qpad + n_kvpad:]
+        if ids[0] is not None:
+            operands += ids
         if n_dense:
-            mask = None
-            for d, val in zip(parts.dense, vals[:n_dense]):
-                val = val if val.dtype == jnp.bool_ else lax.ne(val, jnp.zeros((), val.dtype))
-                val = lax.bitwise_not(val) if d.negated else val
-                val = arrange(val, d.source.dims, pair_target, sizes, full)
-                mask = val if mask is None else lax.bitwise_and(mask, val)
-            operands.append(mask)
+            operands.append(_all_of(dense_parts, vals[:n_dense], pair_target, sizes, full))
         vals = vals[n_dense:]
         if biases:
             total = None
@@ -901,9 +910,48 @@ def build_plan(m: Matcher, steps, labels, core, qk, q_var, k_var, qc, kc, nb, q_
             out = lax.convert_element_type(out, out_aval.dtype)
         return [out]
 
-    kinds = tuple(parts.kinds) + (("bias",) if biases else ())
+    kinds = tuple(k for k in parts.kinds if k != "dense" or dense_parts) \
+        + (("padding",) if pads else ()) + (("bias",) if biases else ())
     rep = Replacement(root, (q_in, k_in, v_in, *sides), build)
     return Plan(rep, spec, kinds)
+
+
+def _only_on(part, batch_labels, seq_label) -> bool:
+    """Whether a dense mask part varies only along batch dims and one sequence dim."""
+    used = {lab for lab in part.source.dims if lab is not None}
+    return seq_label in used and used <= set(batch_labels) | {seq_label}
+
+
+def _all_of(parts, values, target, sizes, full):
+    """The conjunction of dense mask parts, each arranged to ``target`` (boolean)."""
+    mask = None
+    for d, val in zip(parts, values):
+        val = val if val.dtype == jnp.bool_ else lax.ne(val, jnp.zeros((), val.dtype))
+        val = lax.bitwise_not(val) if d.negated else val
+        val = arrange(val, d.source.dims, target, sizes, full)
+        mask = val if mask is None else lax.bitwise_and(mask, val)
+    return mask
+
+
+def padding_ids(ids, q_ok, kv_ok, lead: int, q_len: int, kv_len: int):
+    """Segment ids that also encode query/key padding: ``q == kv`` iff the segments are
+    equal and both tokens are kept.
+
+    ``ids``: the ``[q_ids, kv_ids]`` found (or ``None``s), ``q_ok``/``kv_ok``: boolean
+    ``(*batch|1, T)`` keep-masks (or ``None``), ``lead``: the number of batch dims. Kept
+    tokens get even ids (``2·segment``, or 0 without segments); a dropped query gets 1 and
+    a dropped key 3, which equal nothing on the other side.
+    """
+    def encode(base, ok, dropped, length):
+        base = jnp.zeros((1,) * lead + (length,), jnp.int32) if base is None \
+            else lax.mul(lax.convert_element_type(base, jnp.int32), jnp.int32(2))
+        if ok is None:
+            return base
+        shape = jnp.broadcast_shapes(base.shape, ok.shape)
+        return lax.select(jnp.broadcast_to(ok, shape), jnp.broadcast_to(base, shape),
+                          lax.full(shape, dropped, jnp.int32))
+
+    return [encode(ids[0], q_ok, 1, q_len), encode(ids[1], kv_ok, 3, kv_len)]
 
 
 # -- the pass --------------------------------------------------------------------------------

@@ -329,3 +329,22 @@ def test_position_tables_follow_the_reordering(load_balance):
     np.testing.assert_allclose(value, ref_v, rtol=RTOL)
     assert_tree_close(grads, ref_g)
     assert "args[0]['pos'] dim [0], args[1] dim [1]" in f.explain(p, tokens)
+
+
+def test_padded_batch_needs_no_square_mask():
+    """``tokens != pad`` masks become segment ids: nothing S×S reaches the schedule."""
+    keys = jax.random.split(jax.random.key(11), 2)
+    x = jax.random.normal(keys[0], (2, 32, 2, 8))
+    tokens = jax.random.randint(keys[1], (2, 32), 0, 4)  # 0 is padding
+
+    def padded(x, tokens):
+        keep = (tokens != 0)[:, None, None, :]
+        return jnp.sum(jax.nn.dot_product_attention(x, x, x, mask=keep, is_causal=True) ** 2)
+
+    f = context_parallel(padded, cp=4, load_balance="zigzag")
+    ref_v, ref_g = jax.value_and_grad(padded)(x, tokens)
+    value, grad = jax.value_and_grad(f)(x, tokens)
+    np.testing.assert_allclose(value, ref_v, rtol=RTOL)
+    assert_tree_close(grad, ref_g)
+    text = f.explain(x, tokens)
+    assert "rewritten [causal padding] causal segments" in text and "dense" not in text
