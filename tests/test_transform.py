@@ -347,4 +347,5 @@ def test_padded_batch_needs_no_square_mask():
     np.testing.assert_allclose(value, ref_v, rtol=RTOL)
     assert_tree_close(grad, ref_g)
     text = f.explain(x, tokens)
-    assert "rewritten [causal padding] causal segments" in text and "dense" not in text
+    assert "rewritten [causal padding] causal segments empty=uniform" in text
+    assert "mask: causal segments empty=uniform;" in text
