@@ -38,7 +38,7 @@ def explain_module(module, options: Any) -> str:
              f"{dict(mesh.shape) if mesh is not None else '?'}",
              f"  layout: {layout.name if layout is not None else 'contiguous'}"
              f" (load_balance={options.load_balance}); kernel: {options.kernel}"]
-    if seq is not None:
+    if seq is not None and seq.seq_len is not None:
         lines.append(f"  sequence axis: {seq.describe()}")
     matches = meta.get("matches") or []
     if matches:
@@ -48,7 +48,9 @@ def explain_module(module, options: Any) -> str:
         lines += [f"    {m}" for m in matches]
     plans = meta.get("plan") or ()
     if not plans:
-        lines.append("  no attention found: the function runs as is, inputs sharded by XLA")
+        lines.append("  no attention found: the function runs unchanged; nothing is sharded "
+                     "(pass seq_axes= or use cptransform.attention for an attention the "
+                     "matcher does not see)")
     for p in plans:
         bytes_line = ", ".join(f"{s} {b / 2**20:.3f} MiB" for s, b in p.bytes_per_device.items())
         lines += [f"  attention #{p.index} at {p.source}",
