@@ -23,8 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cptransform.attention_reference import fill_empty_rows
-from cptransform.lowering.context_parallel_attention import ContextParallelError, \
-    register_schedule
+from cptransform.lowering.context_parallel_attention import register_schedule
 from cptransform.lowering.ulysses import gather_sequence
 
 
@@ -70,13 +69,9 @@ def _bwd(spec, axis, kernel, residuals, cotangents):
 gathered_attention.defvjp(_fwd, _bwd)
 
 
-@register_schedule("allgather")
+@register_schedule("allgather", mesh_axes=1)
 def allgather(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, *, spec, axes, kernel):
     """The ``allgather`` schedule over one mesh axis (see the module doc)."""
-    if len(axes) != 1:
-        raise ContextParallelError(
-            f"schedule 'allgather' runs over one mesh axis, got {axes}; put the CP devices "
-            "on one mesh axis or use schedule='hybrid'")
     o, lse, v_mean = gathered_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias,
                                         spec, axes[0], kernel)
     return fill_empty_rows(spec, o, lse, v_mean).astype(q.dtype)

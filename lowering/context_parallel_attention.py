@@ -61,10 +61,22 @@ class ContextParallelError(ValueError):
     """Operands, mesh or options that a context-parallel attention cannot use; says the fix."""
 
 
-def register_schedule(name: str):
-    """Decorator: register a local schedule function under ``name`` in :data:`SCHEDULES`."""
+#: How many CP mesh axes each schedule runs over (absent: any number).
+SCHEDULE_AXES: dict[str, int] = {}
+
+_AXES_HINT = {1: "put the CP devices on one mesh axis, or use schedule='hybrid' with "
+                 "axes=(ulysses_axis, ring_axis)",
+              2: "give axes=(ulysses_axis, ring_axis), or use 'ring' or 'ulysses' over one "
+                 "axis"}
+
+
+def register_schedule(name: str, *, mesh_axes: int | None = None):
+    """Decorator: register a local schedule function under ``name`` in :data:`SCHEDULES`;
+    ``mesh_axes`` is the number of CP mesh axes it needs (checked before ``shard_map``)."""
     def register(fn):
         SCHEDULES[name] = fn
+        if mesh_axes is not None:
+            SCHEDULE_AXES[name] = mesh_axes
         return fn
     return register
 
@@ -126,6 +138,11 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     if schedule not in SCHEDULES:
         raise ContextParallelError(
             f"unknown schedule {schedule!r}; use one of {', '.join(sorted(SCHEDULES))}")
+    want = SCHEDULE_AXES.get(schedule)
+    if want is not None and len(axes) != want:
+        raise ContextParallelError(
+            f"schedule {schedule!r} runs over {want} mesh {'axes' if want > 1 else 'axis'}, "
+            f"got {axes}; {_AXES_HINT[want]}")
     if layout not in LAYOUTS:
         raise ContextParallelError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
     local_kernel = get_kernel(kernel)

@@ -16,19 +16,14 @@ Needs ``H % U == 0``; any factorisation of ``cp`` works otherwise.
 """
 from __future__ import annotations
 
-from cptransform.lowering.context_parallel_attention import ContextParallelError, \
-    register_schedule
+from cptransform.lowering.context_parallel_attention import register_schedule
 from cptransform.lowering.ring import ring
 from cptransform.lowering.ulysses import ulysses_around
 
 
-@register_schedule("hybrid")
+@register_schedule("hybrid", mesh_axes=2)
 def hybrid(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, *, spec, axes, kernel):
     """The hybrid schedule over ``axes = (ulysses_axis, ring_axis)`` (see the module doc)."""
-    if len(axes) != 2:
-        raise ContextParallelError(
-            f"schedule 'hybrid' needs two mesh axes (ulysses_axis, ring_axis), got {axes}; "
-            "for one axis use 'ulysses' or 'ring'")
     ulysses_axis, ring_axis = axes
 
     def ring_over_groups(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec):

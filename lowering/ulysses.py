@@ -124,12 +124,8 @@ def local_attention(kernel, q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, s
     return fill_empty_rows_sharded(spec, o, lse, v, (), k.shape[1]).astype(q.dtype)
 
 
-@register_schedule("ulysses")
+@register_schedule("ulysses", mesh_axes=1)
 def ulysses(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, *, spec, axes, kernel):
     """The Ulysses schedule over one mesh axis (see the module doc)."""
-    if len(axes) != 1:
-        raise ContextParallelError(
-            f"schedule 'ulysses' runs over one mesh axis, got {axes}; for two axes use "
-            "schedule='hybrid' with axes=(ulysses_axis, ring_axis)")
     return ulysses_around(partial(local_attention, kernel), q, k, v, q_pos, kv_pos, q_seg,
                           kv_seg, mask, bias, spec=spec, axis=axes[0])

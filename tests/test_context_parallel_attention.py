@@ -142,3 +142,15 @@ def test_bad_operand_shapes_are_named(small):
     with pytest.raises(AttentionShapeError, match=r"q and k head dims differ: 8 vs 6"):
         context_parallel_attention(q, k[..., :6], v, spec=small.spec,
                                    mesh=make_mesh((4,), ("cp",)), axes="cp")
+
+
+@pytest.mark.parametrize("schedule,axes,message", [
+    ("ulysses", ("a", "b"), r"'ulysses' runs over 1 mesh axis, got \('a', 'b'\); put the CP"),
+    ("allgather", ("a", "b"), r"'allgather' runs over 1 mesh axis, got \('a', 'b'\)"),
+    ("hybrid", ("a",), r"'hybrid' runs over 2 mesh axes, got \('a',\); give axes="),
+])
+def test_schedule_axis_count_is_checked_before_shard_map(small, schedule, axes, message):
+    mesh = make_mesh((2, 2), ("a", "b"))
+    with pytest.raises(ContextParallelError, match=message):
+        context_parallel_attention(*small.operands, spec=small.spec, mesh=mesh, axes=axes,
+                                   schedule=schedule)
