@@ -508,16 +508,21 @@ def _band(op: str, diff: Affine, origin: Opaque) -> Pred:
 
 
 def unit_reshape_dims(src_shape: Sequence[int], out_shape: Sequence[int],
-                      dims: DimMap) -> DimMap | None:
-    """Dim map of a reshape's input when it only adds or drops size-1 dims, else None."""
+                      dims: DimMap, *, forward: bool = False) -> DimMap | None:
+    """Labels across a reshape that only adds or drops size-1 dims (None for any other).
+
+    ``dims`` label the output, and the input's labels are returned; with ``forward`` it is
+    the other way round (``dims`` label the input)."""
     src_big = [i for i, n in enumerate(src_shape) if n != 1]
     out_big = [i for i, n in enumerate(out_shape) if n != 1]
     if [src_shape[i] for i in src_big] != [out_shape[i] for i in out_big]:
         return None
-    src = [None] * len(src_shape)
+    if forward:
+        src_big, out_big, src_shape = out_big, src_big, out_shape
+    labels = [None] * len(src_shape)
     for i, o in zip(src_big, out_big):
-        src[i] = dims[o]
-    return tuple(src)
+        labels[i] = dims[o]
+    return tuple(labels)
 
 
 # -- what the mask means for an attention ----------------------------------------------------

@@ -332,8 +332,9 @@ class Matcher:
             elif name == "transpose":
                 dims = tuple(dims[i] for i in user.params["permutation"])
             elif name in ("reshape", "squeeze", "expand_dims"):
-                new = _forward_unit_reshape(compat.aval_of(p).shape,
-                                            compat.aval_of(user.outvars[0]).shape, dims)
+                new = unit_reshape_dims(compat.aval_of(p).shape,
+                                        compat.aval_of(user.outvars[0]).shape, dims,
+                                        forward=True)
                 if new is None:
                     raise NotAttention("the probabilities are reshaped before the value product")
                 dims = new
@@ -485,8 +486,8 @@ class Matcher:
                 steps.append(Step("layout"))
                 continue
             if name in ("reshape", "squeeze", "expand_dims"):
-                new = _forward_unit_reshape(compat.aval_of(eqn.invars[main]).shape, out_shape,
-                                            labels)
+                new = unit_reshape_dims(compat.aval_of(eqn.invars[main]).shape, out_shape,
+                                        labels, forward=True)
                 if new is None or {x for x in new if x is not None} != \
                         {x for x in labels if x is not None}:
                     raise NotAttention("the logits are reshaped (dims merged or split)")
@@ -567,18 +568,6 @@ def _side_dims(atom: Any, labels: tuple) -> tuple:
     if len(shape) == 0:
         return ()
     return tuple(lab if n != 1 else None for lab, n in zip(labels, shape))
-
-
-def _forward_unit_reshape(src_shape, out_shape, dims) -> tuple | None:
-    """Labels after a reshape that only adds or drops size-1 dims (None otherwise)."""
-    src_big = [i for i, n in enumerate(src_shape) if n != 1]
-    out_big = [i for i, n in enumerate(out_shape) if n != 1]
-    if [src_shape[i] for i in src_big] != [out_shape[i] for i in out_big]:
-        return None
-    out = [None] * len(out_shape)
-    for i, o in zip(src_big, out_big):
-        out[o] = dims[i]
-    return tuple(out)
 
 
 # -- from a matched chain to an attention_p equation -------------------------------------------
