@@ -71,13 +71,7 @@ class Rewriter:
     def _retrace(self, closed: Any) -> Any:
         jaxpr = compat.open_jaxpr(closed)
         consts = compat.consts_of(closed)
-        # Keep weak types: a body re-traced with strong inputs can change its output types
-        # (a scan carry would then no longer match its initial value).
-        in_avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
-                                         weak_type=getattr(v.aval, "weak_type", False))
-                    for v in jaxpr.invars]
-        new = jax.make_jaxpr(lambda *xs: self.eval(jaxpr, consts, xs))(*in_avals)
-        return compat.dce(new)
+        return compat.dce(trace_like(jaxpr, lambda *xs: self.eval(jaxpr, consts, xs)))
 
     def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list:
         """Evaluate an open jaxpr with replacements under the current trace."""
@@ -182,3 +176,14 @@ def map_bodies(eqn: Any, rewrite: Callable[[Any], Any]) -> dict | None:
                                    else (params[name],))):
             return None
     return params
+
+
+def trace_like(jaxpr: Any, fn: Callable) -> Any:
+    """``make_jaxpr(fn)`` over arguments shaped like ``jaxpr``'s inputs.
+
+    Weak types are kept: a body re-traced with strong inputs can change its output types
+    (a scan carry would then no longer match its initial value)."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
+                                  weak_type=getattr(v.aval, "weak_type", False))
+             for v in compat.open_jaxpr(jaxpr).invars]
+    return jax.make_jaxpr(fn)(*avals)

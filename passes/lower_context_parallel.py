@@ -18,7 +18,7 @@ from cptransform import compat
 from cptransform.attention import attention_p
 from cptransform.module import Module, iter_eqns
 from cptransform.pipeline import Pass, PassResult, register
-from cptransform.rewrite import Rewriter
+from cptransform.rewrite import Rewriter, trace_like
 from cptransform.seq_axes import SeqAxes
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
 from cptransform.passes.infer_seq_axes import analyse
@@ -94,8 +94,7 @@ class LowerContextParallel(Pass):
             xs = [lowerer.constrain(x, v) for x, v in zip(xs, jaxpr.invars)]
             return lowerer.eval(jaxpr, consts, xs)
 
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-        new = compat.dce(jax.make_jaxpr(fn)(*avals))
+        new = compat.dce(trace_like(jaxpr, fn))
         return PassResult(module.with_jaxpr(new), n > 0)
 
     def verify(self, module: Module) -> None:

@@ -22,7 +22,7 @@ from cptransform import compat
 from cptransform.attention import attention_p
 from cptransform.module import Module
 from cptransform.pipeline import Pass, PassResult, register
-from cptransform.rewrite import fit_body, map_bodies
+from cptransform.rewrite import fit_body, map_bodies, trace_like
 from cptransform.seq_axes import (ELEMENTWISE, ORDER_FREE_REDUCTIONS, SeqAxes, acting_dims,
                                   reshape_dim_map)
 from cptransform.lowering.layouts import SequenceLayout
@@ -341,8 +341,7 @@ class _Reorderer:
                     self.eval(jaxpr, consts, xs)]
             return [self.to(o, v, PERM) for o, v in zip(outs, jaxpr.outvars)]
 
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-        return fit_body(closed, jax.make_jaxpr(fn)(*avals))
+        return fit_body(closed, trace_like(jaxpr, fn))
 
 
 @register
@@ -388,7 +387,6 @@ class ReorderSequence(Pass):
             want = PERM if self.keep_permuted else NAT
             return [worker.to(o, v, want) for o, v in zip(outs, jaxpr.outvars)]
 
-        avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in jaxpr.invars]
-        new = compat.dce(jax.make_jaxpr(fn)(*avals))
+        new = compat.dce(trace_like(jaxpr, fn))
         log = tuple(f"reorder-sequence: {m}" for m in worker.log)
         return PassResult(module.with_jaxpr(new, layout=layout, reorder_log=log), True, log)
