@@ -20,7 +20,8 @@ from cptransform.module import Module, iter_eqns
 from cptransform.pipeline import Pass, PassResult, register
 from cptransform.rewrite import Rewriter, trace_like
 from cptransform.seq_axes import SeqAxes
-from cptransform.lowering.context_parallel_attention import context_parallel_attention
+from cptransform.lowering.context_parallel_attention import (context_parallel_attention,
+                                                              sequence_mesh_axes)
 from cptransform.passes.infer_seq_axes import analyse
 
 
@@ -32,7 +33,7 @@ class _Lowerer(Rewriter):
         self.axes, self.steps, self.mesh = axes, list(plan), mesh
         self.cp_axes, self.layout, self.kernel = tuple(cp_axes), layout, kernel
         self.next_attention = 0
-        self.seq = tuple(reversed(self.cp_axes))
+        self.seq = sequence_mesh_axes(self.cp_axes)
 
     def constrain(self, value, atom):
         dims = self.axes.full_dims(atom)
