@@ -76,26 +76,15 @@ class Rewriter:
     def eval(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list:
         """Evaluate an open jaxpr with replacements under the current trace."""
         replacements = self._replacements(jaxpr)
-        env: dict = {}
 
-        def read(atom):
-            return compat.literal_value(atom) if compat.is_literal(atom) else env[atom]
-
-        for var, val in zip(jaxpr.constvars, consts):
-            env[var] = val
-        for var, val in zip(jaxpr.invars, args):
-            env[var] = val
-        for eqn in jaxpr.eqns:
-            invals = [read(a) for a in eqn.invars]
+        def step(eqn, read):
             rep = replacements.get(id(eqn))
-            if rep is not None:
-                with compat.eqn_context(eqn):
-                    outs = list(rep.build(*[read(a) for a in rep.inputs]))
-            else:
-                outs = self.eval_eqn(eqn, invals)
-            for var, val in zip(eqn.outvars, outs):
-                env[var] = val
-        return [read(v) for v in jaxpr.outvars]
+            if rep is None:
+                return self.eval_eqn(eqn, [read(a) for a in eqn.invars])
+            with compat.eqn_context(eqn):
+                return list(rep.build(*[read(a) for a in rep.inputs]))
+
+        return interpret(jaxpr, consts, args, step)
 
     def eval_eqn(self, eqn: Any, invals: list) -> list:
         rule = (self.rules or {}).get(eqn.primitive.name)
@@ -187,3 +176,21 @@ def trace_like(jaxpr: Any, fn: Callable) -> Any:
                                   weak_type=getattr(v.aval, "weak_type", False))
              for v in compat.open_jaxpr(jaxpr).invars]
     return jax.make_jaxpr(fn)(*avals)
+
+
+def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
+              step: Callable[[Any, Callable], Sequence[Any]]) -> list:
+    """Evaluate an open jaxpr equation by equation under the current trace.
+
+    ``step(eqn, read)`` returns the equation's outputs; ``read(atom)`` gives the value of
+    any variable defined so far (or a literal's value)."""
+    env: dict = {}
+
+    def read(atom):
+        return compat.literal_value(atom) if compat.is_literal(atom) else env[atom]
+
+    env.update(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    for eqn in jaxpr.eqns:
+        env.update(zip(eqn.outvars, step(eqn, read)))
+    return [read(v) for v in jaxpr.outvars]

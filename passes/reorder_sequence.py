@@ -22,7 +22,7 @@ from cptransform import compat
 from cptransform.attention import attention_p
 from cptransform.module import Module
 from cptransform.pipeline import Pass, PassResult, register
-from cptransform.rewrite import fit_body, map_bodies, trace_like
+from cptransform.rewrite import fit_body, interpret, map_bodies, trace_like
 from cptransform.seq_axes import (ELEMENTWISE, ORDER_FREE_REDUCTIONS, SeqAxes, acting_dims,
                                   reshape_dim_map)
 from cptransform.lowering.layouts import SequenceLayout
@@ -99,20 +99,10 @@ class _Reorderer:
 
     # -- the interpreter --
     def eval(self, jaxpr, consts, args):
-        env: dict = {}
-
-        def read(atom):
-            return compat.literal_value(atom) if compat.is_literal(atom) else env[atom]
-
-        for var, val in zip(jaxpr.constvars, consts):
-            env[var] = self.put(val, NAT if self.axes.full_dims(var) else INV)
-        for var, val in zip(jaxpr.invars, args):
-            env[var] = val
-        for eqn in jaxpr.eqns:
-            outs = self.eval_eqn(eqn, [read(a) for a in eqn.invars])
-            for var, val in zip(eqn.outvars, outs):
-                env[var] = val
-        return [read(v) for v in jaxpr.outvars]
+        consts = [self.put(val, NAT if self.axes.full_dims(var) else INV)
+                  for var, val in zip(jaxpr.constvars, consts)]
+        return interpret(jaxpr, consts, args,
+                         lambda eqn, read: self.eval_eqn(eqn, [read(a) for a in eqn.invars]))
 
     def eval_eqn(self, eqn, invals):
         name = eqn.primitive.name
