@@ -33,16 +33,6 @@ stop_gradient optimization_barrier
 ORDER_FREE_REDUCTIONS = frozenset(
     "reduce_sum reduce_max reduce_min reduce_prod reduce_and reduce_or reduce_xor".split())
 
-#: Primitives whose result is indexed by position along an axis (reordering it changes
-#: the result): slicing, padding, scans along the axis, convolutions, sorting.
-POSITIONAL = frozenset("""
-slice dynamic_slice dynamic_update_slice pad concatenate cumsum cumprod cummax cummin
-cumlogsumexp rev conv_general_dilated reduce_window reduce_window_sum reduce_window_max
-sort argmax argmin top_k scatter scatter-add scatter_add scatter_mul scatter_min
-scatter_max
-""".split())
-
-
 def _same_dims(eqn) -> list[Link]:
     out = eqn.outvars[0]
     links = []
@@ -139,10 +129,6 @@ def _gather(eqn) -> list[Link]:
     return links
 
 
-def _cumulative(eqn) -> list[Link]:
-    return _same_dims(eqn)
-
-
 def _slice_like(eqn) -> list[Link]:
     """Positional ops keep their dims (with new sizes along sliced axes)."""
     x, out = eqn.invars[0], eqn.outvars[0]
@@ -173,8 +159,8 @@ RULES: dict[str, Callable[[Any], list[Link]]] = {
     "dot_general": _dot_general,
     "gather": _gather,
     **{name: _dropping("axes") for name in ORDER_FREE_REDUCTIONS | {"argmax", "argmin"}},
-    **{name: _cumulative for name in ("cumsum", "cumprod", "cummax", "cummin",
-                                       "cumlogsumexp", "rev")},
+    **{name: _same_dims for name in ("cumsum", "cumprod", "cummax", "cummin",
+                                      "cumlogsumexp", "rev")},
     **{name: _slice_like for name in ("slice", "dynamic_slice", "pad")},
     "concatenate": _concatenate,
     "attention": _attention,
@@ -248,13 +234,12 @@ class SeqAxes:
     """The result of :func:`infer_seq_axes` for one program.
 
     ``dims(atom)`` is the set of sequence-carrying dims of a value (of any jaxpr nested in
-    the program); ``seq_len`` the attention sequence length; ``positional`` the equations
-    that index along a sequence dim (slices, pads, cumsums, gathers by position...).
+    the program); ``seq_len`` the attention sequence length; ``attentions`` the
+    ``attention_p`` equations.
     """
 
     seq_len: int | None
     component: set = field(default_factory=set)
-    positional: list = field(default_factory=list)
     attentions: list = field(default_factory=list)
 
     def dims(self, atom: Any) -> tuple[int, ...]:
@@ -289,10 +274,9 @@ def infer_seq_axes(closed: Any, overrides: dict[int, tuple[int, ...]] | None = N
     """
     graph = nx.Graph()
     seeds: list[tuple[Any, int]] = []
-    attentions, positional = [], []
+    attentions = []
     for eqn in _walk(closed):
-        name = eqn.primitive.name
-        rule = RULES.get(name)
+        rule = RULES.get(eqn.primitive.name)
         links = rule(eqn) if rule else []
         links += _body_links(eqn)
         for a, da, b, db in links:
@@ -300,8 +284,6 @@ def infer_seq_axes(closed: Any, overrides: dict[int, tuple[int, ...]] | None = N
         if eqn.primitive is attention_p:
             attentions.append(eqn)
             seeds += attention_seeds(eqn)
-        if name in POSITIONAL:
-            positional.append(eqn)
     jaxpr = compat.open_jaxpr(closed)
     blocked = set()
     for index, dims in (overrides or {}).items():
@@ -332,14 +314,7 @@ def infer_seq_axes(closed: Any, overrides: dict[int, tuple[int, ...]] | None = N
         component.add(seed)
         if seed in graph:
             component |= nx.node_connected_component(graph, seed)
-    return SeqAxes(seq_len, component, [e for e in positional
-                                        if any(e.invars[0] is a for a, _ in component)
-                                        or _touches(e, component)], attentions)
-
-
-def _touches(eqn, component: set) -> bool:
-    return any((a, d) in component for a in eqn.invars if not compat.is_literal(a)
-               for d in range(a.aval.ndim))
+    return SeqAxes(seq_len, component, attentions)
 
 
 def acting_dims(eqn) -> set[int] | None:
