@@ -131,7 +131,7 @@ class _Reorderer:
             return [self.put(o, NAT if self.axes.full_dims(v) else INV)
                     for o, v in zip(outs, eqn.outvars)]
         states = {self.get(invals[i]) for i in carrying}
-        if name in EQUIVARIANT or (name == "gather" and self._gather_equivariant(eqn)) \
+        if name in EQUIVARIANT or (name == "gather" and self._gather_keeps_order(eqn)) \
                 or self._acts_off_sequence(eqn, carrying):
             want = PERM if PERM in states else NAT
             invals = [self.to(x, a, want) if i in carrying else x
@@ -196,7 +196,7 @@ class _Reorderer:
             if i not in states and any(atom.aval.shape[d] == length
                                        for d in self.axes.dims(atom)):
                 return None  # a natural-order slice meets a shifted one
-        if name == "gather" and not self._gather_by_batch(eqn):
+        if name == "gather" and not self._gather_keeps_order(eqn):
             return None
         big = max(shifted, key=lambda i: np.prod(invals[i].shape))
         offset = states[big].offset
@@ -238,13 +238,6 @@ class _Reorderer:
             result.append(self.put(out, Shift(offset, length, dims[0]) if dims else INV))
         return result
 
-    def _gather_by_batch(self, eqn) -> bool:
-        """A gather whose sequence dims are batching dims on both sides (take_along_axis)."""
-        dn = eqn.params["dimension_numbers"]
-        operand, indices = eqn.invars
-        return (set(self.axes.dims(operand)) <= set(dn.operand_batching_dims)
-                and set(self.axes.dims(indices)) <= set(dn.start_indices_batching_dims))
-
     def _acts_off_sequence(self, eqn, carrying) -> bool:
         """A positional op (slice, concatenate, pad, ...) acting only on non-sequence dims."""
         acting = acting_dims(eqn)
@@ -252,11 +245,12 @@ class _Reorderer:
             return False
         return all(not acting & set(self.axes.dims(eqn.invars[i])) for i in carrying)
 
-    def _gather_equivariant(self, eqn) -> bool:
-        """Gathers that only index *by* sequence-carrying indices (embedding lookups)."""
+    def _gather_keeps_order(self, eqn) -> bool:
+        """A gather that never indexes *along* the sequence: the operand's sequence dims are
+        batching dims (``take_along_axis`` per token) or it has none (an embedding lookup by
+        sequence-carrying indices). Its output then follows its operands' token order."""
         dn = eqn.params["dimension_numbers"]
-        operand = eqn.invars[0]
-        return all(d in dn.operand_batching_dims for d in self.axes.full_dims(operand))
+        return set(self.axes.dims(eqn.invars[0])) <= set(dn.operand_batching_dims)
 
     def positional(self, eqn, invals, carrying, states):
         where = compat.source_line(eqn)
