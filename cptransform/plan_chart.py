@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cptransform.attention_reference import visible
 from cptransform.attention_spec import MaskSpec
 from cptransform.lowering.layouts import SequenceLayout
 
@@ -14,18 +15,13 @@ def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray) -> str:
 
     Segment ids and dense masks depend on data: such blocks are ``?`` unless the band
     already hides them entirely."""
-    lo, hi = mask.band()
-    d = kv_pos[None, :].astype(np.int64) - q_pos[:, None]
-    visible = np.ones_like(d, dtype=bool)
-    if lo is not None:
-        visible &= d >= lo
-    if hi is not None:
-        visible &= d <= hi
-    if not visible.any():
+    band_only = mask.replace(segments=False, dense=False, bias=False)
+    seen = np.asarray(visible(band_only, q_pos[None], kv_pos[None]))
+    if not seen.any():
         return SKIP
     if mask.segments or mask.dense:
         return UNKNOWN
-    return FULL if visible.all() else PARTIAL
+    return FULL if seen.all() else PARTIAL
 
 
 def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int) -> np.ndarray | None:
