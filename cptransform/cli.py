@@ -358,10 +358,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     result = run_pipeline(Pipeline.parse(upto), module).module
     print(explain_module(result, options))
     layout = result.meta.get("layout")
-    for step, spec in zip(result.meta.get("plan", ()), result.meta.get("planned_specs", ())):
+    for step in result.meta.get("plan", ()):
         lay = layout or SequenceLayout("contiguous", step.shape.seq_len, step.shape.cp)
         print(f"\nattention #{step.index} ({step.schedule}):")
-        print(ring_chart(spec.mask, lay))
+        print(ring_chart(step.mask, lay))
     return 0
 
 

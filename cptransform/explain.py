@@ -55,24 +55,12 @@ def explain_module(module, options: Any) -> str:
         bytes_line = ", ".join(f"{s} {b / 2**20:.3f} MiB" for s, b in p.bytes_per_device.items())
         lines += [f"  attention #{p.index} at {p.source}",
                   f"    schedule: {p.schedule} — {p.reason}",
-                  f"    mask: {p.mask}; heads {p.shape.heads} / kv heads {p.shape.kv_heads}, "
+                  f"    mask: {p.mask.describe()}; heads {p.shape.heads} / kv heads {p.shape.kv_heads}, "
                   f"head dim {p.shape.head_dim}, sequence {p.shape.seq_len}",
                   f"    forward communication per device: {bytes_line}"]
-        if seq is not None and cp:
-            mask = _mask_of(module, p.index)
-            if mask is not None:
-                lines.append("    " + balance_line(mask, layout, p.shape.seq_len, cp))
+        if cp:
+            lines.append("    " + balance_line(p.mask, layout, p.shape.seq_len, cp))
     for entry in meta.get("reorder_log", ()):
         lines.append(f"  {entry}")
     return "\n".join(lines)
 
-
-def _mask_of(module, index: int):
-    from cptransform.attention import attention_p
-    from cptransform.module import iter_eqns
-
-    specs = module.meta.get("planned_specs")
-    if specs is not None and index < len(specs):
-        return specs[index].mask
-    eqns = [e for e in iter_eqns(module.jaxpr) if e.primitive is attention_p]
-    return eqns[index].params["spec"].mask if index < len(eqns) else None

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from cptransform import compat
 from cptransform.attention import attention_p
+from cptransform.attention_spec import MaskSpec
 from cptransform.cost_model import schedule_volume
 from cptransform.module import Module, iter_eqns
 from cptransform.pipeline import Pass, PassResult, register
@@ -31,7 +32,7 @@ class AttentionPlan:
 
     index: int
     source: str
-    mask: str
+    mask: MaskSpec
     schedule: str
     reason: str
     shape: AttentionShape
@@ -40,7 +41,7 @@ class AttentionPlan:
     def describe(self) -> str:
         mib = {k: f"{v / 2**20:.2f} MiB" for k, v in self.bytes_per_device.items()}
         return (f"attention #{self.index} at {self.source}: {self.schedule} ({self.reason}); "
-                f"mask {self.mask}; forward bytes/device {mib}")
+                f"mask {self.mask.describe()}; forward bytes/device {mib}")
 
 
 @dataclass(frozen=True)
@@ -120,9 +121,7 @@ class PlanContextParallel(Pass):
         for index, eqn in enumerate(eqns):
             plans.append(self.plan_one(index, eqn))
         log = tuple(p.describe() for p in plans)
-        return PassResult(module.with_jaxpr(module.jaxpr, plan=tuple(plans),
-                                            planned_specs=tuple(e.params["spec"] for e in eqns)),
-                          False, log)
+        return PassResult(module.with_jaxpr(module.jaxpr, plan=tuple(plans)), False, log)
 
     def plan_one(self, index: int, eqn) -> AttentionPlan:
         spec = eqn.params["spec"]
@@ -135,7 +134,7 @@ class PlanContextParallel(Pass):
             problem = feasibility(self.schedule, shape)
             if problem:
                 raise PlanError(f"attention at {where}: {problem}")
-            return AttentionPlan(index, where, spec.mask.describe(), self.schedule,
+            return AttentionPlan(index, where, spec.mask, self.schedule,
                                  "requested", shape, costs)
         ok = {s: c for s, c in costs.items() if feasibility(s, shape) is None}
         if not ok:
@@ -150,4 +149,4 @@ class PlanContextParallel(Pass):
         skipped = [f"{s}: {feasibility(s, shape)}" for s in costs if s not in ok]
         if skipped:
             reason += "; not feasible: " + "; ".join(skipped)
-        return AttentionPlan(index, where, spec.mask.describe(), best, reason, shape, costs)
+        return AttentionPlan(index, where, spec.mask, best, reason, shape, costs)
