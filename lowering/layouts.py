@@ -67,16 +67,9 @@ class SequenceLayout:
         """``[cp, local_len]``: row ``r`` is :meth:`positions` of rank ``r``."""
         return np.stack([self.positions(r) for r in range(self.cp)])
 
-    def local_positions(self, rank) -> jnp.ndarray:
-        """Positions of a traced rank (``lax.axis_index``) inside ``shard_map``."""
-        return jnp.asarray(self.all_positions())[rank]
-
     def permutation(self) -> np.ndarray:
         """``perm`` such that ``x[perm]`` is ``x`` in layout order."""
         return self.all_positions().reshape(-1)
-
-    def inverse_permutation(self) -> np.ndarray:
-        return np.argsort(self.permutation()).astype(np.int32)
 
     def position_of_slot(self, slot):
         """Natural position stored at layout-order index ``slot`` (traced, no constants)."""
