@@ -4,7 +4,7 @@ Lowers ``context_parallel_attention`` (causal, zigzag, inputs in layout order) f
 schedule with abstract shapes (``jax.ShapeDtypeStruct``: nothing is allocated) on a mesh
 of ``cp`` simulated CPU devices, counts the collectives of the lowered StableHLO (forward,
 and forward + backward of ``jax.value_and_grad`` w.r.t. q, k, v), and prints them next to
-:mod:`cptransform.cost_model`. Writes ``bench/results/comm.json``.
+:mod:`cptransform.analysis.cost_model`. Writes ``bench/results/comm.json``.
 
     python bench/comm.py [--seq 131072] [--heads 32] [--kv-heads 8 32] [--head-dim 128]
                          [--cp 8] [--dtype bfloat16]
@@ -42,8 +42,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
-from cptransform.attention_spec import AttentionSpec, Layout, MaskSpec  # noqa: E402
-from cptransform.cost_model import schedule_volume  # noqa: E402
+from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec  # noqa: E402
+from cptransform.analysis.cost_model import schedule_volume  # noqa: E402
 from cptransform.lowering.collectives import lower_and_count  # noqa: E402
 from cptransform.lowering import allgather, hybrid, ring, ulysses  # noqa: E402,F401
 from cptransform.lowering.context_parallel_attention import \

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cptransform.attention import attention_p
-from cptransform.module import trace
-from cptransform.pipeline import Pipeline
+from cptransform.op.attention import attention_p
+from cptransform.ir.module import trace
+from cptransform.ir.pipeline import Pipeline
 
 B, T, D, HEADS = 1, 64, 64, 4
 

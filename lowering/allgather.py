@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cptransform.attention_reference import fill_empty_rows
+from cptransform.op.attention_reference import fill_empty_rows
 from cptransform.lowering.context_parallel_attention import register_schedule
 from cptransform.lowering.ulysses import gather_sequence
 

@@ -44,12 +44,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from cptransform.attention import attention_p
-from cptransform.attention_reference import fill_empty_rows, flatten_batch, from_canonical, \
+from cptransform.op.attention import attention_p
+from cptransform.op.attention_reference import fill_empty_rows, flatten_batch, from_canonical, \
     split_operands, to_canonical
-from cptransform.attention_spec import AttentionSpec, Layout
+from cptransform.op.attention_spec import AttentionSpec, Layout
 from cptransform.lowering.kernel import get_kernel
-from cptransform.lowering.layouts import LAYOUTS, LayoutError, SequenceLayout
+from cptransform.op.layouts import LAYOUTS, LayoutError, SequenceLayout
 
 #: Schedules by name: local functions run under ``shard_map`` (see the module doc).
 SCHEDULES: dict[str, Callable] = {}

@@ -11,7 +11,7 @@ is what the ring reads for blocks of ``U·Tkv_loc`` keys.
 Communication per device: the Ulysses all-to-alls of q, k, v, o over ``U`` (local length
 ``T/cp``), the gathers of positions / segment ids over ``U``, then the ring's rotations of
 ``T/R`` keys of ``Hkv·f/U`` heads over ``R`` (``f`` the KV-head repeat factor of
-:mod:`cptransform.lowering.ulysses`); see :func:`cptransform.cost_model.hybrid_volume`.
+:mod:`cptransform.lowering.ulysses`); see :func:`cptransform.analysis.cost_model.hybrid_volume`.
 Needs ``H % U == 0``; any factorisation of ``cp`` works otherwise.
 """
 from __future__ import annotations

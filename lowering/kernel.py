@@ -25,8 +25,8 @@ from typing import Protocol
 
 import jax.numpy as jnp
 
-from cptransform.attention_reference import attend, logits, visible
-from cptransform.attention_spec import AttentionSpec
+from cptransform.op.attention_reference import attend, logits, visible
+from cptransform.op.attention_spec import AttentionSpec
 
 
 class LocalKernel(Protocol):

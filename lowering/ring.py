@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cptransform.attention_reference import merge
+from cptransform.op.attention_reference import merge
 from cptransform.lowering.context_parallel_attention import fill_empty_rows_sharded, \
     register_schedule
 from cptransform.lowering.kernel import block_may_be_visible

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cptransform.cost_model import kv_head_repeats
+from cptransform.analysis.cost_model import kv_head_repeats
 from cptransform.lowering.context_parallel_attention import ContextParallelError, \
     fill_empty_rows_sharded, register_schedule
 

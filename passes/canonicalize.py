@@ -38,10 +38,10 @@ import jax
 import numpy as np
 from jax import lax
 
-from cptransform import compat
-from cptransform.module import Module, iter_eqns
-from cptransform.pipeline import Pass, PassResult, PipelineError, register
-from cptransform.rewrite import Rewriter
+from cptransform.ir import compat
+from cptransform.ir.module import Module, iter_eqns
+from cptransform.ir.pipeline import Pass, PassResult, PipelineError, register
+from cptransform.ir.rewrite import Rewriter
 
 FOLD_MODES = ("off", "exact", "ulp")
 JIT_PRIMITIVES = ("pjit", "jit")

@@ -1,6 +1,6 @@
 """Pass ``infer-seq-axes``: record which inputs and outputs carry the sequence axis.
 
-The analysis itself (:func:`cptransform.seq_axes.infer_seq_axes`) works on any jaxpr and is
+The analysis itself (:func:`cptransform.analysis.seq_axes.infer_seq_axes`) works on any jaxpr and is
 re-run by later passes on their own input (variables change with every re-trace); this pass
 records the stable facts — per flat input and output, the sequence dims — in
 ``module.meta["seq_axes"]`` and fails early when no attention reaches an input.
@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import jax
 
-from cptransform import compat
-from cptransform.module import Module
-from cptransform.pipeline import Pass, PassResult, register
-from cptransform.seq_axes import SeqAxes, SeqAxisError, infer_seq_axes
+from cptransform.ir import compat
+from cptransform.ir.module import Module
+from cptransform.ir.pipeline import Pass, PassResult, register
+from cptransform.analysis.seq_axes import SeqAxes, SeqAxisError, infer_seq_axes
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cptransform import compat
-from cptransform.attention import attention_p
-from cptransform.module import Module, iter_eqns
-from cptransform.pipeline import Pass, PassResult, register
-from cptransform.rewrite import Rewriter, trace_like
-from cptransform.seq_axes import SeqAxes
+from cptransform.ir import compat
+from cptransform.op.attention import attention_p
+from cptransform.ir.module import Module, iter_eqns
+from cptransform.ir.pipeline import Pass, PassResult, register
+from cptransform.ir.rewrite import Rewriter, trace_like
+from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.lowering.context_parallel_attention import (context_parallel_attention,
                                                               sequence_mesh_axes)
 from cptransform.passes.infer_seq_axes import analyse

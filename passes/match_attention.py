@@ -18,7 +18,7 @@ either of ``e`` (``p = e / sum``, then ``p @ v``) or of the value product
 Dims are tracked by *labels* (the dims of the ``q·k`` product: shared batch dims, the
 query's free dims, the key position), so any layout (BTHD, BHTD, no batch, heads under
 ``vmap``, GQA as a reshape of q or a ``repeat`` of K/V) maps onto the spec without
-guessing. Masks are classified by :mod:`cptransform.mask_analysis`; analytic parts become
+guessing. Masks are classified by :mod:`cptransform.analysis.mask_analysis`; analytic parts become
 ``MaskSpec`` fields and their iota/compare subgraphs die, the rest becomes the ``mask``
 operand. Anything that does not fit is left alone and reported with its reason.
 
@@ -39,18 +39,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from cptransform import compat
-from cptransform.attention import attention_p
-from cptransform.attention_spec import AttentionSpec, Layout, MaskSpec
-from cptransform.graph import Graph
-from cptransform.mask_analysis import (And, Indicator, MaskAnalyzer, MaskParts, Opaque,
+from cptransform.ir import compat
+from cptransform.op.attention import attention_p
+from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.ir.graph import Graph
+from cptransform.analysis.mask_analysis import (And, Indicator, MaskAnalyzer, MaskParts, Opaque,
                                        Pred, Scalar, classify, p_not,
                                        unit_reshape_dims)
-from cptransform.match_report import MatchReport
-from cptransform.module import Module
-from cptransform.patterns import Pat, look_through, one_of
-from cptransform.pipeline import Pass, PassResult, register
-from cptransform.rewrite import Replacement, Rewriter
+from cptransform.analysis.match_report import MatchReport
+from cptransform.ir.module import Module
+from cptransform.ir.patterns import Pat, look_through, one_of
+from cptransform.ir.pipeline import Pass, PassResult, register
+from cptransform.ir.rewrite import Replacement, Rewriter
 
 #: Equations that only move, cast or broadcast a value.
 WRAPPERS = frozenset({"broadcast_in_dim", "reshape", "stop_gradient", "convert_element_type",

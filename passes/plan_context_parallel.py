@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cptransform import compat
-from cptransform.attention import attention_p
-from cptransform.attention_spec import MaskSpec
-from cptransform.cost_model import schedule_volume
-from cptransform.module import Module, iter_eqns
-from cptransform.pipeline import Pass, PassResult, register
+from cptransform.ir import compat
+from cptransform.op.attention import attention_p
+from cptransform.op.attention_spec import MaskSpec
+from cptransform.analysis.cost_model import schedule_volume
+from cptransform.ir.module import Module, iter_eqns
+from cptransform.ir.pipeline import Pass, PassResult, register
 
 SCHEDULE_NAMES = ("auto", "ring", "ulysses", "allgather", "hybrid")
 

@@ -18,14 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cptransform import compat
-from cptransform.attention import attention_p
-from cptransform.module import Module
-from cptransform.pipeline import Pass, PassResult, register
-from cptransform.rewrite import fit_body, interpret, map_bodies, trace_like
-from cptransform.seq_axes import (ELEMENTWISE, ORDER_FREE_REDUCTIONS, SeqAxes, acting_dims,
+from cptransform.ir import compat
+from cptransform.op.attention import attention_p
+from cptransform.ir.module import Module
+from cptransform.ir.pipeline import Pass, PassResult, register
+from cptransform.ir.rewrite import fit_body, interpret, map_bodies, trace_like
+from cptransform.analysis.seq_axes import (ELEMENTWISE, ORDER_FREE_REDUCTIONS, SeqAxes, acting_dims,
                                   reshape_dim_map)
-from cptransform.lowering.layouts import SequenceLayout
+from cptransform.op.layouts import SequenceLayout
 from cptransform.passes.infer_seq_axes import analyse
 
 PERM, NAT, INV = "perm", "nat", "inv"

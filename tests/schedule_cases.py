@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cptransform.attention_reference import attention_reference
-from cptransform.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.op.attention_reference import attention_reference
+from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
-from cptransform.lowering.layouts import LAYOUTS
+from cptransform.op.layouts import LAYOUTS
 
 MASK_KINDS = ("none", "causal", "window", "causal_window", "segments", "dense",
               "dense_causal", "bias")

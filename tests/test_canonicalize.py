@@ -12,8 +12,8 @@ import pytest
 from jax import lax
 
 from cptransform import trace
-from cptransform.module import iter_eqns
-from cptransform.pipeline import Pipeline, PipelineError, make_pass
+from cptransform.ir.module import iter_eqns
+from cptransform.ir.pipeline import Pipeline, PipelineError, make_pass
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cptransform.cli import main, parse_shapes
+from cptransform.api.cli import main, parse_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = str(ROOT / "examples" / "llama.py")
@@ -16,7 +16,7 @@ LLAMA = str(ROOT / "examples" / "llama.py")
 
 def run_cli(*argv):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-m", "cptransform.cli", *argv], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "cptransform.api.cli", *argv], cwd=ROOT,
                           capture_output=True, text=True, env=env, timeout=300)
 
 

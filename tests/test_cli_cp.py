@@ -7,7 +7,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "cptransform.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "cptransform.api.cli", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
 
 

@@ -12,12 +12,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from schedule_cases import check_schedule, make_case, relative_error
 
-from cptransform.attention import AttentionShapeError
-from cptransform.attention_reference import attend, attention_reference
-from cptransform.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.op.attention import AttentionShapeError
+from cptransform.op.attention_reference import attend, attention_reference
+from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.lowering.context_parallel_attention import SCHEDULES, ContextParallelError, \
     context_parallel_attention, fill_empty_rows_sharded
-from cptransform.lowering.layouts import SequenceLayout
+from cptransform.op.layouts import SequenceLayout
 
 
 def _reference(case):

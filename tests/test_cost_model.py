@@ -7,7 +7,7 @@ import pytest
 from conftest import make_mesh
 from schedule_cases import HEAD_KINDS, make_case
 
-from cptransform.cost_model import schedule_volume
+from cptransform.analysis.cost_model import schedule_volume
 from cptransform.lowering.collectives import lower_and_count
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
 

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from cptransform.attention import attention_p
+from cptransform.op.attention import attention_p
 from test_match_support import assert_close, check, randn, rewrite, specs
 
 B, T, H, D = 2, 8, 4, 8

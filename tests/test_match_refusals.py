@@ -4,9 +4,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cptransform.match_report import MatchReport
-from cptransform.module import trace
-from cptransform.pipeline import Pipeline
+from cptransform.analysis.match_report import MatchReport
+from cptransform.ir.module import trace
+from cptransform.ir.pipeline import Pipeline
 from cptransform.passes.match_attention import MatchAttentionError
 from test_match_support import check_refused, randn, rewrite
 

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cptransform.attention import attention_p
-from cptransform.module import iter_eqns, trace
-from cptransform.pipeline import Pipeline
+from cptransform.op.attention import attention_p
+from cptransform.ir.module import iter_eqns, trace
+from cptransform.ir.pipeline import Pipeline
 
 PIPELINE = "canonicalize,match-attention"
 #: Rewritten attention vs the original in float32. The rewrite only reassociates the

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 from cptransform import attention, trace
-from cptransform.instruments import (DumpIR, PrintIR, TimePasses, VerificationError,
+from cptransform.api.instruments import (DumpIR, PrintIR, TimePasses, VerificationError,
                                      VerifyEach, count_equations)
-from cptransform.pipeline import (Pass, PassResult, Pipeline, PipelineError, make_pass,
+from cptransform.ir.pipeline import (Pass, PassResult, Pipeline, PipelineError, make_pass,
                                   parse_pipeline, registered)
 
 

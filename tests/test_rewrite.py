@@ -5,8 +5,8 @@ import numpy as np
 from jax import lax
 
 from cptransform import Graph, trace
-from cptransform.module import iter_eqns
-from cptransform.rewrite import Replacement, Rewriter
+from cptransform.ir.module import iter_eqns
+from cptransform.ir.rewrite import Replacement, Rewriter
 
 
 def rand(shape, seed=0):

@@ -9,9 +9,9 @@ import pytest
 from conftest import make_mesh
 from schedule_cases import check_schedule, make_case, pairwise_cases, relative_error
 
-from cptransform.attention_reference import attention_reference
-from cptransform.attention_spec import AttentionSpec, Layout, MaskSpec
-from cptransform.cost_model import schedule_volume
+from cptransform.op.attention_reference import attention_reference
+from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.analysis.cost_model import schedule_volume
 from cptransform.lowering import kernel as kernel_module
 from cptransform.lowering.collectives import lower_and_count
 from cptransform.lowering.context_parallel_attention import context_parallel_attention

@@ -3,9 +3,10 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from cptransform import compat, trace
-from cptransform.pipeline import Pipeline
-from cptransform.seq_axes import SeqAxisError, infer_seq_axes, reshape_dim_map
+from cptransform import trace
+from cptransform.ir import compat
+from cptransform.ir.pipeline import Pipeline
+from cptransform.analysis.seq_axes import SeqAxisError, infer_seq_axes, reshape_dim_map
 
 
 @pytest.mark.parametrize("src,dst,expected", [

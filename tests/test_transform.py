@@ -269,7 +269,7 @@ def test_bf16_model_is_at_least_as_close_to_float32(llama_case):
 def test_bare_decorator_and_permuted_outputs():
     """``@context_parallel`` without arguments uses every device; ``keep_permuted`` returns
     sequence outputs in the layout's order (zigzag over 8 devices here)."""
-    from cptransform.lowering.layouts import SequenceLayout
+    from cptransform.op.layouts import SequenceLayout
 
     def hidden(x):
         return jax.nn.dot_product_attention(x, x, x, is_causal=True)
@@ -286,7 +286,7 @@ def test_bare_decorator_and_permuted_outputs():
 def test_remat_layers_stay_rematerialized(llama_case):
     """Layers under jax.checkpoint inside the scan keep their remat through zigzag
     reordering and lowering, and the numbers still match."""
-    from cptransform.module import iter_eqns
+    from cptransform.ir.module import iter_eqns
 
     loss, params, tokens, _ = llama_case
     cfg = llama.Config(vocab=64, dim=32, layers=2, heads=4, kv_heads=2, mlp_dim=64)

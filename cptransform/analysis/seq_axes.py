@@ -15,8 +15,8 @@ from typing import Any, Callable, Iterable
 
 import networkx as nx
 
-from cptransform import compat
-from cptransform.attention import attention_p
+from cptransform.ir import compat
+from cptransform.op.attention import attention_p
 
 Link = tuple[Any, int, Any, int]  # (atom, dim, atom, dim): the two dims are the same axis
 

@@ -78,7 +78,7 @@ class MaskSpec:
     * ``bias``: an additive float operand (not a predicate; added to the logits).
 
     ``empty_rows`` says what a query with no visible key returns: ``"zero"`` (zero output,
-    zero gradient; what :func:`cptransform.attention` does) or ``"uniform"`` (the mean of V
+    zero gradient; what :func:`cptransform.op.attention` does) or ``"uniform"`` (the mean of V
     over all keys: what softmax over logits filled with a finite minimum gives, as in
     ``jax.nn.dot_product_attention`` and flax).
     """

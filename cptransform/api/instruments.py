@@ -1,4 +1,4 @@
-"""Instruments for :class:`~cptransform.pipeline.Pipeline`: the pass-debugging habits of
+"""Instruments for :class:`~cptransform.ir.pipeline.Pipeline`: the pass-debugging habits of
 MLIR's ``-mlir-print-ir-after-all`` and friends.
 
 * :class:`PrintIR` prints the program before/after every pass, after named passes, or only
@@ -12,7 +12,7 @@ MLIR's ``-mlir-print-ir-after-all`` and friends.
   ``01-canonicalize.txt``, ...).
 * :class:`TimePasses` collects a per-pass timing table.
 * :class:`VerifyEach` type-checks the jaxpr after every pass and runs the pass's own
-  :meth:`~cptransform.pipeline.Pass.verify`; a failure names the pass.
+  :meth:`~cptransform.ir.pipeline.Pass.verify`; a failure names the pass.
 """
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from cptransform import compat
-from cptransform.attention import attention_p
-from cptransform.module import Module, iter_eqns
-from cptransform.pipeline import Instrument, Pass, PassResult
+from cptransform.ir import compat
+from cptransform.op.attention import attention_p
+from cptransform.ir.module import Module, iter_eqns
+from cptransform.ir.pipeline import Instrument, Pass, PassResult
 
 
 class VerificationError(RuntimeError):

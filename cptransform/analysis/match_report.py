@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from cptransform.attention_spec import AttentionSpec
+from cptransform.op.attention_spec import AttentionSpec
 
 Status = Literal["rewritten", "refused"]
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from cptransform.attention_reference import visible
-from cptransform.attention_spec import MaskSpec
-from cptransform.lowering.layouts import SequenceLayout
+from cptransform.op.attention_reference import visible
+from cptransform.op.attention_spec import MaskSpec
+from cptransform.op.layouts import SequenceLayout
 
 FULL, PARTIAL, SKIP, UNKNOWN = "#", "+", ".", "?"
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
-from cptransform.module import Module
+from cptransform.ir.module import Module
 
 
 class PipelineError(ValueError):

@@ -1,4 +1,4 @@
-"""Pattern rules as data: small composable matchers over a :class:`~cptransform.graph.Graph`.
+"""Pattern rules as data: small composable matchers over a :class:`~cptransform.ir.graph.Graph`.
 
 A :class:`Pat` describes the equation that produces a value: its primitive(s), patterns
 for its operands, a name under which the matched value is captured, and an optional
@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
-from cptransform import compat
-from cptransform.graph import Graph
+from cptransform.ir import compat
+from cptransform.ir.graph import Graph
 
 Predicate = Callable[[Graph, Any, dict], bool]
 

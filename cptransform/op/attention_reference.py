@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from cptransform.attention_spec import AttentionSpec, MaskSpec
+from cptransform.op.attention_spec import AttentionSpec, MaskSpec
 
 
 def visible(mask_spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, dense=None):

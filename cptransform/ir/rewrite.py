@@ -4,7 +4,7 @@ Two kinds of change compose in one walk:
 
 * **Replacements** (multi-equation patterns): the outputs of a root equation are replaced
   by what a builder computes from chosen input values; equations that only fed the root
-  become dead and are removed. Matches are found on a read-only :class:`~cptransform.graph.Graph`.
+  become dead and are removed. Matches are found on a read-only :class:`~cptransform.ir.graph.Graph`.
 * **Equation rules**, a table keyed by primitive (the custom-interpreter idiom): a rule
   gets the equation and its input values and returns new outputs, or ``None`` to keep it.
 
@@ -19,7 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import jax
 
-from cptransform import compat
+from cptransform.ir import compat
 
 
 @dataclass(frozen=True)

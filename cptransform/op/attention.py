@@ -2,7 +2,7 @@
 
 The matcher rewrites attention subgraphs into this primitive; the CP lowering replaces it
 with a schedule. Outside those passes it evaluates, differentiates and vmaps like the plain
-``jax.numpy`` code in :mod:`cptransform.attention_reference`.
+``jax.numpy`` code in :mod:`cptransform.op.attention_reference`.
 """
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from cptransform import compat
-from cptransform.attention_reference import attention_reference, split_operands
-from cptransform.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.ir import compat
+from cptransform.op.attention_reference import attention_reference, split_operands
+from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 
 
 class AttentionShapeError(ValueError):

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import jax
 
-from cptransform import compat
+from cptransform.ir import compat
 
 
 @dataclass(frozen=True)

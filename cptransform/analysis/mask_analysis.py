@@ -18,7 +18,7 @@ none, for a size-1 dim that is broadcast):
   with the map from its dims to the top dims so it can be rearranged later.
 
 :func:`classify` turns the conjunction of visibility predicates into the parts of a
-:class:`~cptransform.attention_spec.MaskSpec`: a band on ``kv - q`` (causal/window),
+:class:`~cptransform.op.attention_spec.MaskSpec`: a band on ``kv - q`` (causal/window),
 segment ids, and the dense remainder. Analyses are cached per ``(value, dim map)``, so a
 mask shared by many layers is analysed once.
 """
@@ -30,8 +30,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from cptransform import compat
-from cptransform.graph import Graph
+from cptransform.ir import compat
+from cptransform.ir.graph import Graph
 
 DimMap = tuple  # per dim of a value: the top dim it indexes, or None (size-1, broadcast)
 Interval = tuple  # (lo, hi), ints or None for an open side

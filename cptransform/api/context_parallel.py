@@ -11,9 +11,9 @@ import jax
 import numpy as np
 from jax.sharding import AxisType
 
-from cptransform import compat
-from cptransform.module import Module, iter_eqns, trace
-from cptransform.pipeline import Pipeline
+from cptransform.ir import compat
+from cptransform.ir.module import Module, iter_eqns, trace
+from cptransform.ir.pipeline import Pipeline
 
 SCHEDULES = ("auto", "ring", "ulysses", "allgather", "hybrid")
 LOAD_BALANCES = ("auto", "zigzag", "striped", "none")
@@ -204,7 +204,7 @@ class ContextParallelFunction:
 
     def explain(self, *args, **kwargs) -> str:
         """A readable account of what the transform does for these arguments."""
-        from cptransform.explain import explain_module
+        from cptransform.api.explain import explain_module
         return explain_module(self.module(*args, **kwargs), self.options)
 
 

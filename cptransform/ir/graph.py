@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import networkx as nx
 
-from cptransform import compat
+from cptransform.ir import compat
 
 
 class Graph:

@@ -31,10 +31,10 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from cptransform.instruments import (DumpIR, PrintIR, TimePasses, VerificationError,
+from cptransform.api.instruments import (DumpIR, PrintIR, TimePasses, VerificationError,
                                      VerifyEach, render)
-from cptransform.module import Module, trace
-from cptransform.pipeline import Pipeline, PipelineError, registered
+from cptransform.ir.module import Module, trace
+from cptransform.ir.pipeline import Pipeline, PipelineError, registered
 
 USAGE_ERROR = 2
 FAILURE = 1
@@ -209,7 +209,7 @@ def _add_opt(sub) -> None:
 
 def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
     """``--cp`` and the ``context_parallel`` options, shared by ``opt`` and ``plan``."""
-    from cptransform.context_parallel import KERNELS, LOAD_BALANCES, SCHEDULES
+    from cptransform.api.context_parallel import KERNELS, LOAD_BALANCES, SCHEDULES
 
     g = parser.add_argument_group("context parallelism")
     g.add_argument("--cp", type=int, default=None, metavar="N",
@@ -220,8 +220,8 @@ def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cp_options(args: argparse.Namespace):
-    """The :class:`~cptransform.context_parallel.Options` of the command line."""
-    from cptransform.context_parallel import ContextParallelOptionError, Options
+    """The :class:`~cptransform.api.context_parallel.Options` of the command line."""
+    from cptransform.api.context_parallel import ContextParallelOptionError, Options
 
     options = Options(cp=args.cp, schedule=args.schedule, load_balance=args.load_balance,
                       kernel=args.kernel)
@@ -234,7 +234,7 @@ def cp_options(args: argparse.Namespace):
 
 def prepare_cp(module: Module, args: argparse.Namespace):
     """``(module with the CP mesh attached, options)``; a CLI error for bad options."""
-    from cptransform.context_parallel import ContextParallelOptionError, prepare
+    from cptransform.api.context_parallel import ContextParallelOptionError, prepare
 
     options = cp_options(args)
     try:
@@ -286,7 +286,7 @@ def match_stats_text(module: Module) -> str:
 
 
 def _cmd_opt(args: argparse.Namespace) -> int:
-    from cptransform.context_parallel import pipeline_text
+    from cptransform.api.context_parallel import pipeline_text
 
     instruments, _ = _opt_instruments(args)
     fn, example_args, name = load_program(args.entry, args.arg_shapes)
@@ -345,10 +345,10 @@ def _add_plan(sub) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from cptransform.context_parallel import pipeline_text
-    from cptransform.explain import explain_module
-    from cptransform.lowering.layouts import SequenceLayout
-    from cptransform.plan_chart import ring_chart
+    from cptransform.api.context_parallel import pipeline_text
+    from cptransform.api.explain import explain_module
+    from cptransform.op.layouts import SequenceLayout
+    from cptransform.api.plan_chart import ring_chart
 
     if args.cp is None:
         raise CLIError("plan needs --cp N")

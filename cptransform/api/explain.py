@@ -5,13 +5,13 @@ from typing import Any
 
 import numpy as np
 
-from cptransform.attention_spec import MaskSpec
-from cptransform.plan_chart import device_work
+from cptransform.op.attention_spec import MaskSpec
+from cptransform.api.plan_chart import device_work
 
 
 def balance_line(mask: MaskSpec, layout, seq_len: int, cp: int) -> str:
     """``max/mean`` work per device under the chosen layout, next to contiguous."""
-    from cptransform.lowering.layouts import SequenceLayout
+    from cptransform.op.layouts import SequenceLayout
 
     chosen = layout.name if layout is not None else "contiguous"
     rows = []
@@ -49,7 +49,7 @@ def explain_module(module, options: Any) -> str:
     plans = meta.get("plan") or ()
     if not plans:
         lines.append("  no attention found: the function runs unchanged; nothing is sharded "
-                     "(pass seq_axes= or use cptransform.attention for an attention the "
+                     "(pass seq_axes= or use cptransform.op.attention for an attention the "
                      "matcher does not see)")
     for p in plans:
         bytes_line = ", ".join(f"{s} {b / 2**20:.3f} MiB" for s, b in p.bytes_per_device.items())
