@@ -50,15 +50,12 @@ from cptransform.op.attention_reference import fill_empty_rows, flatten_batch, f
 from cptransform.op.attention_spec import AttentionSpec, Layout
 from cptransform.lowering.kernel import get_kernel
 from cptransform.op.layouts import LAYOUTS, LayoutError, SequenceLayout
+from cptransform.ir.errors import ContextParallelError
 
 #: Schedules by name: local functions run under ``shard_map`` (see the module doc).
 SCHEDULES: dict[str, Callable] = {}
 
 _CANONICAL = Layout.parse("BTHD")
-
-
-class ContextParallelError(ValueError):
-    """Operands, mesh or options that a context-parallel attention cannot use; says the fix."""
 
 
 #: How many CP mesh axes each schedule runs over (absent: any number).

@@ -51,6 +51,7 @@ from cptransform.ir.module import Module
 from cptransform.ir.patterns import Pat, look_through, one_of
 from cptransform.ir.pipeline import Pass, PassResult, register
 from cptransform.ir.rewrite import Replacement, Rewriter
+from cptransform.ir.errors import MatchAttentionError
 
 #: Equations that only move, cast or broadcast a value.
 WRAPPERS = frozenset({"broadcast_in_dim", "reshape", "stop_gradient", "convert_element_type",
@@ -81,10 +82,6 @@ class NotAttention(Exception):
     """
 
     attention_like = False
-
-
-class MatchAttentionError(ValueError):
-    """``strict=true`` and a softmax over a q·k product could not be rewritten."""
 
 
 # -- statistics ------------------------------------------------------------------------------

@@ -17,13 +17,9 @@ from cptransform.op.attention_spec import MaskSpec
 from cptransform.analysis.cost_model import schedule_volume
 from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult, register
+from cptransform.ir.errors import PlanError
 
 SCHEDULE_NAMES = ("auto", "ring", "ulysses", "allgather", "hybrid")
-
-
-class PlanError(ValueError):
-    """A schedule that cannot run this attention on this mesh; the message says why and what
-    to use instead."""
 
 
 @dataclass(frozen=True)

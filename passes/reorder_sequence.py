@@ -27,6 +27,7 @@ from cptransform.analysis.seq_axes import (ELEMENTWISE, ORDER_FREE_REDUCTIONS, S
                                   reshape_dim_map)
 from cptransform.op.layouts import SequenceLayout
 from cptransform.passes.infer_seq_axes import analyse
+from cptransform.ir.errors import ReorderError
 
 PERM, NAT, INV = "perm", "nat", "inv"
 
@@ -63,10 +64,6 @@ class Shift:
 #: Primitives whose bodies are re-traced in layout order and re-bound (loops, branches and
 #: remat keep their structure); other calls (custom derivatives) are inlined.
 REBUILT = frozenset({"scan", "while", "cond", "remat2", "checkpoint"})
-
-
-class ReorderError(ValueError):
-    """``strict`` reordering met an op that is not permutation-equivariant."""
 
 
 @dataclass

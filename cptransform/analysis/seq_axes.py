@@ -17,6 +17,7 @@ import networkx as nx
 
 from cptransform.ir import compat
 from cptransform.op.attention import attention_p
+from cptransform.ir.errors import SeqAxisError
 
 Link = tuple[Any, int, Any, int]  # (atom, dim, atom, dim): the two dims are the same axis
 
@@ -253,10 +254,6 @@ class SeqAxes:
 
     def carries(self, atom: Any) -> bool:
         return bool(self.dims(atom))
-
-
-class SeqAxisError(ValueError):
-    """The sequence axis cannot be inferred; the message says how to override it."""
 
 
 def _walk(jaxpr) -> Iterable[Any]:

@@ -14,14 +14,11 @@ from jax.sharding import AxisType
 from cptransform.ir import compat
 from cptransform.ir.module import Module, iter_eqns, trace
 from cptransform.ir.pipeline import Pipeline
+from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError
 
 SCHEDULES = ("auto", "ring", "ulysses", "allgather", "hybrid")
 LOAD_BALANCES = ("auto", "zigzag", "striped", "none")
 KERNELS = ("auto", "xla", "pallas")
-
-
-class ContextParallelOptionError(ValueError):
-    """An option of ``context_parallel`` is unknown or inconsistent; the message says the fix."""
 
 
 @dataclass(frozen=True)
@@ -120,10 +117,6 @@ def _seq_axis_overrides(seq_axes: Any, args: tuple, kwargs: dict) -> dict[int, t
 def _signature(args, kwargs):
     leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
     return tree, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in leaves)
-
-
-class ContextParallelError(ValueError):
-    """The function cannot be transformed as written; the message says where and why."""
 
 
 def prepare(module: Module, options: Options, overrides: dict | None = None) -> Module:

@@ -13,10 +13,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
 from cptransform.ir.module import Module
-
-
-class PipelineError(ValueError):
-    """A pipeline text names an unknown pass or option, or a bad option value."""
+from cptransform.ir.errors import PipelineError
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,7 @@ import jax.numpy as jnp
 from cptransform.ir import compat
 from cptransform.op.attention_reference import attention_reference, split_operands
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
-
-
-class AttentionShapeError(ValueError):
-    """Operands of an attention do not fit together; the message names the fix."""
+from cptransform.ir.errors import AttentionShapeError
 
 
 def _check_shapes(spec: AttentionSpec, avals) -> None:

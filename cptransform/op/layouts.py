@@ -13,12 +13,10 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
+from cptransform.ir.errors import LayoutError
+
 LayoutName = Literal["contiguous", "zigzag", "striped"]
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
-
-
-class LayoutError(ValueError):
-    """A sequence length that the layout cannot split evenly; the message names the fix."""
 
 
 @dataclass(frozen=True)
