@@ -22,6 +22,9 @@ import numpy as np
 from cptransform.op.attention import attention_p
 from cptransform.ir.module import trace
 from cptransform.ir.pipeline import Pipeline
+from cptransform.passes import get_all_passes
+
+PASSES = get_all_passes()
 
 B, T, D, HEADS = 1, 64, 64, 4
 
@@ -70,8 +73,8 @@ def measure(layers: int, repeats: int) -> dict:
     trace_s = best_of(lambda: jax.make_jaxpr(lambda p, x: transformer(p, x))(params, x),
                       repeats)
     module = trace(transformer, params, x)
-    canon = Pipeline.parse("canonicalize")
-    match = Pipeline.parse("match-attention")
+    canon = Pipeline.parse("canonicalize", available=PASSES)
+    match = Pipeline.parse("match-attention", available=PASSES)
     canonical = canon.run(module).module
     canon_s = best_of(lambda: canon.run(module), repeats)
     match_s = best_of(lambda: match.run(canonical), repeats)
@@ -79,7 +82,7 @@ def measure(layers: int, repeats: int) -> dict:
     found = out.count(attention_p)
     if found != layers:
         raise SystemExit(f"{layers} layers: matched {found} attentions")
-    stats = out.meta["match_stats"]
+    stats = out.facts.match_stats
     return dict(layers=layers, trace_ms=trace_s * 1e3, canonicalize_ms=canon_s * 1e3,
                 match_ms=match_s * 1e3, pipeline_ms=(canon_s + match_s) * 1e3,
                 match_over_trace=match_s / trace_s,

@@ -1,10 +1,43 @@
-"""Compiler passes; each module defines one pass, named after its file in kebab-case.
+"""Compiler passes: one module per pass, named after its file in kebab-case.
 
-Importing this package registers every built-in pass.
+The registry lives here, not in the IR toolkit (the xDSL habit): :func:`get_all_passes`
+maps each pass name to a factory that imports its module only when the pass is asked for,
+and is what :meth:`cptransform.ir.pipeline.Pipeline.parse` receives as ``available``.
 """
-from cptransform.passes import canonicalize  # noqa: F401
-from cptransform.passes import match_attention  # noqa: F401
-from cptransform.passes import infer_seq_axes  # noqa: F401
-from cptransform.passes import plan_context_parallel  # noqa: F401
-from cptransform.passes import reorder_sequence  # noqa: F401
-from cptransform.passes import lower_context_parallel  # noqa: F401
+from __future__ import annotations
+
+from typing import Callable
+
+from cptransform.ir.pipeline import Pass
+
+
+def get_all_passes() -> dict[str, Callable[[], type[Pass]]]:
+    """Every built-in pass in pipeline order: name → a factory returning its class."""
+    def canonicalize():
+        from cptransform.passes.canonicalize import Canonicalize
+        return Canonicalize
+
+    def match_attention():
+        from cptransform.passes.match_attention import MatchAttention
+        return MatchAttention
+
+    def infer_seq_axes():
+        from cptransform.passes.infer_seq_axes import InferSeqAxes
+        return InferSeqAxes
+
+    def plan_context_parallel():
+        from cptransform.passes.plan_context_parallel import PlanContextParallel
+        return PlanContextParallel
+
+    def reorder_sequence():
+        from cptransform.passes.reorder_sequence import ReorderSequence
+        return ReorderSequence
+
+    def lower_context_parallel():
+        from cptransform.passes.lower_context_parallel import LowerContextParallel
+        return LowerContextParallel
+
+    return {"canonicalize": canonicalize, "match-attention": match_attention,
+            "infer-seq-axes": infer_seq_axes, "plan-context-parallel": plan_context_parallel,
+            "reorder-sequence": reorder_sequence,
+            "lower-context-parallel": lower_context_parallel}

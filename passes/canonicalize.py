@@ -40,7 +40,7 @@ from jax import lax
 
 from cptransform.ir import compat
 from cptransform.ir.module import Module, iter_eqns
-from cptransform.ir.pipeline import Pass, PassResult, PipelineError, register
+from cptransform.ir.pipeline import Pass, PassResult, PipelineError
 from cptransform.ir.rewrite import Rewriter
 
 FOLD_MODES = ("off", "exact", "ulp")
@@ -257,7 +257,6 @@ class _Canonicalizer:
         return np.asarray(factor, dtype=dtype)
 
 
-@register
 @dataclass(frozen=True)
 class Canonicalize(Pass):
     """Inline calls, fold scalar scale chains into one multiply, drop no-ops."""

@@ -1,78 +1,28 @@
 """Pass ``infer-seq-axes``: record which inputs and outputs carry the sequence axis.
 
-The analysis itself (:func:`cptransform.analysis.seq_axes.infer_seq_axes`) works on any jaxpr and is
-re-run by later passes on their own input (variables change with every re-trace); this pass
-records the stable facts — per flat input and output, the sequence dims — in
-``module.meta["seq_axes"]`` and fails early when no attention reaches an input.
+The analysis itself (:func:`cptransform.analysis.seq_axes_summary.analyse`) works on any
+program and is re-run by later passes on their own input (variables change with every
+re-trace); this pass records the stable facts — per flat input and output, the sequence
+dims — in ``module.facts.seq_axes`` and fails early when no attention reaches an input.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jax
-
-from cptransform.ir import compat
+from cptransform.ir.facts import Fact
 from cptransform.ir.module import Module
-from cptransform.ir.pipeline import Pass, PassResult, register
-from cptransform.analysis.seq_axes import SeqAxes, SeqAxisError, infer_seq_axes
+from cptransform.ir.pipeline import Pass, PassResult
+from cptransform.analysis.seq_axes import SeqAxisError
+from cptransform.analysis.seq_axes_summary import analyse, summarize
 
 
-@dataclass(frozen=True)
-class SeqAxesSummary:
-    """Stable per-program facts: sequence length and the sequence dims of each flat
-    input/output (``()`` for values that do not carry it)."""
-
-    seq_len: int | None
-    inputs: tuple[tuple[int, ...], ...]
-    outputs: tuple[tuple[int, ...], ...]
-    input_names: tuple[str, ...] = ()
-    output_names: tuple[str, ...] = ()
-
-    def describe(self) -> str:
-        def side(dims, names, prefix):
-            return ", ".join(f"{names[i] if i < len(names) else f'{prefix}{i}'} dim {list(d)}"
-                             for i, d in enumerate(dims) if d) or "none"
-        return (f"length {self.seq_len}; inputs: {side(self.inputs, self.input_names, 'in')}; "
-                f"outputs: {side(self.outputs, self.output_names, 'out')}")
-
-
-def analyse(module: Module) -> SeqAxes:
-    """Run the analysis with the module's overrides (``meta["seq_axes_overrides"]``)."""
-    return infer_seq_axes(module.jaxpr, module.meta.get("seq_axes_overrides"))
-
-
-def leaf_names(tree, prefix: str) -> tuple[str, ...]:
-    """Readable names of a pytree's leaves, e.g. ``args[1]`` or ``args[0]['embed']``.
-
-    ``prefix="args"`` names the leaves of an ``(args, kwargs)`` input tree."""
-    dummy = jax.tree_util.tree_unflatten(tree, list(range(tree.num_leaves)))
-    paths = jax.tree_util.tree_flatten_with_path(dummy)[0]
-    names = []
-    for path, _ in paths:
-        if prefix == "args" and path:
-            head = "args" if getattr(path[0], "idx", 0) == 0 else "kwargs"
-            names.append(head + jax.tree_util.keystr(path[1:]))
-        else:
-            names.append(prefix + jax.tree_util.keystr(path))
-    return tuple(names)
-
-
-def summarize(module: Module, axes: SeqAxes) -> SeqAxesSummary:
-    jaxpr = compat.open_jaxpr(module.jaxpr)
-    return SeqAxesSummary(axes.seq_len,
-                          tuple(axes.dims(v) for v in jaxpr.invars),
-                          tuple(axes.dims(v) for v in jaxpr.outvars),
-                          leaf_names(module.in_tree, "args"),
-                          leaf_names(module.out_tree, "out"))
-
-
-@register
 @dataclass(frozen=True)
 class InferSeqAxes(Pass):
     """Find the sequence axis of inputs, intermediates and outputs from attention's q/k/v."""
 
     name = "infer-seq-axes"
     summary = "which values carry the sequence axis (dataflow from attention to inputs)"
+    ensures = (Fact.SEQ_AXES,)
 
     def run(self, module: Module) -> PassResult:
         axes = analyse(module)

@@ -49,7 +49,7 @@ from cptransform.analysis.mask_analysis import (And, Indicator, MaskAnalyzer, Ma
 from cptransform.analysis.match_report import MatchReport
 from cptransform.ir.module import Module
 from cptransform.ir.patterns import Pat, look_through, one_of
-from cptransform.ir.pipeline import Pass, PassResult, register
+from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import Replacement, Rewriter
 from cptransform.ir.errors import MatchAttentionError
 
@@ -952,7 +952,6 @@ def _closed_jaxprs(closed: Any, depth: int = 0, out: dict | None = None) -> dict
     return out
 
 
-@register
 @dataclass(frozen=True)
 class MatchAttention(Pass):
     """Replace every attention subgraph with one ``attention_p`` (run after canonicalize).

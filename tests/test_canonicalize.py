@@ -14,6 +14,9 @@ from jax import lax
 from cptransform import trace
 from cptransform.ir.module import iter_eqns
 from cptransform.ir.pipeline import Pipeline, PipelineError, make_pass
+from cptransform.passes import get_all_passes
+
+PASSES = get_all_passes()
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -28,7 +31,7 @@ def load_llama():
 
 def canonicalize(fn, *args, options=""):
     module = trace(fn, *args)
-    result = Pipeline.parse("canonicalize" + options).run(module)
+    result = Pipeline.parse("canonicalize" + options, available=PASSES).run(module)
     return module, result
 
 
@@ -123,15 +126,15 @@ def test_noops_are_dropped():
 def test_weak_type_change_is_not_a_noop():
     f = lambda x: lax.convert_element_type(x, jnp.float32) * 2  # noqa: E731
     module = trace(lambda: f(jnp.float32(1.5) * 1.0 + 0))
-    assert module.out_avals == Pipeline.parse("canonicalize").run(module).module.out_avals
+    assert module.out_avals == Pipeline.parse("canonicalize", available=PASSES).run(module).module.out_avals
 
 
 def test_unchanged_is_honest():
     x = rand((4, 8))
     _, once = canonicalize(lambda x: jnp.tanh(x @ x.T), x)
     assert not once.changed
-    twice = Pipeline.parse("canonicalize").run(
-        Pipeline.parse("canonicalize").run(trace(lambda x: jax.jit(jnp.sin)(x) * 1.0, x)).module)
+    twice = Pipeline.parse("canonicalize", available=PASSES).run(
+        Pipeline.parse("canonicalize", available=PASSES).run(trace(lambda x: jax.jit(jnp.sin)(x) * 1.0, x)).module)
     assert not twice.changed
 
 
@@ -174,11 +177,11 @@ def test_inlining_can_be_turned_off_and_verify_checks_it():
     x = rand((8,))
     _, kept = canonicalize(f, x, options="{inline_jit=false}")
     assert prims(kept.module) == ["jit", "add"]  # the body's no-op multiply is gone
-    make_pass("canonicalize", {"inline_jit": "false"}).verify(kept.module)
+    make_pass("canonicalize", {"inline_jit": "false"}, available=PASSES).verify(kept.module)
     with pytest.raises(AssertionError, match="jit"):
-        make_pass("canonicalize").verify(kept.module)
+        make_pass("canonicalize", available=PASSES).verify(kept.module)
 
 
 def test_bad_fold_mode_is_a_pipeline_error():
     with pytest.raises(PipelineError, match="fold_scales must be one of off, exact, ulp"):
-        Pipeline.parse("canonicalize{fold_scales=maybe}")
+        Pipeline.parse("canonicalize{fold_scales=maybe}", available=PASSES)

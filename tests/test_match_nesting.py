@@ -24,7 +24,7 @@ def test_scan_over_layers(rng):
     x, ws = randn(rng, B, T, H, D), randn(rng, 3, 3, D, D) * 0.3
     fn = lambda x, ws: jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0]  # noqa: E731
     m = check(fn, x, ws, analytic=True)
-    assert [r.depth for r in m.meta["matches"]] == [1]
+    assert [r.depth for r in m.facts.matches] == [1]
 
 
 def test_checkpoint(rng):

@@ -8,6 +8,9 @@ from cptransform.analysis.match_report import MatchReport
 from cptransform.ir.module import trace
 from cptransform.ir.pipeline import Pipeline
 from cptransform.passes.match_attention import MatchAttentionError
+from cptransform.passes import get_all_passes
+
+PASSES = get_all_passes()
 from test_match_support import check_refused, randn, rewrite
 
 B, T, H, D, V = 2, 8, 2, 8, 16
@@ -85,11 +88,11 @@ def test_strict_raises_on_attention_like_refusal(rng):
         return jnp.einsum("bhqk,bkhd->bqhd", p, v), p
 
     with pytest.raises(MatchAttentionError, match="not rewritten"):
-        Pipeline.parse("canonicalize,match-attention{strict=true}").run(trace(fn, q, k, v))
+        Pipeline.parse("canonicalize,match-attention{strict=true}", available=PASSES).run(trace(fn, q, k, v))
     h, w = randn(rng, B, T, D), randn(rng, D, V)
-    module = Pipeline.parse("canonicalize,match-attention{strict=true}").run(
+    module = Pipeline.parse("canonicalize,match-attention{strict=true}", available=PASSES).run(
         trace(lambda h, w: jax.nn.softmax(h @ w), h, w)).module
-    assert not module.meta["matches"][0].rewritten
+    assert not module.facts.matches[0].rewritten
 
 
 def test_reports_and_stats(rng):
@@ -102,13 +105,13 @@ def test_reports_and_stats(rng):
         return o, jax.nn.softmax(h @ w)
 
     m = rewrite(fn, q, k, v, h, w)
-    reports = m.meta["matches"]
+    reports = m.facts.matches
     assert [r.status for r in reports] == ["rewritten", "refused"]
     assert all(isinstance(r, MatchReport) and "test_match_refusals.py" in r.source
                for r in reports)
     assert reports[0].mask_kind == "causal" and "causal" in str(reports[0])
     assert "refused" in str(reports[1]) and reports[1].reason
-    stats = m.meta["match_stats"]
+    stats = m.facts.match_stats
     assert stats["softmax"]["attempts"] == 2 and stats["softmax"]["hits"] == 2
     assert stats["mask"]["hits"] == 1
     assert all(entry["seconds"] >= 0 for entry in stats.values())

@@ -8,6 +8,9 @@ import numpy as np
 from cptransform.op.attention import attention_p
 from cptransform.ir.module import iter_eqns, trace
 from cptransform.ir.pipeline import Pipeline
+from cptransform.passes import get_all_passes
+
+PASSES = get_all_passes()
 
 PIPELINE = "canonicalize,match-attention"
 #: Rewritten attention vs the original in float32. The rewrite only reassociates the
@@ -22,7 +25,7 @@ def randn(rng, *shape, dtype=jnp.float32):
 
 def rewrite(fn, *args, pipeline: str = PIPELINE):
     """The module of ``fn`` after canonicalize and match-attention."""
-    return Pipeline.parse(pipeline).run(trace(fn, *args)).module
+    return Pipeline.parse(pipeline, available=PASSES).run(trace(fn, *args)).module
 
 
 def specs(module) -> list:
@@ -50,8 +53,8 @@ def check(fn, *args, count: int = 1, analytic: bool = False, rtol: float = RTOL)
     module = rewrite(fn, *args)
     assert module.count(attention_p) == count, (
         f"expected {count} attention_p, found {module.count(attention_p)}; reports:\n" +
-        "\n".join(map(str, module.meta.get("matches", []))) + f"\n{module}")
-    for report in module.meta["matches"]:
+        "\n".join(map(str, (module.facts.matches or []))) + f"\n{module}")
+    for report in module.facts.matches:
         assert report.rewritten, str(report)
     if analytic:
         left = primitives(module) & {"iota", "ge", "gt", "le", "lt", "eq", "ne"}
@@ -67,7 +70,7 @@ def check_refused(fn, *args, reason: str):
     """``fn`` stays as it is, with a refusal whose reason contains ``reason``."""
     module = rewrite(fn, *args)
     assert module.count(attention_p) == 0, str(module)
-    reports = module.meta["matches"]
+    reports = module.facts.matches
     assert reports and all(not r.rewritten for r in reports), reports
     assert any(reason in r.reason for r in reports), [r.reason for r in reports]
     assert all(r.source != "?" for r in reports)

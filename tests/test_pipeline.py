@@ -11,7 +11,10 @@ from cptransform import attention, trace
 from cptransform.api.instruments import (DumpIR, PrintIR, TimePasses, VerificationError,
                                      VerifyEach, count_equations)
 from cptransform.ir.pipeline import (Pass, PassResult, Pipeline, PipelineError, make_pass,
-                                  parse_pipeline, registered)
+                                     parse_pipeline)
+from cptransform.passes import get_all_passes
+
+PASSES = get_all_passes()
 
 
 def program():
@@ -24,13 +27,29 @@ def program():
 
 
 def test_parse_options_and_spelling():
-    (p,) = parse_pipeline(" canonicalize{ fold_scales=exact inline_jit=false } ")
+    (p,) = parse_pipeline(" canonicalize{ fold_scales=exact inline_jit=false } ", available=PASSES)
     assert (p.fold_scales, p.inline_jit, p.inline_calls) == ("exact", False, True)
     assert p.spelled() == "canonicalize{inline_jit=False fold_scales=exact}"
-    two = Pipeline.parse("canonicalize,canonicalize{drop_noops=0}")
+    two = Pipeline.parse("canonicalize,canonicalize{drop_noops=0}", available=PASSES)
     assert [q.drop_noops for q in two.passes] == [True, False]
-    assert Pipeline.parse(two.spelled()).spelled() == two.spelled()
-    assert "canonicalize" in registered()
+    assert Pipeline.parse(two.spelled(), available=PASSES).spelled() == two.spelled()
+
+
+def test_registry_names_each_pass_after_its_module():
+    for name, factory in PASSES.items():
+        cls = factory()
+        assert cls.name == name
+        assert re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", name)
+        assert cls.__module__.startswith("cptransform.passes." + name.replace("-", "_"))
+
+
+@pytest.mark.parametrize("text, missing", [
+    ("canonicalize,lower-context-parallel", "the CP mesh"),
+    ("canonicalize,reorder-sequence", "run plan-context-parallel first"),
+])
+def test_a_missing_fact_is_one_error_naming_its_source(text, missing):
+    with pytest.raises(PipelineError, match=missing):
+        Pipeline.parse(text, available=PASSES).run(program())
 
 
 @pytest.mark.parametrize("text, message", [
@@ -44,12 +63,12 @@ def test_parse_options_and_spelling():
 ])
 def test_parse_errors(text, message):
     with pytest.raises(PipelineError, match=message):
-        Pipeline.parse(text)
+        Pipeline.parse(text, available=PASSES)
 
 
 def test_make_pass_unknown_names_known():
     with pytest.raises(PipelineError, match="known passes"):
-        make_pass("frobnicate")
+        make_pass("frobnicate", available=PASSES)
 
 
 @dataclass(frozen=True)
@@ -68,7 +87,7 @@ class Breaks(Pass):
 def test_run_reports_changes_and_printing():
     out = io.StringIO()
     pipeline = Pipeline.parse("canonicalize,canonicalize",
-                              [PrintIR(after_all=True, stream=out)])
+                              [PrintIR(after_all=True, stream=out)], available=PASSES)
     result = pipeline.run(program())
     assert result.changed
     text = out.getvalue()
@@ -86,12 +105,12 @@ def test_run_reports_changes_and_printing():
 def test_print_before_named_and_on_change():
     out = io.StringIO()
     Pipeline.parse("canonicalize,canonicalize",
-                   [PrintIR(before_all=True, only_on_change=True, stream=out)]).run(program())
+                   [PrintIR(before_all=True, only_on_change=True, stream=out)], available=PASSES).run(program())
     text = out.getvalue()
     assert text.count("# ----- IR before canonicalize -----") == 2
     assert text.count("# ----- IR after canonicalize -----") == 1
     out = io.StringIO()
-    Pipeline([Breaks(), make_pass("canonicalize")],
+    Pipeline([Breaks(), make_pass("canonicalize", available=PASSES)],
              [PrintIR(after_passes=("breaks-things",), stream=out)]).run(program())
     assert re.findall(r"# ----- IR after (\S+) -----", out.getvalue()) == ["breaks-things"]
 
@@ -99,7 +118,7 @@ def test_print_before_named_and_on_change():
 def test_dump_dir_numbered_files(tmp_path):
     (tmp_path / "07-stale.txt").write_text("old")
     (tmp_path / "notes.md").write_text("keep")
-    Pipeline.parse("canonicalize,canonicalize", [DumpIR(tmp_path)]).run(program())
+    Pipeline.parse("canonicalize,canonicalize", [DumpIR(tmp_path)], available=PASSES).run(program())
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["00-input.txt", "01-canonicalize.txt", "02-canonicalize.txt", "notes.md"]
     first = (tmp_path / "01-canonicalize.txt").read_text()
@@ -110,7 +129,7 @@ def test_dump_dir_numbered_files(tmp_path):
 def test_timing_table():
     out = io.StringIO()
     timing = TimePasses(stream=out)
-    Pipeline.parse("canonicalize,canonicalize", [timing]).run(program())
+    Pipeline.parse("canonicalize,canonicalize", [timing], available=PASSES).run(program())
     assert [r.name for r in timing.rows] == ["canonicalize", "canonicalize"]
     assert all(r.seconds > 0 for r in timing.rows)
     assert [r.changed for r in timing.rows] == [True, False]
@@ -122,7 +141,7 @@ def test_timing_table():
 
 def test_verify_each_names_the_pass():
     with pytest.raises(VerificationError, match="after pass breaks-things: the widget count"):
-        Pipeline([make_pass("canonicalize"), Breaks()], [VerifyEach()]).run(program())
+        Pipeline([make_pass("canonicalize", available=PASSES), Breaks()], [VerifyEach()]).run(program())
 
 
 def test_verify_each_catches_ill_typed_jaxpr():

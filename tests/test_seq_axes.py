@@ -7,6 +7,9 @@ from cptransform import trace
 from cptransform.ir import compat
 from cptransform.ir.pipeline import Pipeline
 from cptransform.analysis.seq_axes import SeqAxisError, infer_seq_axes, reshape_dim_map
+from cptransform.passes import get_all_passes
+
+PASSES = get_all_passes()
 
 
 @pytest.mark.parametrize("src,dst,expected", [
@@ -22,7 +25,7 @@ def test_reshape_dim_map(src, dst, expected):
 
 def matched(fn, *args):
     module = trace(fn, *args)
-    return Pipeline.parse("canonicalize,match-attention").run(module).module
+    return Pipeline.parse("canonicalize,match-attention", available=PASSES).run(module).module
 
 
 def model(embed, tokens, mask, table):

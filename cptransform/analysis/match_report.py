@@ -1,6 +1,6 @@
 """What ``match-attention`` decided about one softmax: rewritten, or refused and why.
 
-Reports are kept in ``module.meta["matches"]`` for the CLI's ``--match-stats``, later
+Reports are kept in ``module.facts.matches`` for the CLI's ``--match-stats``, later
 passes and ``explain()``.
 """
 from __future__ import annotations

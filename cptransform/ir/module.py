@@ -8,21 +8,22 @@ from typing import Any, Callable
 import jax
 
 from cptransform.ir import compat
+from cptransform.ir.facts import Facts
 
 
 @dataclass(frozen=True)
 class Module:
     """A traced program: a closed jaxpr over flat inputs, and how to (un)flatten them.
 
-    ``meta`` carries what passes learn about the program (matches, plans) for later passes,
-    ``explain()`` and the CLI; passes return new modules and never mutate one.
+    ``facts`` carries what passes learn about the whole program (mesh, matches, plan) for
+    later passes, ``explain()`` and the CLI; passes return new modules and never mutate one.
     """
 
     jaxpr: Any
     in_tree: Any
     out_tree: Any
     name: str = "fn"
-    meta: dict = field(default_factory=dict)
+    facts: Facts = field(default_factory=Facts)
 
     @property
     def eqns(self) -> list:
@@ -39,9 +40,13 @@ class Module:
     def replace(self, **changes) -> "Module":
         return dataclasses.replace(self, **changes)
 
-    def with_jaxpr(self, jaxpr: Any, **meta) -> "Module":
-        """The same program signature with a new body; ``meta`` entries are added."""
-        return dataclasses.replace(self, jaxpr=jaxpr, meta={**self.meta, **meta})
+    def with_jaxpr(self, jaxpr: Any, **facts) -> "Module":
+        """The same program signature with a new body; ``facts`` fields are replaced."""
+        return dataclasses.replace(self, jaxpr=jaxpr, facts=self.facts.replace(**facts))
+
+    def with_facts(self, **facts) -> "Module":
+        """The same program with ``facts`` fields replaced."""
+        return dataclasses.replace(self, facts=self.facts.replace(**facts))
 
     def flat_call(self, *flat_args) -> list:
         """Evaluate on flat arguments under the current trace."""

@@ -1,8 +1,13 @@
-"""Passes, their registry, and pipelines parsed from text (``"a,b{opt=1}"``).
+"""Passes and pipelines parsed from text (``"a,b{opt=1}"``).
 
 A pass is a small named object with typed options (the xDSL habit): subclass :class:`Pass`,
-give it a kebab-case ``name`` and dataclass fields for options, implement ``run``. It
-returns a :class:`PassResult`; it never mutates the module it was given.
+give it a kebab-case ``name`` and dataclass fields for options, declare the
+facts (:class:`~cptransform.ir.facts.Fact`) it ``requires`` and ``ensures``, implement ``run``.
+It returns a :class:`PassResult`; it never mutates the module it was given.
+
+The IR toolkit knows no pass: the registry lives with the passes
+(``cptransform.passes.get_all_passes()``, lazy factories by name) and is handed to
+:meth:`Pipeline.parse` as ``available``.
 """
 from __future__ import annotations
 
@@ -10,10 +15,14 @@ import dataclasses
 import re
 import time
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from cptransform.ir.module import Module
 from cptransform.ir.errors import PipelineError
+from cptransform.ir.facts import Fact
+from cptransform.ir.module import Module
+
+#: Pass names to factories returning the pass class (imported only when asked for).
+PassFactories = Mapping[str, Callable[[], "type[Pass]"]]
 
 
 @dataclass(frozen=True)
@@ -31,6 +40,8 @@ class Pass:
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+    requires: ClassVar[tuple[Fact, ...]] = ()
+    ensures: ClassVar[tuple[Fact, ...]] = ()
 
     def run(self, module: Module) -> PassResult:
         raise NotImplementedError(f"pass {self.name} does not implement run()")
@@ -54,23 +65,6 @@ class Pass:
         return self.name + ("{" + " ".join(changed) + "}" if changed else "")
 
 
-_REGISTRY: dict[str, type[Pass]] = {}
-
-
-def register(cls: type[Pass]) -> type[Pass]:
-    """Class decorator: make a pass known by its ``name``."""
-    if not re.fullmatch(r"[a-z][a-z0-9]*(-[a-z0-9]+)*", cls.name or ""):
-        raise ValueError(f"pass name {cls.name!r} must be kebab-case")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def registered() -> dict[str, type[Pass]]:
-    """All known passes by name (importing ``cptransform.passes`` registers the built-ins)."""
-    import cptransform.passes  # noqa: F401  (registers on import)
-    return dict(sorted(_REGISTRY.items()))
-
-
 def _convert(cls: type[Pass], field: dataclasses.Field, text: str) -> Any:
     kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
     try:
@@ -90,12 +84,13 @@ def _convert(cls: type[Pass], field: dataclasses.Field, text: str) -> Any:
                             f"got {text!r}") from None
 
 
-def make_pass(name: str, options: dict[str, str] | None = None) -> Pass:
-    """Instantiate a registered pass from its name and textual options."""
-    known = registered()
-    if name not in known:
-        raise PipelineError(f"unknown pass {name!r}; known passes: {', '.join(known) or 'none'}")
-    cls = known[name]
+def make_pass(name: str, options: dict[str, str] | None = None, *,
+              available: PassFactories) -> Pass:
+    """Instantiate pass ``name`` of ``available`` from textual options."""
+    if name not in available:
+        raise PipelineError(f"unknown pass {name!r}; known passes: "
+                            f"{', '.join(available) or 'none'}")
+    cls = available[name]()
     fields = cls.options()
     kwargs = {}
     for key, text in (options or {}).items():
@@ -109,12 +104,12 @@ def make_pass(name: str, options: dict[str, str] | None = None) -> Pass:
 _ITEM = re.compile(r"\s*([A-Za-z0-9_-]+)\s*(\{([^{}]*)\})?\s*(,|$)")
 
 
-def parse_pipeline(text: str) -> list[Pass]:
-    """``"canonicalize,match-attention{strict=true}"`` → pass objects."""
+def parse_pipeline(text: str, *, available: PassFactories) -> list[Pass]:
+    """``"canonicalize,match-attention{strict=true}"`` → pass objects of ``available``."""
     passes, pos = [], 0
     text = text.strip()
     if not text:
-        raise PipelineError("empty pipeline; known passes: " + ", ".join(registered()))
+        raise PipelineError("empty pipeline; known passes: " + ", ".join(available))
     while pos < len(text):
         m = _ITEM.match(text, pos)
         if not m or m.end() == pos:
@@ -126,7 +121,7 @@ def parse_pipeline(text: str) -> list[Pass]:
                 raise PipelineError(f"option {item!r} of pass {m.group(1)} needs the form key=value")
             key, value = item.split("=", 1)
             opts[key.strip()] = value.strip()
-        passes.append(make_pass(m.group(1), opts))
+        passes.append(make_pass(m.group(1), opts, available=available))
         pos = m.end()
         if m.group(4) == "," and pos >= len(text):
             raise PipelineError("pipeline ends with a comma")
@@ -154,18 +149,28 @@ class Pipeline:
     instruments: Sequence[Instrument] = ()
 
     @classmethod
-    def parse(cls, text: str, instruments: Sequence[Instrument] = ()) -> "Pipeline":
-        return cls(parse_pipeline(text), instruments)
+    def parse(cls, text: str, instruments: Sequence[Instrument] = (), *,
+              available: PassFactories) -> "Pipeline":
+        """The pipeline spelled by ``text``, its passes taken from ``available``."""
+        return cls(parse_pipeline(text, available=available), instruments)
 
     def run(self, module: Module) -> PassResult:
         changed = False
         logs: list[str] = []
         for i, p in enumerate(self.passes):
+            missing = [f for f in p.requires if not module.facts.has(f)]
+            if missing:
+                raise PipelineError(f"pass {p.name} requires "
+                                    f"{'; '.join(f.value for f in missing)}")
             for inst in self.instruments:
                 inst.before(i, p, module)
             start = time.perf_counter()
             result = p.run(module)
             seconds = time.perf_counter() - start
+            lost = [f for f in p.ensures if not result.module.facts.has(f)]
+            if lost:
+                raise AssertionError(f"pass {p.name} did not provide "
+                                     f"{', '.join(f.name for f in lost)}")
             for inst in self.instruments:
                 inst.after(i, p, result, seconds)
             module = result.module
