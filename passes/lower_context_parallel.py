@@ -1,8 +1,8 @@
 """Pass ``lower-context-parallel``: ``attention_p`` → the planned schedule under shard_map.
 
 Each attention becomes :func:`~cptransform.lowering.context_parallel_attention.
-context_parallel_attention` with the schedule from ``meta["plan"]``: a ``shard_map`` island
-over the CP mesh axes only. Everything else stays in the program for XLA's SPMD
+context_parallel_attention` with the schedule and layout written on its equation by
+``plan-context-parallel``: a ``shard_map`` island over the CP mesh axes only. Everything else stays in the program for XLA's SPMD
 partitioner; inputs and every intermediate whose dim is the whole sequence get a sharding
 constraint on that dim (other dims unconstrained, so a data axis keeps its batch sharding),
 so no stray all-gather of activations appears between attentions.
@@ -14,25 +14,26 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cptransform.ir import compat
-from cptransform.op.attention import attention_p
-from cptransform.ir.module import Module, iter_eqns
-from cptransform.ir.pipeline import Pass, PassResult, register
-from cptransform.ir.rewrite import Rewriter, trace_like
 from cptransform.analysis.seq_axes import SeqAxes
+from cptransform.analysis.seq_axes_summary import analyse
+from cptransform.ir import compat
+from cptransform.ir.errors import PipelineError
+from cptransform.ir.facts import Fact
+from cptransform.ir.module import Module, iter_eqns
+from cptransform.ir.pipeline import Pass, PassResult
+from cptransform.ir.rewrite import Rewriter, trace_like
 from cptransform.lowering.context_parallel_attention import (context_parallel_attention,
                                                               sequence_mesh_axes)
-from cptransform.passes.infer_seq_axes import analyse
+from cptransform.op.attention import attention_p
 
 
 class _Lowerer(Rewriter):
     """Re-trace with attention replaced and sequence shardings constrained."""
 
-    def __init__(self, axes: SeqAxes, plan, mesh, cp_axes, layout: str, kernel: str):
+    def __init__(self, axes: SeqAxes, mesh, cp_axes, kernel: str):
         super().__init__()
-        self.axes, self.steps, self.mesh = axes, list(plan), mesh
-        self.cp_axes, self.layout, self.kernel = tuple(cp_axes), layout, kernel
-        self.next_attention = 0
+        self.axes, self.mesh = axes, mesh
+        self.cp_axes, self.kernel = tuple(cp_axes), kernel
         self.seq = sequence_mesh_axes(self.cp_axes)
 
     def constrain(self, value, atom):
@@ -45,15 +46,16 @@ class _Lowerer(Rewriter):
 
     def eval_eqn(self, eqn, invals):
         if eqn.primitive is attention_p:
-            step = self.steps[self.next_attention]
-            self.next_attention += 1
             spec = eqn.params["spec"]
+            if spec.schedule is None:
+                raise PipelineError(
+                    f"the attention at {compat.source_line(eqn)} has no schedule; run "
+                    "plan-context-parallel right before lowering")
             with compat.eqn_context(eqn):
                 out = context_parallel_attention(
-                    *invals, spec=spec, mesh=self.mesh,
-                    axes=self.cp_axes,
-                    schedule=step.schedule, layout=self.layout, kernel=self.kernel,
-                    in_layout_order=spec.positions and self.layout != "contiguous")
+                    *invals, spec=spec, mesh=self.mesh, axes=self.cp_axes,
+                    schedule=spec.schedule, layout=spec.layout, kernel=self.kernel,
+                    in_layout_order=spec.positions and spec.layout != "contiguous")
             outs = [out]
         else:
             outs = super().eval_eqn(eqn, invals)
@@ -64,30 +66,19 @@ class _Lowerer(Rewriter):
         return True
 
 
-@register
 @dataclass(frozen=True)
 class LowerContextParallel(Pass):
     """Replace each attention with its planned context-parallel schedule."""
 
     name = "lower-context-parallel"
     summary = "attention_p -> shard_map schedule (ring / ulysses / allgather / hybrid)"
+    requires = (Fact.MESH, Fact.PLAN)
     kernel: str = "auto"
 
     def run(self, module: Module) -> PassResult:
-        mesh = module.meta.get("mesh")
-        cp_axes = module.meta.get("cp_axes")
-        plan = module.meta.get("plan")
-        if mesh is None or cp_axes is None or plan is None:
-            raise ValueError("lower-context-parallel needs meta 'mesh', 'cp_axes' (set by "
-                             "context_parallel() or the CLI's --cp) and 'plan' (run "
-                             "plan-context-parallel first)")
         n = sum(1 for e in iter_eqns(module.jaxpr) if e.primitive is attention_p)
-        if n != len(plan):
-            raise ValueError(f"the plan covers {len(plan)} attentions but the program has {n}; "
-                             "run plan-context-parallel right before lowering")
-        layout = module.meta.get("layout")
-        layout_name = layout.name if layout is not None else "contiguous"
-        lowerer = _Lowerer(analyse(module), plan, mesh, cp_axes, layout_name, self.kernel)
+        lowerer = _Lowerer(analyse(module), module.facts.mesh, module.facts.cp_axes,
+                           self.kernel)
         jaxpr = compat.open_jaxpr(module.jaxpr)
         consts = compat.consts_of(module.jaxpr)
 

@@ -1,25 +1,35 @@
-"""Pass ``plan-context-parallel``: choose a schedule for each attention.
+"""Pass ``plan-context-parallel``: choose a schedule for each attention, and the layout.
 
 Reads each ``attention_p`` (heads, KV heads, head dims, sequence length, mask) and picks
 ring, Ulysses, all-gather or hybrid — the one asked for, or under ``auto`` the feasible one
 moving the fewest bytes per device (ties and near-ties go to the ring, which overlaps its
-transfers with compute). The plan, one :class:`AttentionPlan` per attention in program
-order, goes to ``module.meta["plan"]``; ``lower-context-parallel`` follows it and
-``explain()`` prints it.
+transfers with compute). It also picks the sequence layout for the whole program
+(``load_balance``; ``auto``: zigzag when an attention is causal). Both decisions are
+written onto each ``attention_p`` equation (``spec.schedule``, ``spec.layout``), where
+``lower-context-parallel`` reads them; the readable account, one :class:`AttentionPlan` per
+attention, goes to ``module.facts.plan`` for ``explain()``, and the layout to
+``module.facts.layout`` for ``reorder-sequence``. The CP size comes from the mesh only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cptransform.analysis.cost_model import schedule_volume
 from cptransform.ir import compat
+from cptransform.ir.errors import PlanError
+from cptransform.ir.facts import Fact
+from cptransform.ir.module import Module, iter_eqns
+from cptransform.ir.pipeline import Pass, PassResult
+from cptransform.ir.rewrite import Rewriter
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import MaskSpec
-from cptransform.analysis.cost_model import schedule_volume
-from cptransform.ir.module import Module, iter_eqns
-from cptransform.ir.pipeline import Pass, PassResult, register
-from cptransform.ir.errors import PlanError
+from cptransform.op.layouts import SequenceLayout
 
 SCHEDULE_NAMES = ("auto", "ring", "ulysses", "allgather", "hybrid")
+
+#: ``load_balance`` option → the layout it names (``auto`` is decided per program).
+LOAD_BALANCES = {"auto": None, "zigzag": "zigzag", "striped": "striped",
+                 "none": "contiguous"}
 
 
 @dataclass(frozen=True)
@@ -97,32 +107,60 @@ def feasibility(schedule: str, shape: AttentionShape) -> str | None:
     return None
 
 
-@register
 @dataclass(frozen=True)
 class PlanContextParallel(Pass):
-    """Choose ring / Ulysses / all-gather / hybrid per attention with the cost model."""
+    """Choose ring / Ulysses / all-gather / hybrid per attention, and the sequence layout."""
 
     name = "plan-context-parallel"
-    summary = "choose a schedule per attention (cost model: bytes moved per device)"
+    summary = ("choose a schedule per attention (cost model: bytes moved per device) and "
+               "the layout; written onto each attention")
+    requires = (Fact.MESH, Fact.SEQ_AXES)
+    ensures = (Fact.PLAN,)
     schedule: str = "auto"
-    cp: int = 8
-    ulysses: int = 1
+    load_balance: str = "auto"
 
     def run(self, module: Module) -> PassResult:
         if self.schedule not in SCHEDULE_NAMES:
             raise PlanError(f"unknown schedule {self.schedule!r}; use one of "
                             f"{', '.join(SCHEDULE_NAMES)}")
-        plans = []
+        if self.load_balance not in LOAD_BALANCES:
+            raise PlanError(f"unknown load_balance {self.load_balance!r}; use one of "
+                            f"{', '.join(LOAD_BALANCES)}")
+        facts = module.facts
+        cp = facts.cp
+        ulysses = facts.mesh.shape[facts.cp_axes[0]] if len(facts.cp_axes) == 2 else 1
         eqns = [e for e in iter_eqns(module.jaxpr) if e.primitive is attention_p]
-        for index, eqn in enumerate(eqns):
-            plans.append(self.plan_one(index, eqn))
-        log = tuple(p.describe() for p in plans)
-        return PassResult(module.with_jaxpr(module.jaxpr, plan=tuple(plans)), False, log)
+        plans = tuple(self.plan_one(i, e, cp, ulysses) for i, e in enumerate(eqns))
+        layout = self.choose_layout(eqns, facts.seq_axes.seq_len, cp)
 
-    def plan_one(self, index: int, eqn) -> AttentionPlan:
+        def decide(eqn, invals):
+            spec = eqn.params["spec"]
+            schedule = self.plan_one(0, eqn, cp, ulysses).schedule
+            return [attention_p.bind(*invals, spec=spec.replace(schedule=schedule,
+                                                                  layout=layout))]
+
+        new = Rewriter(rules={attention_p.name: decide}).run(module.jaxpr) if eqns \
+            else module.jaxpr
+        sequence = None if layout == "contiguous" or facts.seq_axes.seq_len is None else \
+            SequenceLayout(layout, facts.seq_axes.seq_len, cp)
+        log = tuple(p.describe() for p in plans) + (f"layout: {layout}",)
+        return PassResult(module.with_jaxpr(new, plan=plans, layout=sequence), bool(eqns),
+                          log)
+
+    def choose_layout(self, eqns, seq_len: int | None, cp: int) -> str:
+        """``load_balance`` as a layout name; ``auto``: zigzag when some attention is causal
+        and the length splits into 2·cp chunks, else contiguous."""
+        chosen = LOAD_BALANCES[self.load_balance]
+        if chosen is not None:
+            return chosen
+        causal = any(e.params["spec"].mask.band()[1] is not None for e in eqns)
+        return "zigzag" if causal and seq_len and seq_len % (2 * cp) == 0 else "contiguous"
+
+    def plan_one(self, index: int, eqn, cp: int, ulysses: int) -> AttentionPlan:
+        """The plan of one attention equation (a function of the equation and the mesh)."""
         spec = eqn.params["spec"]
-        shape = attention_shape(eqn, self.cp, self.ulysses)
-        candidates = ("hybrid",) if self.schedule == "hybrid" or self.ulysses > 1 else \
+        shape = attention_shape(eqn, cp, ulysses)
+        candidates = ("hybrid",) if self.schedule == "hybrid" or ulysses > 1 else \
             ("ring", "ulysses", "allgather")
         costs = {s: schedule_bytes(s, shape) for s in candidates}
         where = compat.source_line(eqn)

@@ -21,13 +21,14 @@ import numpy as np
 from cptransform.ir import compat
 from cptransform.op.attention import attention_p
 from cptransform.ir.module import Module
-from cptransform.ir.pipeline import Pass, PassResult, register
+from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import fit_body, interpret, map_bodies, trace_like
 from cptransform.analysis.seq_axes import (ELEMENTWISE, ORDER_FREE_REDUCTIONS, SeqAxes, acting_dims,
                                   reshape_dim_map)
 from cptransform.op.layouts import SequenceLayout
-from cptransform.passes.infer_seq_axes import analyse
 from cptransform.ir.errors import ReorderError
+from cptransform.ir.facts import Fact
+from cptransform.analysis.seq_axes_summary import analyse
 
 PERM, NAT, INV = "perm", "nat", "inv"
 
@@ -325,36 +326,22 @@ class _Reorderer:
         return fit_body(closed, trace_like(jaxpr, fn))
 
 
-@register
 @dataclass(frozen=True)
 class ReorderSequence(Pass):
     """Permute the program into a load-balanced sequence layout (zigzag or striped)."""
 
     name = "reorder-sequence"
     summary = "zigzag/striped: permute inputs, rewrite sequence iotas, un-permute outputs"
-    layout: str = "auto"
-    cp: int = 8
+    requires = (Fact.PLAN,)
     keep_permuted: bool = False
     strict: bool = False
 
-    def choose(self, axes: SeqAxes) -> str:
-        """``auto``: zigzag when some attention is causal and the length splits in 2·cp."""
-        if self.layout != "auto":
-            return self.layout
-        causal = any(e.params["spec"].mask.band()[1] is not None for e in axes.attentions)
-        return "zigzag" if causal and axes.seq_len % (2 * self.cp) == 0 else "none"
-
     def run(self, module: Module) -> PassResult:
-        if self.layout not in ("auto", "none", "contiguous", "zigzag", "striped"):
-            raise ReorderError(f"unknown layout {self.layout!r}; use auto, none, zigzag or "
-                               "striped")
+        layout = module.facts.layout
+        if layout is None:
+            return PassResult(module, False, ("reorder-sequence: contiguous layout, nothing "
+                                              "to do",))
         axes = analyse(module)
-        if axes.seq_len is None:
-            return PassResult(module, False, ("reorder-sequence: no attention, nothing to do",))
-        name = self.choose(axes)
-        if name in ("none", "contiguous"):
-            return PassResult(module, False)
-        layout = SequenceLayout(name, axes.seq_len, self.cp)
         jaxpr = compat.open_jaxpr(module.jaxpr)
         consts = compat.consts_of(module.jaxpr)
         worker = _Reorderer(axes, layout, self.strict)
@@ -370,4 +357,4 @@ class ReorderSequence(Pass):
 
         new = compat.dce(trace_like(jaxpr, fn))
         log = tuple(f"reorder-sequence: {m}" for m in worker.log)
-        return PassResult(module.with_jaxpr(new, layout=layout, reorder_log=log), True, log)
+        return PassResult(module.with_jaxpr(new, reorder_log=log), True, log)

@@ -349,3 +349,45 @@ def test_padded_batch_needs_no_square_mask():
     text = f.explain(x, tokens)
     assert "rewritten [causal padding] causal segments empty=uniform" in text
     assert "mask: causal segments empty=uniform;" in text
+
+
+def _scanned_remat_vmapped(params, x):
+    """Layers under ``lax.scan(jax.checkpoint(block))`` inside ``jax.vmap`` over the batch:
+    the scan body is visited more often than there are attentions in the program."""
+    seq, dim = x.shape[1:]
+    heads = 4
+
+    def per_example(h0):
+        def block(h, w):
+            q, k, v = ((h @ w[name]).reshape(seq, heads, dim // heads)[None]
+                       for name in ("q", "k", "v"))
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True)[0]
+            return h + o.reshape(seq, dim) @ w["o"], None
+
+        h, _ = jax.lax.scan(jax.checkpoint(block), h0, params)
+        return h
+
+    return jnp.mean(jax.vmap(per_example)(x) ** 2)
+
+
+@pytest.mark.parametrize("schedule,load_balance", [
+    ("ring", "zigzag"), ("ulysses", "none"), ("allgather", "zigzag"), ("hybrid", "zigzag"),
+])
+def test_scan_remat_vmap_each_schedule(schedule, load_balance):
+    """Regression: the plan was looked up by visit order and crashed (IndexError) here."""
+    keys = jax.random.split(jax.random.PRNGKey(3), 5)
+    layers, dim = 2, 16
+    params = {n: jax.random.normal(key, (layers, dim, dim)) / 4
+              for n, key in zip("qkvo", keys[:4])}
+    x = jax.random.normal(keys[4], (2, 32, dim))
+    if schedule == "hybrid":
+        f = context_parallel(_scanned_remat_vmapped, load_balance=load_balance,
+                             mesh=make_mesh((2, 2), ("uly", "ring")), axis=("uly", "ring"))
+    else:
+        f = context_parallel(_scanned_remat_vmapped, cp=4, schedule=schedule,
+                             load_balance=load_balance)
+    value, grads = jax.jit(jax.value_and_grad(f))(params, x)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(_scanned_remat_vmapped))(params, x)
+    np.testing.assert_allclose(value, ref_value, rtol=RTOL)
+    assert_tree_close(grads, ref_grads)
+    assert f"schedule: {schedule}" in f.explain(params, x)

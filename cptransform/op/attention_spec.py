@@ -78,7 +78,7 @@ class MaskSpec:
     * ``bias``: an additive float operand (not a predicate; added to the logits).
 
     ``empty_rows`` says what a query with no visible key returns: ``"zero"`` (zero output,
-    zero gradient; what :func:`cptransform.op.attention` does) or ``"uniform"`` (the mean of V
+    zero gradient; what :func:`cptransform.attention` does) or ``"uniform"`` (the mean of V
     over all keys: what softmax over logits filled with a finite minimum gives, as in
     ``jax.nn.dot_product_attention`` and flax).
     """
@@ -156,6 +156,11 @@ class AttentionSpec:
 
     ``logits = softcap(scale * q·k) + bias``; ``groups`` query heads share one KV head
     (query head ``h`` reads KV head ``h // groups``).
+
+    ``schedule`` and ``layout`` are the context-parallel decisions for this attention,
+    written onto the equation by ``plan-context-parallel`` and read by
+    ``lower-context-parallel`` (``None`` until planned): a decision travels with its
+    equation through nesting, re-tracing and repetition, never by visit order.
     """
 
     q: Layout
@@ -166,6 +171,8 @@ class AttentionSpec:
     groups: int = 1
     mask: MaskSpec = MaskSpec()
     positions: bool = False
+    schedule: str | None = None
+    layout: str | None = None
 
     def operand_names(self) -> tuple[str, ...]:
         names = ["q", "k", "v"]
@@ -188,6 +195,8 @@ class AttentionSpec:
             parts.append(f"softcap={self.softcap:g}")
         if self.positions:
             parts.append("positions")
+        if self.schedule is not None:
+            parts.append(f"schedule={self.schedule} layout={self.layout}")
         layouts = {self.q.letters(), self.k.letters(), self.v.letters()}
         if layouts != {"BTHD"}:
             parts.append("layout=" + ",".join([self.q.letters(), self.k.letters(), self.v.letters()]))
