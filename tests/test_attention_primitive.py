@@ -1,4 +1,4 @@
-"""``attention_p`` and ``cptransform.op.attention`` against ``jax.nn.dot_product_attention``."""
+"""``attention_p`` and ``cptransform.attention`` against ``jax.nn.dot_product_attention``."""
 import jax
 import jax.numpy as jnp
 import numpy as np

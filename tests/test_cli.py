@@ -39,6 +39,8 @@ def test_passes_lists_canonicalize_with_options():
     assert proc.returncode == 0, proc.stderr
     assert re.search(r"^canonicalize\s+inline jit", proc.stdout, re.M)
     assert "    fold_scales: str = ulp" in proc.stdout
+    lower = proc.stdout.split("lower-context-parallel", 1)[1]
+    assert lower.splitlines()[1] == "    requires: mesh, plan"
 
 
 def test_unknown_pass_is_one_line_exit_2():

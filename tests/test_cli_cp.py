@@ -40,3 +40,17 @@ def test_bad_schedule_is_one_line():
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1
     assert "Ulysses splits the 4 query heads over cp=8" in out.stderr
+
+
+def test_hybrid_over_two_named_axes():
+    out = cli("opt", "examples/llama.py:make", "--axis", "uly,ring", "--mesh", "2,4",
+              "--print-ir-after=plan-context-parallel")
+    assert out.returncode == 0, out.stderr
+    assert "schedule=hybrid layout=zigzag" in out.stdout
+
+
+def test_mesh_sizes_must_match_axes():
+    out = cli("opt", "examples/llama.py:make", "--axis", "uly,ring", "--mesh", "8")
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        "cptransform: error: --mesh '8' must give one positive size per --axis name uly,ring"]

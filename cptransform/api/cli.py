@@ -6,11 +6,12 @@ or a function whose argument shapes are given with ``--args 'f32[2,64,4,16] i32[
 
 Subcommands (one ``_cmd_*`` function and one ``_add_*`` parser builder each):
 
-* ``cptransform passes`` lists registered passes and their options;
+* ``cptransform passes`` lists the passes, what each requires and ensures, and options;
 * ``cptransform opt FILE.py:NAME -p PIPELINE`` runs a pipeline with printing, dumping,
   timing and verification instruments; ``--cp N`` (with ``--schedule``, ``--load-balance``,
-  ``--kernel``) gives the program a CP mesh and, without ``-p``, runs the whole
-  context-parallel pipeline; ``--grad`` also prints the differentiated program;
+  ``--kernel``; ``--axis uly,ring --mesh U,R`` for a two-axis hybrid mesh) gives the
+  program a CP mesh and, without ``-p``, runs the whole context-parallel pipeline;
+  ``--grad`` also prints the differentiated program;
 * ``cptransform plan FILE.py:NAME --cp N`` shows each attention's schedule and draws the
   ring (devices × steps, blocks full / partial / skipped) with the load balance.
 
@@ -23,6 +24,7 @@ import argparse
 import dataclasses
 import importlib.util
 import inspect
+import math
 import re
 import sys
 from pathlib import Path
@@ -30,11 +32,14 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 
 from cptransform.api.instruments import (DumpIR, PrintIR, TimePasses, VerificationError,
-                                     VerifyEach, render)
+                                         VerifyEach, render)
+from cptransform.ir.errors import CPTransformError
 from cptransform.ir.module import Module, trace
-from cptransform.ir.pipeline import Pipeline, PipelineError, registered
+from cptransform.ir.pipeline import Pipeline
+from cptransform.passes import get_all_passes
 
 USAGE_ERROR = 2
 FAILURE = 1
@@ -157,13 +162,17 @@ def _type_name(field: dataclasses.Field) -> str:
 
 
 def _add_passes(sub) -> None:
-    p = sub.add_parser("passes", help="list registered passes and their options")
+    p = sub.add_parser("passes", help="list the passes, their requirements and options")
     p.set_defaults(handler=_cmd_passes)
 
 
 def _cmd_passes(args: argparse.Namespace) -> int:
-    for name, cls in registered().items():
+    for name, factory in get_all_passes().items():
+        cls = factory()
         print(f"{name:<24} {cls.summary}")
+        for label, facts in (("requires", cls.requires), ("ensures", cls.ensures)):
+            if facts:
+                print(f"    {label}: {', '.join(f.name.lower() for f in facts)}")
         for field in dataclasses.fields(cls):
             default = field.default if field.default is not dataclasses.MISSING else "required"
             print(f"    {field.name}: {_type_name(field)} = {default}")
@@ -213,7 +222,12 @@ def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("context parallelism")
     g.add_argument("--cp", type=int, default=None, metavar="N",
-                   help="devices on the CP axis (simulated on CPU when needed)")
+                   help="devices on the CP axes (simulated on CPU when needed)")
+    g.add_argument("--axis", default="cp", metavar="NAMES",
+                   help="CP mesh axis name, or two comma-separated names (ulysses,ring) for "
+                        "the hybrid schedule, e.g. --axis uly,ring --mesh 2,4")
+    g.add_argument("--mesh", default=None, metavar="SIZES",
+                   help="comma-separated size of each --axis (default: --cp on one axis)")
     g.add_argument("--schedule", default="auto", choices=SCHEDULES)
     g.add_argument("--load-balance", default="auto", choices=LOAD_BALANCES)
     g.add_argument("--kernel", default="auto", choices=KERNELS)
@@ -221,30 +235,48 @@ def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cp_options(args: argparse.Namespace):
     """The :class:`~cptransform.api.context_parallel.Options` of the command line."""
-    from cptransform.api.context_parallel import ContextParallelOptionError, Options
+    from cptransform.api.context_parallel import Options
 
-    options = Options(cp=args.cp, schedule=args.schedule, load_balance=args.load_balance,
+    axes = tuple(a.strip() for a in args.axis.split(","))
+    mesh = None
+    if args.mesh is not None:
+        sizes = mesh_sizes(args.mesh, axes)
+        devices = jax.devices()
+        if math.prod(sizes) > len(devices):
+            raise CLIError(f"--mesh {args.mesh} needs {math.prod(sizes)} devices; "
+                           f"{len(devices)} are visible")
+        mesh = jax.make_mesh(sizes, axes, axis_types=(AxisType.Auto,) * len(axes),
+                             devices=devices[:math.prod(sizes)])
+    options = Options(cp=args.cp, mesh=mesh, axis=axes[0] if len(axes) == 1 else axes,
+                      schedule=args.schedule, load_balance=args.load_balance,
                       kernel=args.kernel)
-    try:
-        options.check()
-    except ContextParallelOptionError as err:
-        raise CLIError(str(err)) from None
+    options.check()
     return options
+
+
+def mesh_sizes(text: str, axes: Sequence[str]) -> tuple[int, ...]:
+    """``--mesh 2,4`` → ``(2, 4)``, one positive size per ``--axis`` name."""
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise CLIError(f"--mesh {text!r}: give comma-separated sizes, e.g. --mesh 2,4") \
+            from None
+    if len(sizes) != len(axes) or min(sizes) < 1:
+        raise CLIError(f"--mesh {text!r} must give one positive size per --axis name "
+                       f"{','.join(axes)}")
+    return sizes
 
 
 def prepare_cp(module: Module, args: argparse.Namespace):
     """``(module with the CP mesh attached, options)``; a CLI error for bad options."""
-    from cptransform.api.context_parallel import ContextParallelOptionError, prepare
+    from cptransform.api.context_parallel import prepare
 
     options = cp_options(args)
-    try:
-        return prepare(module, options), options
-    except ContextParallelOptionError as err:
-        raise CLIError(str(err)) from None
+    return prepare(module, options), options
 
 
 def _opt_instruments(args: argparse.Namespace) -> tuple[list, TimePasses | None]:
-    known = registered()
+    known = get_all_passes()
     for name in args.print_ir_after:
         if name not in known:
             raise CLIError(f"--print-ir-after: unknown pass {name!r}; known passes: "
@@ -268,9 +300,9 @@ def _opt_instruments(args: argparse.Namespace) -> tuple[list, TimePasses | None]
 
 
 def match_stats_text(module: Module) -> str:
-    """The ``--match-stats`` report from ``module.meta`` (filled by match-attention)."""
-    stats = module.meta.get("match_stats")
-    matches = module.meta.get("matches")
+    """The ``--match-stats`` report from ``module.facts`` (filled by match-attention)."""
+    stats = module.facts.match_stats
+    matches = module.facts.matches
     if stats is None and matches is None:
         return "# no match statistics (run match-attention)\n"
     lines = ["# ----- match statistics -----"]
@@ -286,19 +318,16 @@ def match_stats_text(module: Module) -> str:
 
 
 def _cmd_opt(args: argparse.Namespace) -> int:
-    from cptransform.api.context_parallel import pipeline_text
+    from cptransform.api.context_parallel import cp_pipeline
 
     instruments, _ = _opt_instruments(args)
     fn, example_args, name = load_program(args.entry, args.arg_shapes)
     module = trace_program(fn, example_args, name)
     text = args.pipeline or "canonicalize"
-    if args.cp is not None:
+    if args.cp is not None or args.mesh is not None:
         module, options = prepare_cp(module, args)
-        text = args.pipeline or pipeline_text(module, options)
-    try:
-        pipeline = Pipeline.parse(text, instruments)
-    except PipelineError as err:
-        raise CLIError(str(err)) from None
+        text = args.pipeline or cp_pipeline(module, options).spelled()
+    pipeline = Pipeline.parse(text, instruments, available=get_all_passes())
     try:
         result = run_pipeline(pipeline, module)
     except VerificationError as err:
@@ -345,20 +374,19 @@ def _add_plan(sub) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from cptransform.api.context_parallel import pipeline_text
+    from cptransform.api.context_parallel import cp_pipeline
     from cptransform.api.explain import explain_module
-    from cptransform.op.layouts import SequenceLayout
     from cptransform.api.plan_chart import ring_chart
+    from cptransform.op.layouts import SequenceLayout
 
-    if args.cp is None:
-        raise CLIError("plan needs --cp N")
+    if args.cp is None and args.mesh is None:
+        raise CLIError("plan needs --cp N (or --axis and --mesh)")
     fn, example_args, name = load_program(args.entry, args.arg_shapes)
     module, options = prepare_cp(trace_program(fn, example_args, name), args)
-    upto = pipeline_text(module, options).rsplit(",lower-context-parallel", 1)[0]
-    result = run_pipeline(Pipeline.parse(upto), module).module
+    result = run_pipeline(cp_pipeline(module, options, lower=False), module).module
     print(explain_module(result, options))
-    layout = result.meta.get("layout")
-    for step in result.meta.get("plan", ()):
+    layout = result.facts.layout
+    for step in result.facts.plan or ():
         lay = layout or SequenceLayout("contiguous", step.shape.seq_len, step.shape.cp)
         print(f"\nattention #{step.index} ({step.schedule}):")
         print(ring_chart(step.mask, lay))
@@ -366,6 +394,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 # -- main -----------------------------------------------------------------------------------
+
+def _devices_wanted(args: argparse.Namespace) -> int:
+    """Devices the command's CP mesh needs (0 without ``--cp`` / ``--mesh``)."""
+    if getattr(args, "mesh", None) is not None:
+        return math.prod(mesh_sizes(args.mesh, args.axis.split(",")))
+    return getattr(args, "cp", None) or 0
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
@@ -382,13 +417,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point; returns the exit status."""
     args = build_parser().parse_args(argv)
-    if getattr(args, "cp", None) and jax.config.jax_platforms in (None, "", "cpu"):
-        # Simulate the CP devices on CPU; must happen before any JAX computation starts
-        # the backend (loading the program may already compute).
-        jax.config.update("jax_num_cpu_devices", max(args.cp, 8))
     try:
+        wanted = _devices_wanted(args)
+        if wanted and jax.config.jax_platforms in (None, "", "cpu"):
+            # Simulate the CP devices on CPU; must happen before any JAX computation starts
+            # the backend (loading the program may already compute).
+            jax.config.update("jax_num_cpu_devices", max(wanted, 8))
         return args.handler(args)
-    except CLIError as err:
+    except (CLIError, CPTransformError) as err:
         print(f"cptransform: error: {err}", file=sys.stderr)
         return USAGE_ERROR
 

@@ -12,12 +12,17 @@ import numpy as np
 from jax.sharding import AxisType
 
 from cptransform.ir import compat
+from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError
 from cptransform.ir.module import Module, iter_eqns, trace
 from cptransform.ir.pipeline import Pipeline
-from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError
+from cptransform.passes.canonicalize import Canonicalize
+from cptransform.passes.infer_seq_axes import InferSeqAxes
+from cptransform.passes.lower_context_parallel import LowerContextParallel
+from cptransform.passes.match_attention import MatchAttention
+from cptransform.passes.plan_context_parallel import LOAD_BALANCES, PlanContextParallel
+from cptransform.passes.reorder_sequence import ReorderSequence
 
 SCHEDULES = ("auto", "ring", "ulysses", "allgather", "hybrid")
-LOAD_BALANCES = ("auto", "zigzag", "striped", "none")
 KERNELS = ("auto", "xla", "pallas")
 
 
@@ -123,21 +128,20 @@ def prepare(module: Module, options: Options, overrides: dict | None = None) -> 
     """Attach the CP mesh, its axes and the ``seq_axes`` overrides to a traced module."""
     options.check()
     mesh = build_mesh(options)
-    return module.with_jaxpr(module.jaxpr, mesh=mesh, cp_axes=options.axes,
+    return module.with_facts(mesh=mesh, cp_axes=options.axes,
                              seq_axes_overrides=overrides or {})
 
 
-def pipeline_text(module: Module, options: Options) -> str:
-    """The full pass pipeline for a prepared module, as text (what the CLI prints)."""
-    mesh, axes = module.meta["mesh"], module.meta["cp_axes"]
-    cp = math.prod(mesh.shape[a] for a in axes)
-    ulysses = mesh.shape[axes[0]] if len(axes) == 2 else 1
-    schedule = "hybrid" if len(axes) == 2 else options.schedule
-    return ("canonicalize,match-attention,infer-seq-axes,"
-            f"plan-context-parallel{{schedule={schedule} cp={cp} ulysses={ulysses}}},"
-            f"reorder-sequence{{layout={options.load_balance} cp={cp} "
-            f"strict={options.strict} keep_permuted={options.keep_permuted}}},"
-            f"lower-context-parallel{{kernel={options.kernel}}}")
+def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipeline:
+    """The context-parallel pass pipeline for a prepared module, as pass objects (the CLI
+    prints it with ``spelled()``); ``lower=False`` stops before lowering (for plans)."""
+    schedule = "hybrid" if len(module.facts.cp_axes) == 2 else options.schedule
+    passes = [Canonicalize(), MatchAttention(), InferSeqAxes(),
+              PlanContextParallel(schedule=schedule, load_balance=options.load_balance),
+              ReorderSequence(strict=options.strict, keep_permuted=options.keep_permuted)]
+    if lower:
+        passes.append(LowerContextParallel(kernel=options.kernel))
+    return Pipeline(passes)
 
 
 def refuse_gradients(module: Module) -> None:
@@ -179,7 +183,7 @@ class ContextParallelFunction:
         refuse_gradients(module)
         module = prepare(module, self.options, _seq_axis_overrides(self.options.seq_axes,
                                                                    args, kwargs))
-        final = Pipeline.parse(pipeline_text(module, self.options)).run(module).module
+        final = cp_pipeline(module, self.options).run(module).module
         call = jax.jit(lambda *flat: final.flat_call(*flat))
         self._built[key] = (final, call, final.out_tree)
         return self._built[key]

@@ -3,16 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
-from cptransform.op.attention_spec import MaskSpec
 from cptransform.api.plan_chart import device_work
+from cptransform.op.attention_spec import MaskSpec
+from cptransform.op.layouts import SequenceLayout
 
 
 def balance_line(mask: MaskSpec, layout, seq_len: int, cp: int) -> str:
     """``max/mean`` work per device under the chosen layout, next to contiguous."""
-    from cptransform.op.layouts import SequenceLayout
-
     chosen = layout.name if layout is not None else "contiguous"
     rows = []
     for name in dict.fromkeys([chosen, "contiguous"]):
@@ -29,27 +26,25 @@ def balance_line(mask: MaskSpec, layout, seq_len: int, cp: int) -> str:
 
 def explain_module(module, options: Any) -> str:
     """The report behind ``ContextParallelFunction.explain``."""
-    meta = module.meta
-    mesh, axes = meta.get("mesh"), meta.get("cp_axes", ())
-    layout = meta.get("layout")
-    cp = int(np.prod([mesh.shape[a] for a in axes])) if mesh is not None else None
-    seq = meta.get("seq_axes")
+    facts = module.facts
+    mesh, axes, layout, seq = facts.mesh, facts.cp_axes, facts.layout, facts.seq_axes
+    cp = facts.cp if mesh is not None else None
     lines = [f"context_parallel over mesh axes {tuple(axes)} (cp={cp}) of mesh "
              f"{dict(mesh.shape) if mesh is not None else '?'}",
              f"  layout: {layout.name if layout is not None else 'contiguous'}"
              f" (load_balance={options.load_balance}); kernel: {options.kernel}"]
     if seq is not None and seq.seq_len is not None:
         lines.append(f"  sequence axis: {seq.describe()}")
-    matches = meta.get("matches") or []
+    matches = facts.matches or []
     if matches:
         found = sum(1 for m in matches if m.rewritten)
         lines.append(f"  matcher: {found} attention(s) rewritten, {len(matches) - found} "
                      "softmax(es) left alone")
         lines += [f"    {m}" for m in matches]
-    plans = meta.get("plan") or ()
+    plans = facts.plan or ()
     if not plans:
         lines.append("  no attention found: the function runs unchanged; nothing is sharded "
-                     "(pass seq_axes= or use cptransform.op.attention for an attention the "
+                     "(pass seq_axes= or use cptransform.attention for an attention the "
                      "matcher does not see)")
     for p in plans:
         bytes_line = ", ".join(f"{s} {b / 2**20:.3f} MiB" for s, b in p.bytes_per_device.items())
@@ -60,7 +55,7 @@ def explain_module(module, options: Any) -> str:
                   f"    forward communication per device: {bytes_line}"]
         if cp:
             lines.append("    " + balance_line(p.mask, layout, p.shape.seq_len, cp))
-    for entry in meta.get("reorder_log", ()):
+    for entry in facts.reorder_log:
         lines.append(f"  {entry}")
     return "\n".join(lines)
 
