@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from cptransform.ir.facts import Fact
 from cptransform.ir.module import Module
 from cptransform.ir.pipeline import Pass, PassResult
-from cptransform.analysis.seq_axes import SeqAxisError
+from cptransform.analysis.seq_axes import SeqAxisError, infer_seq_axes
 from cptransform.analysis.seq_axes_summary import analyse, summarize
 
 
@@ -27,9 +27,32 @@ class InferSeqAxes(Pass):
     def run(self, module: Module) -> PassResult:
         axes = analyse(module)
         summary = summarize(module, axes)
+        if module.facts.seq_axes_overrides:
+            check_overrides(module, summary)
         if axes.attentions and not any(summary.inputs):
             raise SeqAxisError(
                 "no input of the function reaches an attention's sequence axis through "
                 "dataflow; pass seq_axes= to say which argument dims are the sequence")
         return PassResult(module.with_jaxpr(module.jaxpr, seq_axes=summary), False,
                           (f"infer-seq-axes: {summary.describe()}",))
+
+
+def check_overrides(module: Module, summary) -> None:
+    """Refuse a ``seq_axes`` override whose dim is not the attention's sequence length, or
+    that contradicts what dataflow proves about that input."""
+    inferred = summarize(module, infer_seq_axes(module.jaxpr)).inputs
+    for index, dims in module.facts.seq_axes_overrides.items():
+        name = summary.input_names[index]
+        shape = module.in_avals[index].shape
+        for d in dims:
+            if summary.seq_len is not None and shape[d] != summary.seq_len:
+                raise SeqAxisError(
+                    f"seq_axes says dim {d} of {name} (shape {shape}) is the sequence, but "
+                    f"the attention's sequence length is {summary.seq_len}; point seq_axes "
+                    "at the dim of that length, or leave the argument to inference (None)")
+        if inferred[index] and tuple(inferred[index]) != tuple(dims):
+            raise SeqAxisError(
+                f"seq_axes gives {name} (shape {shape}) sequence dims {list(dims)}, but "
+                f"dataflow to the attention proves dims {list(inferred[index])}; fix the "
+                "seq_axes entry (or drop it: inference already finds this argument)")
+

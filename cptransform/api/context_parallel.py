@@ -4,13 +4,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import AxisType
+from jax.sharding import AxisType, Mesh
 
+from cptransform.api.arguments import CallArguments
 from cptransform.ir import compat
 from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError
 from cptransform.ir.module import Module, iter_eqns, trace
@@ -39,6 +41,8 @@ class Options:
     seq_axes: Any = None
     strict: bool = False
     keep_permuted: bool = False
+    static_argnums: int | tuple[int, ...] = ()
+    static_argnames: str | tuple[str, ...] = ()
 
     def check(self) -> None:
         for name, value, allowed in (("schedule", self.schedule, SCHEDULES),
@@ -64,6 +68,14 @@ class Options:
     def axes(self) -> tuple[str, ...]:
         return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
 
+    def split(self, args: tuple, kwargs: dict) -> CallArguments:
+        """This call's arguments split into traced and static ones."""
+        nums = (self.static_argnums,) if isinstance(self.static_argnums, int) \
+            else tuple(self.static_argnums)
+        names = (self.static_argnames,) if isinstance(self.static_argnames, str) \
+            else tuple(self.static_argnames)
+        return CallArguments.split(args, kwargs, nums, names)
+
 
 def build_mesh(options: Options):
     """The CP mesh: the given one (checked), or ``cp`` devices on one axis."""
@@ -78,7 +90,7 @@ def build_mesh(options: Options):
         if options.cp is not None and options.cp != size:
             raise ContextParallelOptionError(
                 f"cp={options.cp} but the mesh's CP axes {axes} hold {size} devices")
-        return options.mesh
+        return auto_axes(options.mesh)
     devices = jax.devices()
     cp = options.cp if options.cp is not None else len(devices)
     if len(axes) != 1:
@@ -91,12 +103,22 @@ def build_mesh(options: Options):
     return jax.make_mesh((cp,), axes, axis_types=(AxisType.Auto,), devices=devices[:cp])
 
 
-def _seq_axis_overrides(seq_axes: Any, args: tuple, kwargs: dict) -> dict[int, tuple]:
+def auto_axes(mesh):
+    """``mesh`` with every axis ``Auto``: the program outside attention is partitioned by
+    XLA's SPMD partitioner from sharding constraints, which Explicit axes (the default of
+    ``jax.make_mesh``) do not take; the devices and axis names stay the same."""
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+        return mesh
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _seq_axis_overrides(seq_axes: Any, args: tuple, traced: list[int]) -> dict[int, tuple]:
     """``seq_axes`` → flat input index → sequence dims.
 
     ``seq_axes`` has one entry per positional argument: ``None`` (no sequence axis), an
     int dim, or a tuple of dims; an entry applies to every array leaf of its argument.
-    Keyword arguments are left to inference.
+    Static arguments (positions not in ``traced``) hold no arrays and are skipped; keyword
+    arguments are left to inference.
     """
     if seq_axes is None:
         return {}
@@ -107,7 +129,9 @@ def _seq_axis_overrides(seq_axes: Any, args: tuple, kwargs: dict) -> dict[int, t
             f"seq_axes must have one entry per positional argument ({len(args)} here): an "
             "int dim, a tuple of dims, or None, e.g. seq_axes=(None, 1) for (params, tokens)")
     out, index = {}, 0
-    for entry, arg in zip(entries, args):
+    for position, (entry, arg) in enumerate(zip(entries, args)):
+        if position not in traced:
+            continue
         for leaf in jax.tree_util.tree_leaves(arg):
             dims = () if entry is None else (entry,) if isinstance(entry, int) else tuple(entry)
             ndim = np.ndim(leaf)
@@ -144,6 +168,26 @@ def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipe
     return Pipeline(passes)
 
 
+def report_unsharded(module: Module, options: Options) -> None:
+    """With ``cp > 1`` and no attention found, nothing is sharded: warn with each refused
+    softmax's reason and source line (``strict=True``: raise)."""
+    if module.facts.plan or module.facts.cp <= 1:
+        return
+    refused = [f"  {m}" for m in module.facts.matches or () if not m.rewritten]
+    message = (f"{module.name}: no attention found, so nothing is sharded over cp="
+               f"{module.facts.cp}; the function runs as on one device"
+               + (":\n" + "\n".join(refused) if refused else " (no softmax either)")
+               + "\nUse cptransform.attention(q, k, v, ...) for an attention the matcher "
+                 "cannot see.")
+    if options.strict:
+        raise ContextParallelError(message)
+    warnings.warn(message, UnshardedWarning, stacklevel=4)
+
+
+class UnshardedWarning(UserWarning):
+    """A transformed function found no attention and runs unsharded."""
+
+
 def refuse_gradients(module: Module) -> None:
     """Raise when the traced function already differentiates (the decorator sits on a train
     step): the transform must see the forward program; gradients go outside."""
@@ -173,31 +217,35 @@ class ContextParallelFunction:
         return self._build(args, kwargs)[0]
 
     def _build(self, args, kwargs):
-        key = _signature(args, kwargs)
-        if key in self._built:
-            return self._built[key]
+        split = self.options.split(args, kwargs)
+        key = (_signature(split.args, split.kwargs), split.static)
+        if key not in self._built:
+            self._built[key] = self._transform(split, args)
+        final, call = self._built[key]
+        return final, call, jax.tree_util.tree_leaves((split.args, split.kwargs))
+
+    def _transform(self, split: CallArguments, args: tuple):
         abstract = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
-            (args, kwargs))
-        module = trace(self.fn, *abstract[0], **abstract[1])
+            (split.args, split.kwargs))
+        module = trace(split.bind(self.fn), *abstract[0], name=getattr(self.fn, "__name__", "fn"),
+                       **abstract[1])
         refuse_gradients(module)
-        module = prepare(module, self.options, _seq_axis_overrides(self.options.seq_axes,
-                                                                   args, kwargs))
+        overrides = _seq_axis_overrides(self.options.seq_axes, args, split.traced_positions())
+        module = prepare(module, self.options, overrides)
         final = cp_pipeline(module, self.options).run(module).module
-        call = jax.jit(lambda *flat: final.flat_call(*flat))
-        self._built[key] = (final, call, final.out_tree)
-        return self._built[key]
+        report_unsharded(final, self.options)
+        return final, jax.jit(lambda *flat: final.flat_call(*flat))
 
     # -- calling --
     def __call__(self, *args, **kwargs):
-        final, call, out_tree = self._build(args, kwargs)
-        flat = jax.tree_util.tree_leaves((args, kwargs))
-        return jax.tree_util.tree_unflatten(out_tree, call(*flat))
+        final, call, flat = self._build(args, kwargs)
+        return jax.tree_util.tree_unflatten(final.out_tree, call(*flat))
 
     def lower(self, *args, **kwargs):
         """``jax.jit(...).lower`` of the transformed program (ShapeDtypeStructs allowed)."""
-        _, call, _ = self._build(args, kwargs)
-        return call.lower(*jax.tree_util.tree_leaves((args, kwargs)))
+        _, call, flat = self._build(args, kwargs)
+        return call.lower(*flat)
 
     def explain(self, *args, **kwargs) -> str:
         """A readable account of what the transform does for these arguments."""
@@ -215,8 +263,10 @@ def context_parallel(fn: Callable | None = None, **options) -> Any:
     allgather | hybrid | auto), ``load_balance`` (zigzag | striped | none | auto: zigzag for
     causal attention), ``kernel`` (pallas | xla | auto), ``seq_axes`` (override: a tuple
     mirroring the positional arguments with an int dim, a tuple of dims, or None per
-    argument), ``strict`` (refuse non-equivariant ops instead of wrapping them),
-    ``keep_permuted`` (leave outputs in the load-balanced order).
+    argument), ``strict`` (refuse non-equivariant ops instead of wrapping them, and a
+    function with no attention), ``keep_permuted`` (leave outputs in the load-balanced
+    order), ``static_argnums`` / ``static_argnames`` (as ``jax.jit``; arguments holding no
+    array — Python bools, ints, floats, strings — are static too).
     """
     known = {f.name for f in dataclasses.fields(Options)}
     unknown = sorted(set(options) - known)
