@@ -97,6 +97,12 @@ def test_function_with_args(entry_file, capsys):
      r"--print-ir-after: unknown pass 'nosuch'; known passes: .*canonicalize"),
     (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "-p", "canonicalize{x=1}"],
      r"pass canonicalize has no option 'x'"),
+    (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--cp", "100000"],
+     r"--cp 100000: at most 1024 devices can be simulated on the CPU"),
+    (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--cp", "0"],
+     r"--cp 0: the CP size must be at least 1"),
+    (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--ir-dump-dir", "{f}/dump"],
+     r"--ir-dump-dir .*/dump: cannot create it"),
 ])
 def test_bad_input_is_one_line_exit_2(entry_file, capsys, argv, message):
     argv = [a.replace("{f}", str(entry_file)) for a in argv]
@@ -126,3 +132,13 @@ def test_parse_shapes():
     assert (a.shape, str(a.dtype)) == ((2, 64, 4, 16), "float32")
     assert (b.shape, str(b.dtype)) == ((2, 64), "int32")
     assert (c.shape, str(c.dtype)) == ((), "bfloat16")
+
+
+def test_a_file_calling_sys_exit_is_one_line(tmp_path, capsys):
+    script = tmp_path / "script.py"
+    script.write_text("import sys\nsys.exit(3)\n")
+    assert main(["opt", f"{script}:make"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"cptransform: error: importing {script} called sys.exit(3); guard its "
+                   'script part with `if __name__ == "__main__":`']
+

@@ -3,6 +3,8 @@
 Jaxprs have no text parser, so a program comes from a Python entry point ``FILE.py:NAME``:
 either a ``make()``-style function (no required parameters) returning ``(fn, example_args)``,
 or a function whose argument shapes are given with ``--args 'f32[2,64,4,16] i32[2,64]'``.
+``FILE.py`` is imported and executed, as pytest does with test files: keep its script part
+under ``if __name__ == "__main__":``.
 
 Subcommands (one ``_cmd_*`` function and one ``_add_*`` parser builder each):
 
@@ -25,6 +27,7 @@ import dataclasses
 import importlib.util
 import inspect
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -95,6 +98,9 @@ def load_object(spec: str) -> tuple[Any, str]:
     sys.modules[module_name] = module
     try:
         loader_spec.loader.exec_module(module)
+    except SystemExit as err:  # a script's own sys.exit() at import time
+        raise CLIError(f"importing {path_text} called sys.exit({err.code!r}); guard its "
+                       "script part with `if __name__ == \"__main__\":`") from None
     except Exception as err:  # the user's file can raise anything on import
         raise CLIError(f"importing {path_text} failed: {_one_line(err)}") from None
     if not hasattr(module, name):
@@ -132,7 +138,7 @@ def load_program(spec: str, args_text: str | None) -> tuple[Callable, tuple, str
                        "returns (fn, example_args)")
     try:
         made = obj()
-    except Exception as err:  # user code
+    except (Exception, SystemExit) as err:  # user code
         raise CLIError(f"{name}() failed: {_one_line(err)}") from None
     if not (isinstance(made, tuple) and len(made) == 2 and callable(made[0])
             and isinstance(made[1], (tuple, list))):
@@ -145,7 +151,7 @@ def trace_program(fn: Callable, args: Sequence[Any], name: str) -> Module:
     """Trace, turning a failure in user code into a one-line error."""
     try:
         return trace(fn, *args, name=name)
-    except Exception as err:  # user code can raise anything while tracing
+    except (Exception, SystemExit) as err:  # user code can raise anything while tracing
         raise CLIError(f"tracing {name} failed: {_one_line(err)}") from None
 
 
@@ -290,13 +296,25 @@ def _opt_instruments(args: argparse.Namespace) -> tuple[list, TimePasses | None]
                                    only_on_change=args.print_ir_after_change,
                                    stream=sys.stdout))
     if args.ir_dump_dir:
-        instruments.append(DumpIR(args.ir_dump_dir))
+        instruments.append(DumpIR(writable_directory(args.ir_dump_dir)))
     timing = TimePasses(stream=sys.stdout) if args.time_passes else None
     if timing is not None:
         instruments.append(timing)
     if not args.no_verify:
         instruments.append(VerifyEach())
     return instruments, timing
+
+
+def writable_directory(text: str) -> Path:
+    """``--ir-dump-dir``: created if missing; a CLI error when it cannot be written."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CLIError(f"--ir-dump-dir {text}: cannot create it ({err.strerror})") from None
+    if not os.access(path, os.W_OK):
+        raise CLIError(f"--ir-dump-dir {text}: the directory is not writable")
+    return path
 
 
 def match_stats_text(module: Module) -> str:
@@ -395,11 +413,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 # -- main -----------------------------------------------------------------------------------
 
+#: Most CPU devices the CLI simulates (each is a thread pool; far more only exhausts memory).
+MAX_SIMULATED_DEVICES = 1024
+
+
 def _devices_wanted(args: argparse.Namespace) -> int:
-    """Devices the command's CP mesh needs (0 without ``--cp`` / ``--mesh``)."""
+    """Devices the command's CP mesh needs (0 without ``--cp`` / ``--mesh``), checked before
+    any device is created."""
     if getattr(args, "mesh", None) is not None:
-        return math.prod(mesh_sizes(args.mesh, args.axis.split(",")))
-    return getattr(args, "cp", None) or 0
+        wanted = math.prod(mesh_sizes(args.mesh, args.axis.split(",")))
+        flag = f"--mesh {args.mesh}"
+    else:
+        wanted = getattr(args, "cp", None)
+        flag = f"--cp {wanted}"
+        if wanted is None:
+            return 0
+    if wanted < 1:
+        raise CLIError(f"{flag}: the CP size must be at least 1")
+    if wanted > MAX_SIMULATED_DEVICES and jax.config.jax_platforms in (None, "", "cpu"):
+        raise CLIError(f"{flag}: at most {MAX_SIMULATED_DEVICES} devices can be simulated on "
+                       "the CPU; use a smaller CP size (the plan scales: --cp 8 shows it)")
+    return wanted
 
 
 def build_parser() -> argparse.ArgumentParser:
