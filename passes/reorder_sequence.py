@@ -63,8 +63,12 @@ class Shift:
 
 
 #: Primitives whose bodies are re-traced in layout order and re-bound (loops, branches and
-#: remat keep their structure); other calls (custom derivatives) are inlined.
+#: remat keep their structure); other calls are inlined.
 REBUILT = frozenset({"scan", "while", "cond", "remat2", "checkpoint"})
+
+#: Calls with a custom derivative rule: kept whole and run in natural order (a positional
+#: op), since the rule is part of the program and may depend on the token order.
+CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
 @dataclass
@@ -250,13 +254,16 @@ class _Reorderer:
         dn = eqn.params["dimension_numbers"]
         return set(self.axes.dims(eqn.invars[0])) <= set(dn.operand_batching_dims)
 
-    def positional(self, eqn, invals, carrying, states):
+    def positional(self, eqn, invals, carrying, states,
+                   why: str = "is not permutation-equivariant along the sequence"):
+        """Run ``eqn`` on natural-order operands (un-permuted first, logged with the bytes
+        it costs; refused under ``strict``); its outputs are in natural order."""
         where = compat.source_line(eqn)
         if PERM in states:
             moved = sum(int(np.prod(eqn.invars[i].aval.shape)) * eqn.invars[i].aval.dtype.itemsize
                         for i in carrying if self.get(invals[i]) == PERM)
-            message = (f"{eqn.primitive.name} at {where} is not permutation-equivariant along "
-                       f"the sequence: un-permute its operands first ({moved} bytes permuted)")
+            message = (f"{eqn.primitive.name} at {where} {why}: un-permute its operands "
+                       f"first ({moved} bytes permuted)")
             if self.strict:
                 raise ReorderError(message + "; strict=True refuses this. Rewrite the op to "
                                    "work on positions, or use load_balance='none'")
@@ -293,17 +300,22 @@ class _Reorderer:
         return [self.put(out, PERM)]
 
     def call(self, eqn, invals):
-        """Sub-jaxprs: every full sequence-carrying value crosses the boundary permuted."""
+        """Sub-jaxprs: every full sequence-carrying value crosses the boundary permuted;
+        custom derivative rules run as written, in natural order."""
         name = eqn.primitive.name
+        if name in CUSTOM_RULES:
+            carrying = [i for i, a in enumerate(eqn.invars)
+                        if self.axes.full_dims(a) and self.get(invals[i]) != INV]
+            return self.positional(eqn, invals, carrying,
+                                   {self.get(invals[i]) for i in carrying},
+                                   "has a custom derivative rule, which must see the tokens "
+                                   "in their order")
         invals = [self.to(x, a, PERM) for x, a in zip(invals, eqn.invars)]
         params = map_bodies(eqn, self.body) if name in REBUILT else None
         if params is not None:
             outs = compat.bind_eqn(eqn, invals, params)
         else:
             body = next(sub for _, sub in compat.eqn_subjaxprs(eqn))
-            if name.startswith("custom_"):
-                self.log.append(f"{name} at {compat.source_line(eqn)} carries the sequence: "
-                                "inlined, so its custom derivative rule is replaced by autodiff")
             with compat.inlining(eqn):
                 outs = self.eval(compat.open_jaxpr(body), compat.consts_of(body),
                                  [self.put(x, self.get(x)) for x in invals])
