@@ -209,12 +209,12 @@ def _add_opt(sub) -> None:
 
 def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
     """``--cp`` and the ``context_parallel`` options, shared by ``opt`` and ``plan``."""
-    from cptransform.api.context_parallel import KERNELS, LOAD_BALANCES, SCHEDULES
+    from cptransform.api.context_parallel import KERNELS, LOAD_BALANCES, schedule_names
 
     g = parser.add_argument_group("context parallelism")
     g.add_argument("--cp", type=int, default=None, metavar="N",
                    help="devices on the CP axis (simulated on CPU when needed)")
-    g.add_argument("--schedule", default="auto", choices=SCHEDULES)
+    g.add_argument("--schedule", default="auto", choices=schedule_names())
     g.add_argument("--load-balance", default="auto", choices=LOAD_BALANCES)
     g.add_argument("--kernel", default="auto", choices=KERNELS)
 

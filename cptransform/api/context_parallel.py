@@ -15,8 +15,8 @@ from cptransform.ir import compat
 from cptransform.ir.module import Module, iter_eqns, trace
 from cptransform.ir.pipeline import Pipeline
 from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError
+from cptransform.lowering.schedule import schedules
 
-SCHEDULES = ("auto", "ring", "ulysses", "allgather", "hybrid")
 LOAD_BALANCES = ("auto", "zigzag", "striped", "none")
 KERNELS = ("auto", "xla", "pallas")
 
@@ -36,7 +36,7 @@ class Options:
     keep_permuted: bool = False
 
     def check(self) -> None:
-        for name, value, allowed in (("schedule", self.schedule, SCHEDULES),
+        for name, value, allowed in (("schedule", self.schedule, schedule_names()),
                                      ("load_balance", self.load_balance, LOAD_BALANCES),
                                      ("kernel", self.kernel, KERNELS)):
             if value not in allowed:
@@ -46,18 +46,25 @@ class Options:
         if not 1 <= len(axes) <= 2:
             raise ContextParallelOptionError(
                 f"axis={self.axis!r}: give one mesh axis name, or two (ulysses, ring) for hybrid")
-        if self.schedule == "hybrid" and len(axes) != 2:
+        want = schedules()[self.schedule].mesh_axes if self.schedule != "auto" else len(axes)
+        if want == 2 and len(axes) != 2:
             raise ContextParallelOptionError(
-                "schedule='hybrid' needs two mesh axes: axis=('uly', 'ring') with a mesh that "
-                "has both")
-        if len(axes) == 2 and self.schedule not in ("auto", "hybrid"):
+                f"schedule={self.schedule!r} needs two mesh axes: axis=('uly', 'ring') with a "
+                "mesh that has both")
+        if len(axes) == 2 and want != 2:
+            two = " or ".join(n for n, s in schedules().items() if s.mesh_axes == 2)
             raise ContextParallelOptionError(
-                f"two CP axes {axes} mean the hybrid schedule; schedule={self.schedule!r} "
+                f"two CP axes {axes} mean the {two} schedule; schedule={self.schedule!r} "
                 "runs over one axis")
 
     @property
     def axes(self) -> tuple[str, ...]:
         return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
+
+
+def schedule_names() -> tuple[str, ...]:
+    """The values of the ``schedule`` option: ``auto`` and every registered schedule."""
+    return ("auto", *schedules())
 
 
 def build_mesh(options: Options):
