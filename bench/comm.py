@@ -43,9 +43,9 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec  # noqa: E402
-from cptransform.analysis.cost_model import schedule_volume  # noqa: E402
+from cptransform.analysis.attention_shape import AttentionShape  # noqa: E402
+from cptransform.lowering.schedule import schedules  # noqa: E402
 from cptransform.lowering.collectives import lower_and_count  # noqa: E402
-from cptransform.lowering import allgather, hybrid, ring, ulysses  # noqa: E402,F401
 from cptransform.lowering.context_parallel_attention import \
     context_parallel_attention  # noqa: E402
 
@@ -86,10 +86,9 @@ def measure(schedule, shape, names, *, seq, heads, kv_heads, head_dim, dtype) ->
 
     fwd = lower_and_count(forward, *abstract)
     both = lower_and_count(jax.value_and_grad(loss, argnums=(0, 1, 2)), *abstract)
-    formula = schedule_volume(schedule, seq=seq, heads=heads, kv_heads=kv_heads,
-                              head_dim=head_dim, cp=math.prod(shape),
-                              ulysses=shape[0] if schedule == "hybrid" else None,
-                              dtype_bytes=jnp.dtype(dtype).itemsize)
+    formula = schedules()[schedule].volume(AttentionShape(
+        seq_len=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim, cp=math.prod(shape),
+        ulysses=shape[0] if schedule == "hybrid" else 1, dtype_bytes=jnp.dtype(dtype).itemsize))
     counted_bwd = both.per_device_bytes - fwd.per_device_bytes
     return {
         "schedule": schedule, "mesh": dict(zip(names, shape)),

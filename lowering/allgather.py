@@ -22,56 +22,73 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cptransform.op.attention_reference import fill_empty_rows
-from cptransform.lowering.context_parallel_attention import register_schedule
+from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
+from cptransform.lowering.block import Block
+from cptransform.lowering.schedule import Schedule, divides_sequence, register_schedule
 from cptransform.lowering.ulysses import gather_sequence
+from cptransform.op.attention_reference import fill_empty_rows
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
-def gathered_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec, axis, kernel):
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def gathered_attention(block: Block, spec, axis, kernel):
     """Local queries against K/V gathered over ``axis``; returns ``(o, lse, v_mean)``.
 
     ``o`` (float32) and ``lse`` are the kernel's; ``v_mean`` ``[B, 1, Hkv, Dv]`` float32 is
     the mean of V over all keys (for ``empty_rows="uniform"``). Differentiable w.r.t. q, k,
     v and bias; the backward reduce-scatters dK and dV.
     """
-    return _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec, axis,
-                    kernel)[0]
+    return _forward(block, spec, axis, kernel)[0]
 
 
-def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec, axis, kernel):
-    k_all, v_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v))
-    kv_pos_all, kv_seg_all = gather_sequence(kv_pos, axis), gather_sequence(kv_seg, axis)
-    o, lse = kernel.forward(q, k_all, v_all, q_pos, kv_pos_all, q_seg, kv_seg_all, mask, bias,
-                            spec)
-    v_mean = jnp.mean(v_all.astype(jnp.float32), axis=1, keepdims=True)
-    residuals = (q, k_all, v_all, q_pos, kv_pos_all, q_seg, kv_seg_all, mask, bias, o, lse)
-    return (o, lse, v_mean), residuals
-
-
-def _fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec, axis, kernel):
-    return _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec, axis, kernel)
+def _forward(block: Block, spec, axis, kernel):
+    gathered = block.replace(
+        k=lax.all_gather(block.k, axis, axis=1, tiled=True),
+        v=lax.all_gather(block.v, axis, axis=1, tiled=True),
+        kv_pos=gather_sequence(block.kv_pos, axis), kv_seg=gather_sequence(block.kv_seg, axis))
+    o, lse = kernel.forward(gathered, spec)
+    v_mean = jnp.mean(gathered.v.astype(jnp.float32), axis=1, keepdims=True)
+    return (o, lse, v_mean), (gathered, o, lse)
 
 
 def _bwd(spec, axis, kernel, residuals, cotangents):
-    q, k_all, v_all, q_pos, kv_pos, q_seg, kv_seg, mask, bias, o, lse = residuals
+    gathered, o, lse = residuals
     do, dlse, dv_mean = cotangents
-    dq, dk_all, dv_all, dbias = kernel.backward(q, k_all, v_all, q_pos, kv_pos, q_seg, kv_seg,
-                                                mask, bias, o, lse, do, spec, dlse)
-    dv_all = dv_all + dv_mean / v_all.shape[1]
+    dq, dk_all, dv_all, dbias = kernel.backward(gathered, o, lse, do, spec, dlse)
+    dv_all = dv_all + dv_mean / gathered.v.shape[1]
     dk, dv = (lax.psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=1, tiled=True)
               for g in (dk_all, dv_all))
-    dbias = None if bias is None else dbias.astype(bias.dtype)
-    return (dq.astype(q.dtype), dk.astype(k_all.dtype), dv.astype(v_all.dtype), None, None,
-            None, None, None, dbias)
+    bias = gathered.bias
+    return (Block(q=dq.astype(gathered.q.dtype), k=dk.astype(gathered.k.dtype),
+                  v=dv.astype(gathered.v.dtype),
+                  bias=None if bias is None else dbias.astype(bias.dtype)),)
 
 
-gathered_attention.defvjp(_fwd, _bwd)
+gathered_attention.defvjp(_forward, _bwd)
 
 
-@register_schedule("allgather", mesh_axes=1)
-def allgather(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, *, spec, axes, kernel):
+def allgather(block: Block, *, spec, axes, kernel):
     """The ``allgather`` schedule over one mesh axis (see the module doc)."""
-    o, lse, v_mean = gathered_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias,
-                                        spec, axes[0], kernel)
-    return fill_empty_rows(spec, o, lse, v_mean).astype(q.dtype)
+    o, lse, v_mean = gathered_attention(block, spec, axes[0], kernel)
+    return fill_empty_rows(spec, o, lse, v_mean).astype(block.q.dtype)
+
+
+def allgather_volume(shape: AttentionShape) -> CommVolume:
+    """All-gathers of K, V (and kv positions / segment ids) over ``shape.cp`` devices
+    forward; reduce-scatters of dK and dV in ``grad_bytes`` backward."""
+    cp = shape.cp
+    rows = shape.batch * shape.seq_len // cp
+    kv_elems = kv_elements(shape)
+    transfers = [Transfer(name, "all_gather", rows * e * shape.dtype_bytes * (cp - 1))
+                 for name, e in kv_elems.items()]
+    transfers += [Transfer(name, "all_gather", shape.seq_len // cp * b * (cp - 1),
+                           payload=False) for name, b in metadata(shape, ("kv",))]
+    transfers += [Transfer("d" + name, "reduce_scatter",
+                           shape.batch * shape.seq_len * e * shape.grad_bytes * (cp - 1) // cp,
+                           backward=True) for name, e in kv_elems.items()]
+    return CommVolume("allgather", tuple(transfers))
+
+
+ALLGATHER = register_schedule(Schedule("allgather", mesh_axes=1, run=allgather,
+                                       volume=allgather_volume, feasible=divides_sequence,
+                                       order=2))

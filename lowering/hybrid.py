@@ -11,24 +11,52 @@ is what the ring reads for blocks of ``U·Tkv_loc`` keys.
 Communication per device: the Ulysses all-to-alls of q, k, v, o over ``U`` (local length
 ``T/cp``), the gathers of positions / segment ids over ``U``, then the ring's rotations of
 ``T/R`` keys of ``Hkv·f/U`` heads over ``R`` (``f`` the KV-head repeat factor of
-:mod:`cptransform.lowering.ulysses`); see :func:`cptransform.analysis.cost_model.hybrid_volume`.
+:mod:`cptransform.lowering.ulysses`); see :func:`hybrid_volume`.
 Needs ``H % U == 0``; any factorisation of ``cp`` works otherwise.
 """
 from __future__ import annotations
 
-from cptransform.lowering.context_parallel_attention import register_schedule
-from cptransform.lowering.ring import ring
-from cptransform.lowering.ulysses import ulysses_around
+from dataclasses import replace
+
+from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.analysis.cost_model import CommVolume
+from cptransform.lowering.block import Block
+from cptransform.lowering.ring import ring, ring_volume
+from cptransform.lowering.schedule import Schedule, divides_sequence, register_schedule
+from cptransform.lowering.ulysses import kv_head_repeats, ulysses_around, ulysses_volume
 
 
-@register_schedule("hybrid", mesh_axes=2)
-def hybrid(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, *, spec, axes, kernel):
+def hybrid(block: Block, *, spec, axes, kernel):
     """The hybrid schedule over ``axes = (ulysses_axis, ring_axis)`` (see the module doc)."""
     ulysses_axis, ring_axis = axes
 
-    def ring_over_groups(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec):
-        return ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec=spec,
-                    axes=(ring_axis,), kernel=kernel)
+    def ring_over_groups(block, spec):
+        return ring(block, spec=spec, axes=(ring_axis,), kernel=kernel)
 
-    return ulysses_around(ring_over_groups, q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask,
-                          bias, spec=spec, axis=ulysses_axis, schedule="hybrid")
+    return ulysses_around(ring_over_groups, block, spec=spec, axis=ulysses_axis)
+
+
+def hybrid_volume(shape: AttentionShape) -> CommVolume:
+    """Ulysses over ``shape.ulysses`` devices inside (on ``T/R`` tokens), the ring over the
+    ``R = cp / ulysses`` groups across (on the ``H/U`` heads and ``Hkv·f/U`` KV heads each
+    device holds after the all-to-all)."""
+    u, r = shape.ulysses, shape.cp // shape.ulysses
+    inner = ulysses_volume(replace(shape, seq_len=shape.seq_len // r, cp=u))
+    kv = shape.kv_heads * kv_head_repeats(shape.kv_heads, u)
+    outer = ring_volume(replace(shape, heads=shape.heads // u, kv_heads=kv // u, cp=r))
+    return CommVolume("hybrid", inner.transfers + outer.transfers)
+
+
+def hybrid_feasible(shape: AttentionShape) -> str | None:
+    """The sequence must split over ``cp`` devices and the query heads over the Ulysses
+    degree."""
+    problem = divides_sequence(shape)
+    if problem is None and shape.heads % shape.ulysses:
+        problem = (f"{shape.heads} query heads cannot be split over the Ulysses degree "
+                f"{shape.ulysses} (hybrid needs heads % {shape.ulysses} == 0); use a Ulysses "
+                f"axis whose size divides {shape.heads}, or schedule='ring'")
+    return problem
+
+
+HYBRID = register_schedule(Schedule("hybrid", mesh_axes=2, run=hybrid, volume=hybrid_volume,
+                                    feasible=hybrid_feasible, order=3))

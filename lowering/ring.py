@@ -9,7 +9,7 @@ can overlap the transfer with the compute. Steps ``0 … cp-2`` are one ``lax.sc
 compile time does not grow with ``cp``; the last step sends nothing.
 
 Each step is computed as a grid of tiles (2 × 2 when the local lengths are even, else
-1 × 1); a tile that :func:`block_may_be_visible` proves fully masked is skipped with
+1 × 1); a tile that :meth:`Block.may_be_visible` proves fully masked is skipped with
 ``lax.cond`` while K/V still move. Under a causal mask this skips about half the work with
 contiguous shards and exactly the empty half-blocks with zigzag (each zigzag rank holds
 two chunks, which are the two tiles).
@@ -39,10 +39,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
+from cptransform.lowering.block import Block
+from cptransform.lowering.schedule import Schedule, divides_sequence, \
+    fill_empty_rows_sharded, register_schedule
 from cptransform.op.attention_reference import merge
-from cptransform.lowering.context_parallel_attention import fill_empty_rows_sharded, \
-    register_schedule
-from cptransform.lowering.kernel import block_may_be_visible
 
 
 def tiles_per_block(length: int) -> int:
@@ -51,21 +53,14 @@ def tiles_per_block(length: int) -> int:
 
 
 def _cut(x, axis: int, parts: int):
-    """``x`` split into ``parts`` equal pieces along ``axis`` (``None`` stays ``None``)."""
-    if x is None:
-        return [None] * parts
+    """``x`` split into ``parts`` equal pieces along ``axis``."""
     return jnp.split(x, parts, axis=axis)
 
 
-def _rotate(xs, axes, cp: int):
-    """Send every array in ``xs`` one rank up the ring (rank r → r + 1 mod cp)."""
+def _rotate(tree, axes, cp: int):
+    """Send every array of ``tree`` one rank up the ring (rank r → r + 1 mod cp)."""
     perm = [(j, (j + 1) % cp) for j in range(cp)]
-    return tuple(None if x is None else lax.ppermute(x, axes, perm) for x in xs)
-
-
-def _columns(x, source, width: int):
-    """The key columns ``[source·width, (source+1)·width)`` of a mask or bias (or None)."""
-    return None if x is None else lax.dynamic_slice_in_dim(x, source * width, width, axis=3)
+    return jax.tree.map(lambda x: lax.ppermute(x, axes, perm), tree)
 
 
 def _zeros(like, shape, fill=0.0):
@@ -77,142 +72,114 @@ def _zeros(like, shape, fill=0.0):
     return jnp.full_like(like, fill, dtype=jnp.float32, shape=shape)
 
 
-def _travelling(spec, k, v, kv_pos, kv_seg):
-    """The block that moves around the ring: K, V, segment ids, and the kv positions only
-    when the mask reads them (causal or window)."""
+def _travelling(spec, block: Block) -> Block:
+    """The keys that move around the ring: K, V, segment ids, and the kv positions only
+    when the mask reads them (causal or window); positions not sent are stood in for by the
+    local ones on arrival (:meth:`Block.with_keys`)."""
+    keys = block.keys()
     reads_positions = spec.mask.band() != (None, None)
-    return k, v, kv_pos if reads_positions else None, kv_seg
+    return keys if reads_positions else keys.replace(kv_pos=None)
 
 
-def _arrived(block, local_kv_pos):
-    """``(k, v, kv_pos, kv_seg)`` of a block that arrived; positions that were not sent
-    (the mask does not read them) are stood in for by the local ones, same shape."""
-    k, v, kv_pos, kv_seg = block
-    return k, v, local_kv_pos if kv_pos is None else kv_pos, kv_seg
-
-
-class _Grid:
-    """One step's (query tile, key tile) grid: the operands of every tile."""
-
-    def __init__(self, q, q_pos, q_seg, k, v, kv_pos, kv_seg, mask, bias):
-        self.nq = tiles_per_block(q.shape[1])
-        self.nk = tiles_per_block(k.shape[1])
-        cut_q = lambda x, axis: _cut(x, axis, self.nq)  # noqa: E731
-        cut_k = lambda x, axis: _cut(x, axis, self.nk)  # noqa: E731
-        self.q, self.q_pos, self.q_seg = cut_q(q, 1), cut_q(q_pos, 1), cut_q(q_seg, 1)
-        self.k, self.v = cut_k(k, 1), cut_k(v, 1)
-        self.kv_pos, self.kv_seg = cut_k(kv_pos, 1), cut_k(kv_seg, 1)
-        self.mask = [_cut(m, 3, self.nk) for m in cut_q(mask, 2)]
-        self.bias = [_cut(b, 3, self.nk) for b in cut_q(bias, 2)]
-
-    def operands(self, a: int, j: int):
-        """Kernel operands of tile (query tile ``a``, key tile ``j``)."""
-        return (self.q[a], self.k[j], self.v[j], self.q_pos[a], self.kv_pos[j],
-                self.q_seg[a], self.kv_seg[j], self.mask[a][j], self.bias[a][j])
-
-    def may_be_visible(self, spec, a: int, j: int):
-        return block_may_be_visible(spec, self.q_pos[a], self.kv_pos[j], self.q_seg[a],
-                                    self.kv_seg[j], self.mask[a][j])
-
-
-def _around_the_ring(step, state, block, axes, cp: int):
-    """``state = step(i, state, block_i)`` for ``i = 0 … cp-1``, ``block_i`` the block that
+def _around_the_ring(step, state, keys, axes, cp: int):
+    """``state = step(i, state, keys_i)`` for ``i = 0 … cp-1``, ``keys_i`` the keys that
     started ``i`` ranks down the ring.
 
     Steps ``0 … cp-2`` run in a ``lax.scan`` (one compiled body whatever ``cp``), each
-    sending the block on before computing with it, so the transfer can overlap the compute;
+    sending the keys on before computing with them, so the transfer can overlap the compute;
     the last step runs after the loop and sends nothing: ``cp - 1`` rotations in all.
     """
     def body(carry, i):
-        state, block = carry
-        following = _rotate(block, axes, cp)
-        return (step(i, state, block), following), None
+        state, keys = carry
+        following = _rotate(keys, axes, cp)
+        return (step(i, state, keys), following), None
 
     if cp > 1:
-        (state, block), _ = lax.scan(body, (state, block), jnp.arange(cp - 1))
-    return step(cp - 1, state, block)
+        (state, keys), _ = lax.scan(body, (state, keys), jnp.arange(cp - 1))
+    return step(cp - 1, state, keys)
 
 
-def _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec, axes, kernel):
+def _step_tiles(block: Block, keys: Block, source, tkv: int) -> list[list[Block]]:
+    """The tiles of one ring step: the local queries against ``keys`` (from rank
+    ``source``), with the mask and bias columns of those keys."""
+    step = block.with_keys(keys).columns(source, tkv)
+    return step.tiles(tiles_per_block(block.q.shape[1]), tiles_per_block(tkv))
+
+
+def _forward(block: Block, spec, axes, kernel):
     cp = lax.axis_size(axes)
     rank = lax.axis_index(axes)
-    b, tq, h, _ = q.shape
-    tkv, dv = k.shape[1], v.shape[3]
+    b, tq, h, _ = block.q.shape
+    tkv, dv = block.k.shape[1], block.v.shape[3]
     nq = tiles_per_block(tq)
     tile_q = tq // nq
 
-    def step(i, acc, block):
-        source = (rank - i) % cp
-        grid = _Grid(q, q_pos, q_seg, *_arrived(block, kv_pos), _columns(mask, source, tkv),
-                     _columns(bias, source, tkv))
+    def skip(tile):
+        return (_zeros(tile.q, (b, tile_q, h, dv)), _zeros(tile.q, (b, h, tile_q), -jnp.inf))
+
+    def step(i, acc, keys):
         acc = list(acc)
-        for a in range(grid.nq):
-            for j in range(grid.nk):
-                o_t, lse_t = lax.cond(
-                    grid.may_be_visible(spec, a, j),
-                    lambda ops: kernel.forward(*ops, spec),
-                    lambda ops: (_zeros(ops[0], (b, tile_q, h, dv)),
-                                 _zeros(ops[0], (b, h, tile_q), -jnp.inf)),
-                    grid.operands(a, j))
+        for a, row in enumerate(_step_tiles(block, keys, (rank - i) % cp, tkv)):
+            for tile in row:
+                o_t, lse_t = lax.cond(tile.may_be_visible(spec),
+                                      lambda t: kernel.forward(t, spec), skip, tile)
                 acc[a] = merge(*acc[a], o_t, lse_t)
         return tuple(acc)
 
-    empty = tuple((_zeros(q, (b, tile_q, h, dv)), _zeros(q, (b, h, tile_q), -jnp.inf))
-                  for _ in range(nq))
-    acc = _around_the_ring(step, empty, _travelling(spec, k, v, kv_pos, kv_seg), axes, cp)
+    empty = tuple((_zeros(block.q, (b, tile_q, h, dv)),
+                   _zeros(block.q, (b, h, tile_q), -jnp.inf)) for _ in range(nq))
+    acc = _around_the_ring(step, empty, _travelling(spec, block), axes, cp)
     o = jnp.concatenate([o for o, _ in acc], axis=1)
     lse = jnp.concatenate([lse for _, lse in acc], axis=2)
-    return o.astype(q.dtype), lse
+    return o.astype(block.q.dtype), lse
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11))
-def ring_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec, axes, kernel):
+@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def ring_attention(block: Block, spec, axes, kernel):
     """Ring attention of the local queries against all keys; returns ``(o, lse)``.
 
-    Runs inside ``shard_map``; operands as in the schedule contract of
-    :mod:`cptransform.lowering.context_parallel_attention`, ``axes`` the ring's mesh axes
-    (ranks are their linear index), ``kernel`` a ``LocalKernel``. ``o`` has q's dtype;
-    ``lse`` is float32 ``[B, H, Tq_loc]``, ``-inf`` for rows that see no key (their ``o``
-    is 0; ``empty_rows`` is not applied here). Differentiable w.r.t. q, k, v and bias.
+    Runs inside ``shard_map``; ``block`` as in the schedule contract of
+    :mod:`cptransform.lowering.schedule`, ``axes`` the ring's mesh axes (ranks are their
+    linear index), ``kernel`` a :class:`~cptransform.lowering.kernels.Kernel`. ``o`` has q's
+    dtype; ``lse`` is float32 ``[B, H, Tq_loc]``, ``-inf`` for rows that see no key (their
+    ``o`` is 0; ``empty_rows`` is not applied here). Differentiable w.r.t. q, k, v and bias.
     """
-    return _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec, axes, kernel)
+    return _forward(block, spec, axes, kernel)
 
 
-def _ring_fwd(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec, axes, kernel):
-    o, lse = _forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec, axes, kernel)
-    return (o, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, o, lse)
+def _ring_fwd(block: Block, spec, axes, kernel):
+    o, lse = _forward(block, spec, axes, kernel)
+    return (o, lse), (block, o, lse)
 
 
 def _ring_bwd(spec, axes, kernel, residuals, cotangents):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, o, lse = residuals
+    block, o, lse = residuals
     do, dlse = cotangents
     cp = lax.axis_size(axes)
     rank = lax.axis_index(axes)
+    q, k, v, bias = block.q, block.k, block.v, block.bias
     tkv = k.shape[1]
     nq, nk = tiles_per_block(q.shape[1]), tiles_per_block(tkv)
     row_tiles = list(zip(_cut(o, 1, nq), _cut(lse, 2, nq), _cut(do, 1, nq), _cut(dlse, 2, nq)))
 
-    def compute(ops):
-        *tile, o_a, lse_a, do_a, dlse_a = ops
-        return kernel.backward(*tile, o_a, lse_a, do_a, spec, dlse=dlse_a)
+    def compute(tile, o_a, lse_a, do_a, dlse_a):
+        return kernel.backward(tile, o_a, lse_a, do_a, spec, dlse=dlse_a)
 
-    def skip(ops):
-        q_a, k_j, v_j, bias_aj = ops[0], ops[1], ops[2], ops[8]
-        return (_zeros(q_a, q_a.shape), _zeros(q_a, k_j.shape), _zeros(q_a, v_j.shape),
-                None if bias_aj is None else _zeros(q_a, bias_aj.shape))
+    def skip(tile, *_):
+        return (_zeros(tile.q, tile.q.shape), _zeros(tile.q, tile.k.shape),
+                _zeros(tile.q, tile.v.shape),
+                None if tile.bias is None else _zeros(tile.q, tile.bias.shape))
 
-    def step(i, state, block):
+    def step(i, state, keys):
         dq, dk, dv, dbias = state
         source = (rank - i) % cp
-        grid = _Grid(q, q_pos, q_seg, *_arrived(block, kv_pos), _columns(mask, source, tkv),
-                     _columns(bias, source, tkv))
         dq, dk_t, dv_t = list(_cut(dq, 1, nq)), _cut(dk, 1, nk), _cut(dv, 1, nk)
         dbias_rows = []
-        for a in range(nq):
+        for a, row in enumerate(_step_tiles(block, keys, source, tkv)):
             dbias_row = []
-            for j in range(nk):
-                g_q, g_k, g_v, g_b = lax.cond(grid.may_be_visible(spec, a, j), compute, skip,
-                                              grid.operands(a, j) + row_tiles[a])
+            for j, tile in enumerate(row):
+                g_q, g_k, g_v, g_b = lax.cond(tile.may_be_visible(spec), compute, skip, tile,
+                                              *row_tiles[a])
                 dq[a] = dq[a] + g_q
                 dk_t[j] = dk_t[j] + g_k
                 dv_t[j] = dv_t[j] + g_v
@@ -221,25 +188,49 @@ def _ring_bwd(spec, axes, kernel, residuals, cotangents):
         if dbias is not None:
             cols = jnp.concatenate([jnp.concatenate(row, axis=3) for row in dbias_rows], axis=2)
             dbias = lax.dynamic_update_slice_in_dim(dbias, cols, source * tkv, axis=3)
+        # dK/dV accumulators travel with their keys and arrive home after the last step.
         dk, dv = _rotate((jnp.concatenate(dk_t, axis=1), jnp.concatenate(dv_t, axis=1)),
                          axes, cp)
         return jnp.concatenate(dq, axis=1), dk, dv, dbias
 
     zeros = (_zeros(q, q.shape), _zeros(k, k.shape), _zeros(v, v.shape),
              None if bias is None else _zeros(q, bias.shape))
-    dq, dk, dv, dbias = _around_the_ring(step, zeros, _travelling(spec, k, v, kv_pos, kv_seg),
-                                         axes, cp)
-    dbias = None if dbias is None else dbias.astype(bias.dtype)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None,
-            None, None, dbias)
+    dq, dk, dv, dbias = _around_the_ring(step, zeros, _travelling(spec, block), axes, cp)
+    return (Block(q=dq.astype(q.dtype), k=dk.astype(k.dtype), v=dv.astype(v.dtype),
+                  bias=None if bias is None else dbias.astype(bias.dtype)),)
 
 
 ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
-@register_schedule("ring")
-def ring(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, *, spec, axes, kernel):
+def ring(block: Block, *, spec, axes, kernel):
     """The ``ring`` schedule: :func:`ring_attention` plus ``empty_rows`` handling."""
-    o, lse = ring_attention(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec,
-                            tuple(axes), kernel)
-    return fill_empty_rows_sharded(spec, o, lse, v, axes, k.shape[1] * lax.axis_size(axes))
+    o, lse = ring_attention(block, spec, tuple(axes), kernel)
+    return fill_empty_rows_sharded(spec, o, lse, block.v, axes,
+                                   block.k.shape[1] * lax.axis_size(axes))
+
+
+def ring_volume(shape: AttentionShape) -> CommVolume:
+    """The ring over ``shape.cp`` devices: K, V and their positions / segment ids make
+    ``cp-1`` hops forward; the backward rotates K, V (and metadata) again ``cp-1`` times and
+    the float32 dK/dV accumulators ``cp`` times, so that they arrive home."""
+    cp = shape.cp
+    rows = shape.batch * shape.seq_len // cp
+    kv_elems = kv_elements(shape)
+    hops = cp - 1
+    transfers = [Transfer(name, "collective_permute", hops * rows * e * shape.dtype_bytes)
+                 for name, e in kv_elems.items()]
+    meta = metadata(shape, ("kv",))
+    transfers += [Transfer(name, "collective_permute", hops * shape.seq_len // cp * b,
+                           payload=False) for name, b in meta]
+    transfers += [Transfer(name, "collective_permute", hops * rows * e * shape.dtype_bytes,
+                           backward=True) for name, e in kv_elems.items()]
+    transfers += [Transfer(name, "collective_permute", hops * shape.seq_len // cp * b,
+                           backward=True, payload=False) for name, b in meta]
+    transfers += [Transfer("d" + name, "collective_permute", cp * rows * e * shape.grad_bytes,
+                           backward=True) for name, e in kv_elems.items()]
+    return CommVolume("ring", tuple(transfers))
+
+
+RING = register_schedule(Schedule("ring", mesh_axes=1, run=ring, volume=ring_volume,
+                                  feasible=divides_sequence, overlaps=True, order=0))

@@ -23,24 +23,33 @@ never the probabilities.
 """
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from cptransform.analysis.cost_model import kv_head_repeats
-from cptransform.lowering.context_parallel_attention import ContextParallelError, \
+from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
+from cptransform.lowering.block import Block
+from cptransform.lowering.schedule import Schedule, divides_sequence, \
     fill_empty_rows_sharded, register_schedule
 
 
-def check_heads(heads: int, n: int, axis: str, schedule: str) -> None:
-    """Raise a clear error unless ``n`` divides the query heads."""
+def kv_head_repeats(kv_heads: int, n: int) -> int:
+    """How often Ulysses over ``n`` devices repeats each KV head so the devices can split
+    them (see the module doc)."""
+    return n // math.gcd(kv_heads, n)
+
+
+def heads_problem(heads: int, n: int) -> str | None:
+    """Why ``heads`` query heads cannot be split over a Ulysses group of ``n`` devices."""
     if heads % n:
-        raise ContextParallelError(
-            f"{schedule}: {heads} query heads cannot be split over mesh axis {axis!r} of "
-            f"size {n} (Ulysses needs heads % {n} == 0); use schedule='hybrid' with a "
-            f"Ulysses axis whose size divides {heads}, or schedule='ring' / 'allgather'")
+        return (f"Ulysses splits the {heads} query heads over cp={n} devices (a Ulysses "
+                f"group of size {n}), which needs heads % {n} == 0; use schedule='hybrid' "
+                f"with a Ulysses degree that divides {heads}, or schedule='ring'")
+    return None
 
 
 def sequence_to_heads(x, axis: str):
@@ -67,65 +76,91 @@ def dense_to_heads(x, axis: str, n: int):
     return lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
-def ulysses_around(inner, q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, *, spec,
-                   axis: str, schedule: str = "ulysses"):
+def ulysses_around(inner, block: Block, *, spec, axis: str):
     """Switch to head sharding over ``axis``, run ``inner``, switch back.
 
-    ``inner(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec)`` sees the head-sharded
-    operands (the whole sequence along ``axis``, ``H/n`` heads) and a spec whose ``groups``
-    matches them; it returns ``o [B, T, H/n, Dv]`` in ``q.dtype``.
+    ``inner(block, spec)`` sees the head-sharded block (the whole sequence along ``axis``,
+    ``H/n`` heads) and a spec whose ``groups`` matches it; it returns ``o [B, T, H/n, Dv]``
+    in ``q.dtype``. The query heads must divide over ``axis`` (the entry point checks it
+    with :func:`heads_problem`).
     """
     n = lax.axis_size(axis)
-    heads, kv_heads = q.shape[2], k.shape[2]
-    check_heads(heads, n, axis, schedule)
+    heads, kv_heads = block.q.shape[2], block.k.shape[2]
     repeats = kv_head_repeats(kv_heads, n)
+    k, v = block.k, block.v
     if repeats > 1:
         k, v = (jnp.repeat(x, repeats, axis=2) for x in (k, v))
     spec = spec.replace(groups=heads // (kv_heads * repeats))
-    o = inner(sequence_to_heads(q, axis), sequence_to_heads(k, axis),
-              sequence_to_heads(v, axis), gather_sequence(q_pos, axis),
-              gather_sequence(kv_pos, axis), gather_sequence(q_seg, axis),
-              gather_sequence(kv_seg, axis), dense_to_heads(mask, axis, n),
-              dense_to_heads(bias, axis, n), spec)
-    return heads_to_sequence(o.astype(q.dtype), axis)
+    heads_sharded = Block(
+        q=sequence_to_heads(block.q, axis), k=sequence_to_heads(k, axis),
+        v=sequence_to_heads(v, axis), q_pos=gather_sequence(block.q_pos, axis),
+        kv_pos=gather_sequence(block.kv_pos, axis), q_seg=gather_sequence(block.q_seg, axis),
+        kv_seg=gather_sequence(block.kv_seg, axis), mask=dense_to_heads(block.mask, axis, n),
+        bias=dense_to_heads(block.bias, axis, n))
+    o = inner(heads_sharded, spec)
+    return heads_to_sequence(o.astype(block.q.dtype), axis)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _kernel_attention(kernel, spec, q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias):
-    return kernel.forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec)
+def _kernel_attention(kernel, spec, block: Block):
+    return kernel.forward(block, spec)
 
 
-def _kernel_attention_fwd(kernel, spec, q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias):
-    o, lse = kernel.forward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec)
-    return (o, lse), (q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, o, lse)
+def _kernel_attention_fwd(kernel, spec, block: Block):
+    o, lse = kernel.forward(block, spec)
+    return (o, lse), (block, o, lse)
 
 
 def _kernel_attention_bwd(kernel, spec, residuals, cotangents):
-    q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, o, lse = residuals
+    block, o, lse = residuals
     do, dlse = cotangents
-    dq, dk, dv, dbias = kernel.backward(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias,
-                                        o, lse, do, spec, dlse)
-    dbias = None if bias is None else dbias.astype(bias.dtype)
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None,
-            None, None, dbias)
+    dq, dk, dv, dbias = kernel.backward(block, o, lse, do, spec, dlse)
+    return (Block(q=dq.astype(block.q.dtype), k=dk.astype(block.k.dtype),
+                  v=dv.astype(block.v.dtype),
+                  bias=None if block.bias is None else dbias.astype(block.bias.dtype)),)
 
 
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 
 
-def local_attention(kernel, q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, spec):
+def local_attention(kernel, block: Block, spec):
     """Attention over keys that are all on this device; ``o`` in ``q.dtype``.
 
-    A ``custom_vjp`` over the kernel (residuals q, k, v, o, lse), with
+    A ``custom_vjp`` over the kernel (residuals the block, o and lse), with
     ``empty_rows="uniform"`` applied from the local V.
     """
-    o, lse = _kernel_attention(kernel, spec, q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask,
-                               bias)
-    return fill_empty_rows_sharded(spec, o, lse, v, (), k.shape[1]).astype(q.dtype)
+    o, lse = _kernel_attention(kernel, spec, block)
+    return fill_empty_rows_sharded(spec, o, lse, block.v, (),
+                                   block.k.shape[1]).astype(block.q.dtype)
 
 
-@register_schedule("ulysses", mesh_axes=1)
-def ulysses(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, *, spec, axes, kernel):
+def ulysses(block: Block, *, spec, axes, kernel):
     """The Ulysses schedule over one mesh axis (see the module doc)."""
-    return ulysses_around(partial(local_attention, kernel), q, k, v, q_pos, kv_pos, q_seg,
-                          kv_seg, mask, bias, spec=spec, axis=axes[0])
+    return ulysses_around(partial(local_attention, kernel), block, spec=spec, axis=axes[0])
+
+
+def ulysses_volume(shape: AttentionShape) -> CommVolume:
+    """Ulysses over ``shape.cp`` devices: all-to-alls of q, k, v, o (K/V with their heads
+    repeated, see :func:`kv_head_repeats`) and all-gathers of positions / segment ids
+    forward; the transposed all-to-alls of dq, dk, dv, do backward."""
+    cp = shape.cp
+    rows = shape.batch * shape.seq_len // cp
+    kv = kv_elements(shape, shape.kv_heads * kv_head_repeats(shape.kv_heads, cp))
+    a2a = lambda elements: rows * elements * shape.dtype_bytes * (cp - 1) // cp  # noqa: E731
+    payload = [("q", a2a(shape.heads * shape.head_dim)), ("k", a2a(kv["k"])),
+               ("v", a2a(kv["v"])), ("o", a2a(shape.heads * shape.dv))]
+    transfers = [Transfer(name, "all_to_all", b) for name, b in payload]
+    transfers += [Transfer(name, "all_gather", shape.seq_len // cp * b * (cp - 1),
+                           payload=False) for name, b in metadata(shape, ("q", "kv"))]
+    transfers += [Transfer("d" + name, "all_to_all", b, backward=True) for name, b in payload]
+    return CommVolume("ulysses", tuple(transfers))
+
+
+def ulysses_feasible(shape: AttentionShape) -> str | None:
+    """The sequence and the query heads must both split over ``shape.cp`` devices."""
+    return divides_sequence(shape) or heads_problem(shape.heads, shape.cp)
+
+
+ULYSSES = register_schedule(Schedule("ulysses", mesh_axes=1, run=ulysses,
+                                     volume=ulysses_volume, feasible=ulysses_feasible,
+                                     order=1))

@@ -6,7 +6,8 @@ import pytest
 from conftest import make_mesh
 from schedule_cases import HEAD_KINDS, check_schedule, make_case, pairwise_cases
 
-from cptransform.analysis.cost_model import schedule_volume
+from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.lowering.schedule import schedules
 from cptransform.lowering.collectives import lower_and_count
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
 
@@ -42,9 +43,9 @@ def test_communication_gathers_forward_and_reduce_scatters_backward(heads, segme
     def loss(*xs):
         return jnp.sum(forward(*xs).astype(jnp.float32))
 
-    expected = schedule_volume("allgather", seq=s, heads=h, kv_heads=hkv, head_dim=d,
-                               v_head_dim=dv, cp=cp, batch=2, dtype_bytes=2,
-                               segments=segments, positions=not segments, segment_batch=2)
+    expected = schedules()["allgather"].volume(AttentionShape(
+        seq_len=s, heads=h, kv_heads=hkv, head_dim=d, v_head_dim=dv, cp=cp, batch=2,
+        dtype_bytes=2, segments=segments, positions=not segments, segment_batch=2))
     report = lower_and_count(forward, *abstract)
     assert report.counts() == {"all_gather": 3}  # K, V and kv positions or segment ids
     assert report.bytes_by_kind() == expected.forward

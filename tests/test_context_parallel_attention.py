@@ -15,8 +15,11 @@ from schedule_cases import check_schedule, make_case, relative_error
 from cptransform.op.attention import AttentionShapeError
 from cptransform.op.attention_reference import attend, attention_reference
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
-from cptransform.lowering.context_parallel_attention import SCHEDULES, ContextParallelError, \
-    context_parallel_attention, fill_empty_rows_sharded
+from cptransform.lowering import schedule as schedule_module
+from cptransform.lowering.block import Block
+from cptransform.lowering.context_parallel_attention import ContextParallelError, \
+    context_parallel_attention
+from cptransform.lowering.schedule import Schedule, fill_empty_rows_sharded
 from cptransform.op.layouts import SequenceLayout
 
 
@@ -69,16 +72,17 @@ def test_schedule_contract(rng, monkeypatch):
     order are what the contract promises."""
     seen = {}
 
-    def gather_all(q, k, v, q_pos, kv_pos, q_seg, kv_seg, mask, bias, *, spec, axes, kernel):
-        seen.update(q=q.shape, mask=mask.shape, q_pos=q_pos.shape, axes=axes)
+    def gather_all(block, *, spec, axes, kernel):
+        seen.update(q=block.q.shape, mask=block.mask.shape, q_pos=block.q_pos.shape, axes=axes)
         everything = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)  # noqa: E731
-        k_all, v_all = everything(k), everything(v)
-        o, lse = kernel.forward(q, k_all, v_all, q_pos, everything(kv_pos), q_seg,
-                                everything(kv_seg), mask, bias, spec)
-        o = fill_empty_rows_sharded(spec, o, lse, v_all, (), k_all.shape[1])
-        return o.astype(q.dtype)
+        gathered = block.with_keys(jax.tree.map(everything, block.keys()))
+        o, lse = kernel.forward(gathered, spec)
+        o = fill_empty_rows_sharded(spec, o, lse, gathered.v, (), gathered.k.shape[1])
+        return o.astype(block.q.dtype)
 
-    monkeypatch.setitem(SCHEDULES, "gather_all", gather_all)
+    record = Schedule("gather_all", mesh_axes=1, run=gather_all, volume=None,
+                      feasible=lambda shape: None)
+    monkeypatch.setitem(schedule_module.SCHEDULES, "gather_all", record)
     case = make_case(rng, "dense_causal", "gqa", seq=24, batch=2, empty_rows="uniform")
     check_schedule(case, mesh=make_mesh((4,), ("cp",)), axes="cp", schedule="gather_all",
                    layout="zigzag", grad=False)
@@ -87,15 +91,14 @@ def test_schedule_contract(rng, monkeypatch):
 
 def test_attend_is_the_local_kernel_forward(rng):
     """The XLA kernel's forward is attention_reference.attend (one definition of a block)."""
-    from cptransform.lowering.kernel import get_kernel
+    from cptransform.lowering.kernels import get_kernel
 
     bthd = Layout.parse("BTHD")
     spec = AttentionSpec(q=bthd, k=bthd, v=bthd, scale=1 / math.sqrt(8),
                          mask=MaskSpec(causal=True))
     q, k, v = (jnp.asarray(rng.normal(size=(1, 4, 2, 8)), jnp.float32) for _ in range(3))
     pos = jnp.arange(4)[None]
-    for got, want in zip(get_kernel("auto").forward(q, k, v, pos, pos, None, None, None, None,
-                                                    spec),
+    for got, want in zip(get_kernel("auto").forward(Block(q, k, v, pos, pos), spec),
                          attend(spec, q, k, v, pos, pos)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
@@ -145,6 +148,9 @@ def test_bad_operand_shapes_are_named(small):
 
 
 @pytest.mark.parametrize("schedule,axes,message", [
+    # Ring ranks are axis_index over the axes in the given order, the sequence is sharded
+    # over them reversed: over two axes a dense mask's columns would belong to other ranks.
+    ("ring", ("a", "b"), r"'ring' runs over 1 mesh axis, got \('a', 'b'\)"),
     ("ulysses", ("a", "b"), r"'ulysses' runs over 1 mesh axis, got \('a', 'b'\); put the CP"),
     ("allgather", ("a", "b"), r"'allgather' runs over 1 mesh axis, got \('a', 'b'\)"),
     ("hybrid", ("a",), r"'hybrid' runs over 2 mesh axes, got \('a',\); give axes="),

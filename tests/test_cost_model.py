@@ -7,35 +7,36 @@ import pytest
 from conftest import make_mesh
 from schedule_cases import HEAD_KINDS, make_case
 
-from cptransform.analysis.cost_model import schedule_volume
+from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.lowering.schedule import schedules
 from cptransform.lowering.collectives import lower_and_count
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
 
 MiB = 2 ** 20
-DESIGN = dict(seq=128 * 1024, heads=32, head_dim=128, cp=8, dtype_bytes=2, positions=False)
+DESIGN = dict(seq_len=128 * 1024, heads=32, head_dim=128, cp=8, dtype_bytes=2, positions=False)
 
 
 @pytest.mark.parametrize("kv_heads,ring_mib,ulysses_mib", [(32, 1792, 448), (8, 448, 280)])
 def test_design_worked_numbers(kv_heads, ring_mib, ulysses_mib):
-    ring = schedule_volume("ring", kv_heads=kv_heads, **DESIGN)
-    ulysses = schedule_volume("ulysses", kv_heads=kv_heads, **DESIGN)
+    ring = schedules()["ring"].volume(AttentionShape(kv_heads=kv_heads, **DESIGN))
+    ulysses = schedules()["ulysses"].volume(AttentionShape(kv_heads=kv_heads, **DESIGN))
     assert ring.payload_bytes() == ring_mib * MiB == ring.forward_total
     assert ulysses.payload_bytes() == ulysses_mib * MiB == ulysses.forward_total
-    allgather = schedule_volume("allgather", kv_heads=kv_heads, **DESIGN)
+    allgather = schedules()["allgather"].volume(AttentionShape(kv_heads=kv_heads, **DESIGN))
     assert allgather.forward_total == ring.forward_total
 
 
 def test_backward_volumes():
-    s, h, cp = DESIGN["seq"], 4096, 8
+    s, h, cp = DESIGN["seq_len"], 4096, 8
     h_kv = h // 4
     kw = dict(DESIGN, kv_heads=8)
-    ulysses = schedule_volume("ulysses", **kw)
+    ulysses = schedules()["ulysses"].volume(AttentionShape(**kw))
     assert ulysses.backward == {"all_to_all": ulysses.forward_total}
-    allgather = schedule_volume("allgather", **kw)
+    allgather = schedules()["allgather"].volume(AttentionShape(**kw))
     assert allgather.backward == {"reduce_scatter": 2 * s * h_kv * (cp - 1) // cp * 4}
-    ring = schedule_volume("ring", **kw)
+    ring = schedules()["ring"].volume(AttentionShape(**kw))
     assert ring.backward_total == ring.forward_total + 2 * s * h_kv * 4
-    hybrid = schedule_volume("hybrid", ulysses=2, **kw)
+    hybrid = schedules()["hybrid"].volume(AttentionShape(ulysses=2, **kw))
     u, r = 2, 4
     a2a = (s // cp) * (2 * h + 2 * h_kv) * (u - 1) // u * 2
     kv_rotations = 2 * s * h_kv // u * (r - 1) // r * 2
@@ -44,8 +45,8 @@ def test_backward_volumes():
 
 
 def test_kv_head_replication_costs_the_same_as_a_gather():
-    mqa = schedule_volume("ulysses", seq=1024, heads=8, kv_heads=1, head_dim=16, cp=8,
-                          positions=False)
+    mqa = schedules()["ulysses"].volume(AttentionShape(seq_len=1024, heads=8, kv_heads=1,
+                                                       head_dim=16, cp=8, positions=False))
     q_bytes = 1024 // 8 * 8 * 16 * 2 * 7 // 8
     assert mqa.forward["all_to_all"] == 2 * q_bytes + 2 * (1024 // 8 * 16 * 2 * 7)
 
@@ -71,10 +72,10 @@ def test_counted_bytes_equal_the_formula(schedule, axes, shape, heads, kind):
     def loss(*xs):
         return jnp.sum(forward(*xs).astype(jnp.float32))
 
-    expected = schedule_volume(
-        schedule, seq=s, heads=h, kv_heads=hkv, head_dim=d, v_head_dim=dv,
-        cp=int(np.prod(shape)), ulysses=shape[0] if schedule == "hybrid" else None, batch=2,
-        positions=kind != "segments", segments=kind == "segments", segment_batch=2)
+    expected = schedules()[schedule].volume(AttentionShape(
+        seq_len=s, heads=h, kv_heads=hkv, head_dim=d, v_head_dim=dv,
+        cp=int(np.prod(shape)), ulysses=shape[0] if schedule == "hybrid" else 1, batch=2,
+        positions=kind != "segments", segments=kind == "segments", segment_batch=2))
     forward_report = lower_and_count(forward, *abstract)
     assert forward_report.bytes_by_kind() == expected.forward
     both = lower_and_count(jax.value_and_grad(loss, argnums=(0, 1, 2)), *abstract)

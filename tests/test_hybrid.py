@@ -6,7 +6,8 @@ import pytest
 from conftest import make_mesh
 from schedule_cases import HEAD_KINDS, check_schedule, make_case, pairwise_cases
 
-from cptransform.analysis.cost_model import schedule_volume
+from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.lowering.schedule import schedules
 from cptransform.lowering.collectives import lower_and_count
 from cptransform.lowering.context_parallel_attention import ContextParallelError, \
     context_parallel_attention
@@ -54,8 +55,9 @@ def test_communication_on_each_axis(shape, heads):
                                           schedule="hybrid", layout="zigzag")
 
     report = lower_and_count(forward, *abstract)
-    expected = schedule_volume("hybrid", seq=s, heads=h, kv_heads=hkv, head_dim=d,
-                               v_head_dim=dv, cp=u * r, ulysses=u, batch=2, dtype_bytes=2)
+    expected = schedules()["hybrid"].volume(AttentionShape(
+        seq_len=s, heads=h, kv_heads=hkv, head_dim=d, v_head_dim=dv, cp=u * r, ulysses=u,
+        batch=2, dtype_bytes=2))
     assert report.counts() == {"all_to_all": 4, "all_gather": 2,
                                "collective_permute": 3 * (r - 1)}
     assert report.bytes_by_kind() == expected.forward

@@ -11,11 +11,13 @@ from schedule_cases import check_schedule, make_case, pairwise_cases, relative_e
 
 from cptransform.op.attention_reference import attention_reference
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
-from cptransform.analysis.cost_model import schedule_volume
-from cptransform.lowering import kernel as kernel_module
+from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.lowering import kernels as kernels_module
+from cptransform.lowering.block import Block
+from cptransform.lowering.schedule import schedules
 from cptransform.lowering.collectives import lower_and_count
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
-from cptransform.lowering.kernel import XlaKernel, block_may_be_visible
+from cptransform.lowering.kernels.xla import XlaKernel
 
 BTHD = Layout.parse("BTHD")
 
@@ -94,7 +96,7 @@ def test_kernel_backward_matches_autodiff(rng):
     kern = XlaKernel()
 
     def fwd(q, k, v, bias):
-        return kern.forward(q, k, v, q_pos, kv_pos, None, None, mask, bias, spec)
+        return kern.forward(Block(q, k, v, q_pos, kv_pos, mask=mask, bias=bias), spec)
 
     do, dlse = normal(2, 6, 4, 12), normal(2, 4, 6)
 
@@ -102,8 +104,8 @@ def test_kernel_backward_matches_autodiff(rng):
     def both(q, k, v, bias, do, dlse):
         (o, lse), vjp = jax.vjp(fwd, q, k, v, bias)
         want = vjp((do, jnp.where(jnp.isfinite(lse), dlse, 0.0)))
-        got = kern.backward(q, k, v, q_pos, kv_pos, None, None, mask, bias, o, lse, do, spec,
-                            dlse=dlse)
+        got = kern.backward(Block(q, k, v, q_pos, kv_pos, mask=mask, bias=bias), o, lse, do,
+                            spec, dlse=dlse)
         return got, want
 
     got, want = both(q, k, v, bias, do, dlse)
@@ -117,15 +119,19 @@ def test_block_classification():
                          mask=MaskSpec(causal=True, window=(4, None), segments=True))
     pos = lambda *p: jnp.asarray([p])  # noqa: E731
     seg = pos(0, 0, 1)
-    assert block_may_be_visible(spec, pos(8, 9, 10), pos(5, 6, 7), seg, seg)
-    assert not block_may_be_visible(spec, pos(0, 1, 2), pos(3, 4, 5), seg, seg)  # causal
-    assert not block_may_be_visible(spec, pos(12, 13, 14), pos(5, 6, 7), seg, seg)  # window
-    assert not block_may_be_visible(spec, pos(8, 9, 10), pos(5, 6, 7), seg, seg + 2)
+
+    def block(q_pos, kv_pos, q_seg=None, kv_seg=None, mask=None):
+        return Block(q_pos=q_pos, kv_pos=kv_pos, q_seg=q_seg, kv_seg=kv_seg, mask=mask)
+
+    assert block(pos(8, 9, 10), pos(5, 6, 7), seg, seg).may_be_visible(spec)
+    assert not block(pos(0, 1, 2), pos(3, 4, 5), seg, seg).may_be_visible(spec)  # causal
+    assert not block(pos(12, 13, 14), pos(5, 6, 7), seg, seg).may_be_visible(spec)  # window
+    assert not block(pos(8, 9, 10), pos(5, 6, 7), seg, seg + 2).may_be_visible(spec)
     dense = spec.replace(mask=MaskSpec(dense=True))
     tile = jnp.zeros((2, 1, 3, 3), bool)
-    assert not block_may_be_visible(dense, pos(0, 1, 2), pos(0, 1, 2), mask_tile=tile)
-    assert block_may_be_visible(dense, pos(0, 1, 2), pos(0, 1, 2),
-                                mask_tile=tile.at[1, 0, 2, 0].set(True))
+    assert not block(pos(0, 1, 2), pos(0, 1, 2), mask=tile).may_be_visible(dense)
+    assert block(pos(0, 1, 2), pos(0, 1, 2), mask=tile.at[1, 0, 2, 0].set(True)).may_be_visible(
+        dense)
 
 
 class _CountingKernel(XlaKernel):
@@ -148,7 +154,7 @@ def test_causal_skips_fully_masked_tiles(rng, monkeypatch, layout, per_rank):
     """cp=4, 2×2 tiles per step (16 per rank): contiguous shards compute 3 tiles on the
     diagonal step and 4 per earlier block; zigzag computes the same 9 on every rank."""
     counting = _CountingKernel("cp")
-    monkeypatch.setitem(kernel_module.KERNELS, "counting", counting)
+    monkeypatch.setitem(kernels_module.kernels(), "counting", counting)
     case = make_case(rng, "causal", "gqa", seq=32)
     out = context_parallel_attention(*case.operands, spec=case.spec, kernel="counting",
                                      **ring(4, layout))
@@ -194,9 +200,9 @@ def test_communication(cp, heads, kind):
     closed_form = (cp - 1) * loc * (batch * hkv * (d + dv) * 2 + 4 * positions
                                     + batch * 4 * segments)
     assert fwd.per_device_bytes == closed_form
-    expected = schedule_volume("ring", seq=seq, heads=h, kv_heads=hkv, head_dim=d,
-                               v_head_dim=dv, cp=cp, batch=batch, dtype_bytes=2,
-                               positions=positions, segments=segments, segment_batch=batch)
+    expected = schedules()["ring"].volume(AttentionShape(
+        seq_len=seq, heads=h, kv_heads=hkv, head_dim=d, v_head_dim=dv, cp=cp, batch=batch,
+        dtype_bytes=2, positions=positions, segments=segments, segment_batch=batch))
     assert fwd.bytes_by_kind() == expected.forward
     bwd = lower_and_count(grad, *abstract)
     assert bwd.counts() == {"collective_permute": 2 * sum(want_shapes.values()) + 2 * cp}

@@ -6,7 +6,8 @@ import pytest
 from conftest import make_mesh
 from schedule_cases import HEAD_KINDS, check_schedule, make_case, pairwise_cases
 
-from cptransform.analysis.cost_model import schedule_volume
+from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.lowering.schedule import schedules
 from cptransform.lowering.collectives import lower_and_count
 from cptransform.lowering.context_parallel_attention import ContextParallelError, \
     context_parallel_attention
@@ -69,8 +70,9 @@ def test_communication_is_four_all_to_alls(heads):
                                           schedule="ulysses", layout="zigzag")
 
     report = lower_and_count(forward, *abstract)
-    expected = schedule_volume("ulysses", seq=s, heads=h, kv_heads=hkv, head_dim=d,
-                              v_head_dim=dv, cp=cp, batch=2, dtype_bytes=2)
+    expected = schedules()["ulysses"].volume(AttentionShape(
+        seq_len=s, heads=h, kv_heads=hkv, head_dim=d, v_head_dim=dv, cp=cp, batch=2,
+        dtype_bytes=2))
     assert report.counts() == {"all_to_all": 4, "all_gather": 2}
     assert report.bytes_by_kind() == expected.forward
     assert all(c.group_size == cp for c in report.collectives)

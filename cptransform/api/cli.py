@@ -224,7 +224,7 @@ def _add_opt(sub) -> None:
 
 def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
     """``--cp`` and the ``context_parallel`` options, shared by ``opt`` and ``plan``."""
-    from cptransform.api.context_parallel import KERNELS, LOAD_BALANCES, SCHEDULES
+    from cptransform.api.context_parallel import KERNELS, LOAD_BALANCES, schedule_names
 
     g = parser.add_argument_group("context parallelism")
     g.add_argument("--cp", type=int, default=None, metavar="N",
@@ -234,7 +234,7 @@ def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
                         "the hybrid schedule, e.g. --axis uly,ring --mesh 2,4")
     g.add_argument("--mesh", default=None, metavar="SIZES",
                    help="comma-separated size of each --axis (default: --cp on one axis)")
-    g.add_argument("--schedule", default="auto", choices=SCHEDULES)
+    g.add_argument("--schedule", default="auto", choices=schedule_names())
     g.add_argument("--load-balance", default="auto", choices=LOAD_BALANCES)
     g.add_argument("--kernel", default="auto", choices=KERNELS)
 

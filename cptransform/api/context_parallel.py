@@ -17,6 +17,7 @@ from cptransform.ir import compat
 from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError
 from cptransform.ir.module import Module, iter_eqns, trace
 from cptransform.ir.pipeline import Pipeline
+from cptransform.lowering.schedule import schedules
 from cptransform.passes.canonicalize import Canonicalize
 from cptransform.passes.infer_seq_axes import InferSeqAxes
 from cptransform.passes.lower_context_parallel import LowerContextParallel
@@ -24,7 +25,6 @@ from cptransform.passes.match_attention import MatchAttention
 from cptransform.passes.plan_context_parallel import LOAD_BALANCES, PlanContextParallel
 from cptransform.passes.reorder_sequence import ReorderSequence
 
-SCHEDULES = ("auto", "ring", "ulysses", "allgather", "hybrid")
 KERNELS = ("auto", "xla", "pallas")
 
 
@@ -45,7 +45,7 @@ class Options:
     static_argnames: str | tuple[str, ...] = ()
 
     def check(self) -> None:
-        for name, value, allowed in (("schedule", self.schedule, SCHEDULES),
+        for name, value, allowed in (("schedule", self.schedule, schedule_names()),
                                      ("load_balance", self.load_balance, LOAD_BALANCES),
                                      ("kernel", self.kernel, KERNELS)):
             if value not in allowed:
@@ -55,13 +55,15 @@ class Options:
         if not 1 <= len(axes) <= 2:
             raise ContextParallelOptionError(
                 f"axis={self.axis!r}: give one mesh axis name, or two (ulysses, ring) for hybrid")
-        if self.schedule == "hybrid" and len(axes) != 2:
+        want = schedules()[self.schedule].mesh_axes if self.schedule != "auto" else len(axes)
+        if want == 2 and len(axes) != 2:
             raise ContextParallelOptionError(
-                "schedule='hybrid' needs two mesh axes: axis=('uly', 'ring') with a mesh that "
-                "has both")
-        if len(axes) == 2 and self.schedule not in ("auto", "hybrid"):
+                f"schedule={self.schedule!r} needs two mesh axes: axis=('uly', 'ring') with a "
+                "mesh that has both")
+        if len(axes) == 2 and want != 2:
+            two = " or ".join(n for n, s in schedules().items() if s.mesh_axes == 2)
             raise ContextParallelOptionError(
-                f"two CP axes {axes} mean the hybrid schedule; schedule={self.schedule!r} "
+                f"two CP axes {axes} mean the {two} schedule; schedule={self.schedule!r} "
                 "runs over one axis")
 
     @property
@@ -75,6 +77,11 @@ class Options:
         names = (self.static_argnames,) if isinstance(self.static_argnames, str) \
             else tuple(self.static_argnames)
         return CallArguments.split(args, kwargs, nums, names)
+
+
+def schedule_names() -> tuple[str, ...]:
+    """The values of the ``schedule`` option: ``auto`` and every registered schedule."""
+    return ("auto", *schedules())
 
 
 def build_mesh(options: Options):

@@ -1,0 +1,105 @@
+"""``Block``: the per-device operands of one attention, as one pytree.
+
+Every schedule and kernel works on the same nine canonical operands; a :class:`Block`
+carries them together so that they are sharded, sent, sliced and differentiated as one
+value (``None`` fields are empty subtrees: ``jax.tree`` functions, ``lax.cond``,
+``custom_vjp`` and ``shard_map`` skip them).
+
+Shapes (``B`` = all batch dims flattened, a heads dim always present):
+
+* ``q [B, Tq, H, D]``, ``k [B, Tkv, Hkv, D]``, ``v [B, Tkv, Hkv, Dv]``;
+* ``q_pos``/``kv_pos`` int32 ``[B|1, T]``: global positions of the tokens;
+* ``q_seg``/``kv_seg`` ``[B|1, T]`` or ``None``;
+* ``mask`` bool and ``bias`` float ``[B|1, H|1, Tq, Tkv']`` or ``None``, where ``Tkv'`` is
+  the block's keys in a kernel call and *all* keys (in layout order) where a schedule
+  receives it; :meth:`Block.columns` narrows one to the other.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from cptransform.op.attention_spec import AttentionSpec
+
+#: The fields that belong to the keys: they travel together (ring) or are gathered together.
+KEY_FIELDS = ("k", "v", "kv_pos", "kv_seg")
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Block:
+    """Queries, keys, values, their positions and segment ids, a dense mask and a bias."""
+
+    q: Any = None
+    k: Any = None
+    v: Any = None
+    q_pos: Any = None
+    kv_pos: Any = None
+    q_seg: Any = None
+    kv_seg: Any = None
+    mask: Any = None
+    bias: Any = None
+
+    def replace(self, **fields) -> "Block":
+        """This block with ``fields`` replaced."""
+        return dataclasses.replace(self, **fields)
+
+    def keys(self) -> "Block":
+        """Only the key side (k, v, kv positions, kv segment ids): what moves with K/V."""
+        return Block(**{name: getattr(self, name) for name in KEY_FIELDS})
+
+    def with_keys(self, keys: "Block") -> "Block":
+        """This block's queries and mask against the key side of ``keys``; a key field that
+        ``keys`` leaves ``None`` (not sent) keeps this block's value."""
+        return self.replace(**{name: getattr(keys, name) for name in KEY_FIELDS
+                               if getattr(keys, name) is not None})
+
+    def columns(self, source, width: int) -> "Block":
+        """The mask and bias narrowed to key columns ``[source·width, (source+1)·width)``:
+        the columns of the keys that started on rank ``source`` (a traced int)."""
+        cut = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
+            x, source * width, width, axis=3)
+        return self.replace(mask=cut(self.mask), bias=cut(self.bias))
+
+    def tiles(self, nq: int, nk: int) -> list[list["Block"]]:
+        """The block cut into ``nq`` query tiles × ``nk`` key tiles of equal length;
+        ``tiles[a][j]`` holds query tile ``a`` and key tile ``j``."""
+        def cut(x, axis, parts):
+            return [None] * parts if x is None else jnp.split(x, parts, axis=axis)
+
+        q, q_pos, q_seg = cut(self.q, 1, nq), cut(self.q_pos, 1, nq), cut(self.q_seg, 1, nq)
+        k, v = cut(self.k, 1, nk), cut(self.v, 1, nk)
+        kv_pos, kv_seg = cut(self.kv_pos, 1, nk), cut(self.kv_seg, 1, nk)
+        mask = [cut(m, 3, nk) for m in cut(self.mask, 2, nq)]
+        bias = [cut(b, 3, nk) for b in cut(self.bias, 2, nq)]
+        return [[Block(q[a], k[j], v[j], q_pos[a], kv_pos[j], q_seg[a], kv_seg[j], mask[a][j],
+                       bias[a][j]) for j in range(nk)] for a in range(nq)]
+
+    def may_be_visible(self, spec: AttentionSpec):
+        """Scalar bool: can any query of the block see any of its keys?
+
+        Decided from ranges (min/max positions and segment ids per batch row), exactly for a
+        dense mask (``any``). ``False`` is a proof that the block is fully masked, so a
+        schedule may skip it; ``True`` may be conservative (e.g. segment ranges that overlap
+        without a common id).
+        """
+        may = jnp.ones((1,), dtype=bool)
+        lo, hi = spec.mask.band()
+        if lo is not None or hi is not None:
+            d_max = jnp.max(self.kv_pos, axis=-1) - jnp.min(self.q_pos, axis=-1)
+            d_min = jnp.min(self.kv_pos, axis=-1) - jnp.max(self.q_pos, axis=-1)
+            if lo is not None:
+                may = may & (d_max >= lo)
+            if hi is not None:
+                may = may & (d_min <= hi)
+        if spec.mask.segments:
+            may = may & (jnp.max(self.kv_seg, axis=-1) >= jnp.min(self.q_seg, axis=-1)) \
+                & (jnp.max(self.q_seg, axis=-1) >= jnp.min(self.kv_seg, axis=-1))
+        if spec.mask.dense:
+            may = may & jnp.any(self.mask, axis=(1, 2, 3))
+        return jnp.any(may)

@@ -1,0 +1,71 @@
+"""Local-step kernels: one block of queries against one block of keys, and its backward.
+
+Every schedule is built from this step. A kernel is an object with a ``name`` and two
+methods (:class:`Kernel`); each module of this package registers its kernels with
+:func:`register_kernel`, and :func:`get_kernel` imports them on first use, so a new kernel
+is one new module here.
+
+* ``forward(block, spec) -> (o, lse)``
+* ``backward(block, o, lse, do, spec, dlse=None) -> (dq, dk, dv, dbias)``
+
+``block`` is a :class:`~cptransform.lowering.block.Block` in the canonical per-device shapes
+with the mask and bias holding only this block's key columns. ``o`` is float32 and
+normalised within the block, ``lse`` float32 ``[B, H, Tq]`` and ``-inf`` for rows that see
+no key in the block. In ``backward``, ``o``/``lse`` are the *merged* results over all key
+blocks (so the probabilities of this block are ``exp(logits - lse)``) and ``dlse`` an
+optional cotangent of ``lse``; all gradients are float32, ``dbias`` has the bias's shape
+(broadcast dims summed) and is ``None`` without a bias.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Protocol
+
+from cptransform.op.attention_spec import AttentionSpec
+from cptransform.lowering.block import Block
+
+
+class Kernel(Protocol):
+    """What a schedule calls for one (query block, key block) step; see the module doc."""
+
+    name: str
+
+    def forward(self, block: Block, spec: AttentionSpec):
+        ...
+
+    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None):
+        ...
+
+
+#: Local-step kernels by name (filled by the modules of this package; see :func:`kernels`).
+KERNELS: dict[str, Kernel] = {}
+
+
+def register_kernel(kernel: Kernel) -> Kernel:
+    """Register ``kernel`` under ``kernel.name``; returns it."""
+    KERNELS[kernel.name] = kernel
+    return kernel
+
+
+def kernels() -> dict[str, Kernel]:
+    """Every registered kernel by name, after importing this package's modules (they
+    register themselves)."""
+    for module in pkgutil.iter_modules(__path__):
+        importlib.import_module(f"{__name__}.{module.name}")
+    return KERNELS
+
+
+def get_kernel(name: str) -> Kernel:
+    """The kernel called ``name``; ``"auto"`` picks Pallas when registered, else XLA."""
+    known = kernels()
+    if name == "auto":
+        return known.get("pallas", known["xla"])
+    if name in known:
+        return known[name]
+    if name == "pallas":
+        raise NotImplementedError(
+            "kernel='pallas' is not implemented yet (it arrives with the [kernels] issue); "
+            "use kernel='xla' or kernel='auto'")
+    raise ValueError(f"unknown kernel {name!r}; use one of "
+                     f"{', '.join(sorted({*known, 'auto', 'pallas'}))}")

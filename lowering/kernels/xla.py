@@ -1,0 +1,81 @@
+"""The XLA kernel: the local step in plain ``jax.numpy`` (the reference every kernel is
+checked against)."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from cptransform.op.attention_reference import attend, logits, visible
+from cptransform.op.attention_spec import AttentionSpec
+from cptransform.lowering.block import Block
+from cptransform.lowering.kernels import register_kernel
+
+
+def _grouped(x, hkv):
+    """``[B, H, Tq, Tkv]`` → ``[B, Hkv, G, Tq, Tkv]`` (query head h reads KV head h // G)."""
+    b, h, tq, tkv = x.shape
+    return x.reshape(b, hkv, h // hkv, tq, tkv)
+
+
+def _sum_to(x, shape):
+    """Sum the dims of ``x`` that ``shape`` broadcasts (size 1) back down to ``shape``."""
+    axes = tuple(i for i, (xs, s) in enumerate(zip(x.shape, shape)) if s == 1 and xs != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+class XlaKernel:
+    """The local step in plain ``jax.numpy`` (XLA fuses it); float32 softmax and gradients.
+
+    The backward recomputes the probabilities from ``lse`` (never stores them) and applies
+    the flash-attention formulas: ``dV = Pᵀ dO``, ``dS = P ∘ (dO Vᵀ - rowsum(dO ∘ O) + dlse)``,
+    then through soft-cap and scale to ``dQ = dS K``, ``dK = dSᵀ Q``; ``dbias = dS``.
+    """
+
+    name = "xla"
+
+    def forward(self, block: Block, spec: AttentionSpec):
+        return attend(spec, block.q, block.k, block.v, block.q_pos, block.kv_pos, block.q_seg,
+                      block.kv_seg, block.mask, block.bias)
+
+    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None):
+        q, k, v, bias = block.q, block.k, block.v, block.bias
+        b, tq, h, d = q.shape
+        _, tkv, hkv, dv_dim = v.shape
+        f32 = jnp.float32
+        raw = logits(spec.replace(softcap=None), q, k)
+        if spec.softcap is not None:
+            cap = f32(spec.softcap)
+            tanh = jnp.tanh(raw / cap)
+            s = tanh * cap
+        else:
+            s = raw
+        if bias is not None:
+            s = s + bias.astype(f32)
+        row_ok = jnp.isfinite(lse)[..., None]
+        ok = visible(spec.mask, block.q_pos, block.kv_pos, block.q_seg, block.kv_seg,
+                     block.mask) & row_ok
+        lse_safe = jnp.where(row_ok, lse[..., None], 0.0)
+        p = jnp.where(ok, jnp.exp(jnp.where(ok, s - lse_safe, -jnp.inf)), 0.0)
+
+        do32 = do.astype(f32)
+        delta = jnp.swapaxes(jnp.sum(do32 * o.astype(f32), axis=-1), 1, 2)  # [B, H, Tq]
+        if dlse is not None:
+            delta = delta - dlse.astype(f32)
+        dog = do32.reshape(b, tq, hkv, h // hkv, dv_dim)
+        dv = jnp.einsum("bhgqk,bqhgd->bkhd", _grouped(p, hkv), dog,
+                        preferred_element_type=f32)
+        dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, v.astype(f32),
+                        preferred_element_type=f32).reshape(b, h, tq, tkv)
+        ds = p * (dp - delta[..., None])
+        dbias = None if bias is None else _sum_to(ds, bias.shape)
+        if spec.softcap is not None:
+            ds = ds * (1.0 - tanh * tanh)
+        ds = ds * f32(spec.scale)
+        dsg = _grouped(ds, hkv)
+        dq = jnp.einsum("bhgqk,bkhd->bqhgd", dsg, k.astype(f32),
+                        preferred_element_type=f32).reshape(b, tq, h, d)
+        qg = q.astype(f32).reshape(b, tq, hkv, h // hkv, d)
+        dk = jnp.einsum("bhgqk,bqhgd->bkhd", dsg, qg, preferred_element_type=f32)
+        return dq, dk, dv, dbias
+
+
+register_kernel(XlaKernel())

@@ -1,0 +1,112 @@
+"""What a context-parallel schedule is: one :class:`Schedule` record each, and the registry.
+
+A schedule module of this package (``ring.py``, ``ulysses.py``, …) defines its local
+function, its communication formula and its feasibility check, and registers them as one
+record with :func:`register_schedule`. :func:`schedules` imports every module of the
+package on first use, so adding a schedule is one new module (and its tests): the entry
+point, the planner, ``context_parallel``'s options and the CLI all read :func:`schedules`.
+
+The local function, ``run(block, *, spec, axes, kernel) -> o``, runs under ``shard_map``
+and receives:
+
+* ``block``: a :class:`~cptransform.lowering.block.Block` of the per-device canonical
+  operands; positions are the global positions of the local tokens; ``mask``/``bias`` rows
+  are the local queries, columns *all* keys in layout order (the order in which the KV
+  shards are concatenated, rank by rank);
+* ``spec``: the :class:`AttentionSpec` with canonical ``BTHD`` layouts and
+  ``positions=True`` (read scale, softcap, groups, mask and ``mask.empty_rows`` from it);
+* ``axes``: the CP mesh axis names, ``mesh_axes`` of them (hybrid:
+  ``(ulysses_axis, ring_axis)``);
+* ``kernel``: a :class:`~cptransform.lowering.kernels.Kernel` for the local step;
+
+and returns ``o [B, Tq_loc, H, Dv]`` in ``q.dtype``, with ``empty_rows="uniform"`` honoured
+(see :func:`fill_empty_rows_sharded`).
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from dataclasses import dataclass
+from typing import Callable
+
+import jax.numpy as jnp
+from jax import lax
+
+from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.analysis.cost_model import CommVolume
+from cptransform.op.attention_reference import fill_empty_rows
+from cptransform.op.attention_spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One context-parallel schedule.
+
+    * ``name``: what users pass as ``schedule=``;
+    * ``mesh_axes``: how many CP mesh axes it runs over;
+    * ``run``: the local function run under ``shard_map`` (see the module doc);
+    * ``volume(shape)``: its per-device :class:`CommVolume`, forward and backward;
+    * ``feasible(shape)``: why it cannot run ``shape``, or ``None`` when it can;
+    * ``overlaps``: its transfers overlap the compute, so the planner prefers it when it
+      moves at most 10% more bytes than the cheapest schedule;
+    * ``order``: its place in listings (plans, ``explain``, CLI choices).
+    """
+
+    name: str
+    mesh_axes: int
+    run: Callable
+    volume: Callable[[AttentionShape], CommVolume]
+    feasible: Callable[[AttentionShape], str | None]
+    overlaps: bool = False
+    order: int = 0
+
+
+#: Registered schedules by name; read them through :func:`schedules`.
+SCHEDULES: dict[str, Schedule] = {}
+
+
+def register_schedule(schedule: Schedule) -> Schedule:
+    """Register ``schedule`` under its name; returns it."""
+    SCHEDULES[schedule.name] = schedule
+    return schedule
+
+
+def schedules() -> dict[str, Schedule]:
+    """Every schedule by name, in listing order, after importing the modules of
+    ``cptransform.lowering`` (the schedule modules register themselves)."""
+    package = importlib.import_module("cptransform.lowering")
+    for module in pkgutil.iter_modules(package.__path__):
+        if not module.ispkg:
+            importlib.import_module(f"{package.__name__}.{module.name}")
+    return dict(sorted(SCHEDULES.items(), key=lambda item: (item[1].order, item[0])))
+
+
+def divides_sequence(shape: AttentionShape) -> str | None:
+    """Why the sequence cannot be split over ``shape.cp`` devices (``None`` when it can):
+    the feasibility every schedule starts from."""
+    if shape.seq_len % shape.cp:
+        return (f"sequence length {shape.seq_len} is not divisible by cp={shape.cp}; pad it "
+                "to a multiple of cp")
+    return None
+
+
+#: How to fix a schedule given the wrong number of CP mesh axes, by the number it needs.
+MESH_AXES_HINT = {
+    1: "put the CP devices on one mesh axis, or use schedule='hybrid' with "
+       "axes=(ulysses_axis, ring_axis)",
+    2: "give axes=(ulysses_axis, ring_axis), or use 'ring' or 'ulysses' over one axis"}
+
+
+def fill_empty_rows_sharded(spec: AttentionSpec, o, lse, v, axes, kv_len: int):
+    """``empty_rows="uniform"`` for a schedule whose V is sharded over ``axes``.
+
+    Rows with ``lse == -inf`` take the mean of V over all ``kv_len`` keys (a psum of the
+    local sums); with ``empty_rows="zero"`` ``o`` is returned unchanged. Pass ``axes=()``
+    when ``v`` already holds every key.
+    """
+    if spec.mask.empty_rows != "uniform":
+        return o
+    total = jnp.sum(v.astype(jnp.float32), axis=1, keepdims=True)
+    if axes:
+        total = lax.psum(total, tuple(axes))
+    return fill_empty_rows(spec, o, lse, total / kv_len).astype(o.dtype)
