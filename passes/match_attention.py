@@ -43,9 +43,10 @@ from cptransform.ir import compat
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.ir.graph import Graph
-from cptransform.analysis.mask_analysis import (And, Indicator, MaskAnalyzer, MaskParts, Opaque,
-                                       Pred, Scalar, classify, p_not,
-                                       unit_reshape_dims)
+from cptransform.analysis.dim_rules import unit_reshape_dims
+from cptransform.analysis.mask_analysis import MaskAnalyzer
+from cptransform.analysis.mask_parts import MaskParts, classify
+from cptransform.analysis.mask_values import And, Indicator, Opaque, Pred, Scalar, p_not
 from cptransform.analysis.match_report import MatchReport
 from cptransform.ir.module import Module
 from cptransform.ir.patterns import Pat, look_through, one_of

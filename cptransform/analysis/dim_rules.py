@@ -9,7 +9,7 @@ Two kinds of rule, both read through :mod:`cptransform.analysis.primitives`:
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from cptransform.ir import compat
 
@@ -65,6 +65,24 @@ def reshape_dim_map(in_shape: tuple, out_shape: tuple) -> dict[int, int]:
                 pj *= outs[b][1]
                 b += 1
     return mapping
+
+
+def unit_reshape_dims(src_shape: Sequence[int], out_shape: Sequence[int],
+                      dims: tuple, *, forward: bool = False) -> tuple | None:
+    """Labels across a reshape that only adds or drops size-1 dims (None for any other).
+
+    ``dims`` label the output, and the input's labels are returned; with ``forward`` it is
+    the other way round (``dims`` label the input)."""
+    src_big = [i for i, n in enumerate(src_shape) if n != 1]
+    out_big = [i for i, n in enumerate(out_shape) if n != 1]
+    if [src_shape[i] for i in src_big] != [out_shape[i] for i in out_big]:
+        return None
+    if forward:
+        src_big, out_big, src_shape = out_big, src_big, out_shape
+    labels = [None] * len(src_shape)
+    for i, o in zip(src_big, out_big):
+        labels[i] = dims[o]
+    return tuple(labels)
 
 
 def link_reshape(eqn) -> list[Link]:
