@@ -38,14 +38,15 @@ import jax
 import numpy as np
 from jax import lax
 
+from cptransform.analysis.primitives import CallKind, calls
 from cptransform.ir import compat
 from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult, PipelineError
 from cptransform.ir.rewrite import Rewriter
 
 FOLD_MODES = ("off", "exact", "ulp")
-JIT_PRIMITIVES = ("pjit", "jit")
-CALL_PRIMITIVES = ("closed_call", "core_call")
+JIT_PRIMITIVES = calls(CallKind.JIT)
+CALL_PRIMITIVES = calls(CallKind.CALL)
 # (kept operand, constant operand) pairs for binary ops
 EITHER_SIDE = ((0, 1), (1, 0))
 RIGHT_SIDE = ((0, 1),)
@@ -290,8 +291,8 @@ class Canonicalize(Pass):
                           (f"canonicalize: {before} -> {after} equations",))
 
     def verify(self, module: Module) -> None:
-        banned = (JIT_PRIMITIVES if self.inline_jit else ()) + \
-            (CALL_PRIMITIVES if self.inline_calls else ())
+        banned = (JIT_PRIMITIVES if self.inline_jit else frozenset()) | \
+            (CALL_PRIMITIVES if self.inline_calls else frozenset())
         left = sorted({e.primitive.name for e in iter_eqns(module.jaxpr)
                        if e.primitive.name in banned})
         assert not left, f"call-like equations remain after inlining: {', '.join(left)}"

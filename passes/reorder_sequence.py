@@ -23,8 +23,9 @@ from cptransform.op.attention import attention_p
 from cptransform.ir.module import Module
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import fit_body, interpret, map_bodies, trace_like
-from cptransform.analysis.seq_axes import (ELEMENTWISE, ORDER_FREE_REDUCTIONS, SeqAxes, acting_dims,
-                                  reshape_dim_map)
+from cptransform.analysis.dim_rules import reshape_dim_map
+from cptransform.analysis.primitives import CallKind, acting_dims, calls, facts, names_where
+from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.op.layouts import SequenceLayout
 from cptransform.ir.errors import ReorderError
 from cptransform.ir.facts import Fact
@@ -33,16 +34,11 @@ from cptransform.analysis.seq_axes_summary import analyse
 PERM, NAT, INV = "perm", "nat", "inv"
 
 #: Primitives that commute with a permutation of any sequence dim they carry.
-EQUIVARIANT = ELEMENTWISE | ORDER_FREE_REDUCTIONS | frozenset(
-    "broadcast_in_dim reshape squeeze transpose dot_general".split())
+EQUIVARIANT = names_where(lambda row: row.order_safe)
 
 
 #: Primitives that can work on a shifted value (see :class:`Shift`) without materializing it.
-SHIFTABLE = ELEMENTWISE | ORDER_FREE_REDUCTIONS | frozenset(
-    "broadcast_in_dim reshape squeeze gather".split())
-
-_IDENTITY = {"reduce_sum": 0, "reduce_max": -np.inf, "reduce_min": np.inf, "reduce_prod": 1,
-             "reduce_and": True, "reduce_or": False, "reduce_xor": False}
+SHIFTABLE = names_where(lambda row: row.shiftable)
 
 
 @dataclass(frozen=True)
@@ -64,11 +60,11 @@ class Shift:
 
 #: Primitives whose bodies are re-traced in layout order and re-bound (loops, branches and
 #: remat keep their structure); other calls are inlined.
-REBUILT = frozenset({"scan", "while", "cond", "remat2", "checkpoint"})
+REBUILT = calls(CallKind.CONTROL_FLOW, CallKind.REMAT)
 
 #: Calls with a custom derivative rule: kept whole and run in natural order (a positional
 #: op), since the rule is part of the program and may depend on the token order.
-CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+CUSTOM_RULES = calls(CallKind.CUSTOM_DERIVATIVE)
 
 
 @dataclass
@@ -225,12 +221,12 @@ class _Reorderer:
             sizes = list(params["new_sizes"])
             sizes[out_dim] = seq
             params["new_sizes"] = tuple(sizes)
-        elif name in ORDER_FREE_REDUCTIONS and st.dim in params["axes"]:
+        elif facts(name).identity is not None and st.dim in params["axes"]:
             x = invals[big]
             pos = self.layout.position_of_slot(
                 jax.lax.broadcasted_iota(jnp.int32, x.shape, st.dim))
             valid = (pos >= st.offset) & (pos < st.offset + st.length)
-            invals[big] = jnp.where(valid, x, jnp.asarray(_IDENTITY[name], x.dtype))
+            invals[big] = jnp.where(valid, x, jnp.asarray(facts(name).identity, x.dtype))
         outs = compat.bind_eqn(eqn, invals, params)
         result = []
         for out, var in zip(outs, eqn.outvars):

@@ -7,7 +7,7 @@ import pytest
 from cptransform.analysis.match_report import MatchReport
 from cptransform.ir.module import trace
 from cptransform.ir.pipeline import Pipeline
-from cptransform.passes.match_attention import MatchAttentionError
+from cptransform.ir.errors import MatchAttentionError
 from cptransform.passes import get_all_passes
 
 PASSES = get_all_passes()
@@ -114,6 +114,7 @@ def test_reports_and_stats(rng):
     stats = m.facts.match_stats
     assert stats["softmax"]["attempts"] == 2 and stats["softmax"]["hits"] == 2
     assert stats["mask"]["hits"] == 1
+    assert stats["chain:select_n"] == {**stats["chain:select_n"], "attempts": 1, "hits": 1}
     assert all(entry["seconds"] >= 0 for entry in stats.values())
     np.testing.assert_allclose(jax.jit(m.as_function())(q, k, v, h, w)[0],
                                fn(q, k, v, h, w)[0], rtol=1e-6, atol=1e-6)

@@ -6,7 +6,8 @@ import pytest
 from cptransform import trace
 from cptransform.ir import compat
 from cptransform.ir.pipeline import Pipeline
-from cptransform.analysis.seq_axes import SeqAxisError, infer_seq_axes, reshape_dim_map
+from cptransform.analysis.dim_rules import reshape_dim_map
+from cptransform.analysis.seq_axes import SeqAxisError, infer_seq_axes
 from cptransform.passes import get_all_passes
 
 PASSES = get_all_passes()

@@ -1,0 +1,202 @@
+"""How an equation's operand dims relate to its result dims, one rule per kind of primitive.
+
+Two kinds of rule, both read through :mod:`cptransform.analysis.primitives`:
+
+* a *link rule* lists ``(atom, dim, atom, dim)`` pairs that are the same axis ("dim 1 of
+  x is dim 2 of y"), contracting and batch dims of a contraction included;
+* an *acting rule* gives the operand dims along which an op indexes or reduces (a slice
+  of the features acts only on the feature dim, so it is order-free along the sequence).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from cptransform.ir import compat
+
+Link = tuple[Any, int, Any, int]  # (atom, dim, atom, dim): the two dims are the same axis
+#: ``rule(eqn)``: the dim links of one equation.
+LinkRule = Callable[[Any], list[Link]]
+#: ``rule(eqn)``: the dims of the first operand the op acts on.
+ActsOn = Callable[[Any], set[int]]
+
+
+# -- link rules ------------------------------------------------------------------------------
+
+def link_same_dims(eqn) -> list[Link]:
+    """Elementwise: every operand of the result's rank keeps its dims (broadcast ones aside)."""
+    out = eqn.outvars[0]
+    links = []
+    for atom in eqn.invars:
+        if compat.is_literal(atom) or atom.aval.ndim != out.aval.ndim:
+            continue
+        for d in range(out.aval.ndim):
+            if atom.aval.shape[d] == out.aval.shape[d]:
+                links.append((atom, d, out, d))
+    return links
+
+
+def link_broadcast_in_dim(eqn) -> list[Link]:
+    """Each operand dim to its ``broadcast_dimensions`` slot, unless it is broadcast."""
+    x, out = eqn.invars[0], eqn.outvars[0]
+    return [(x, i, out, d) for i, d in enumerate(eqn.params["broadcast_dimensions"])
+            if x.aval.shape[i] == out.aval.shape[d]]
+
+
+def reshape_dim_map(in_shape: tuple, out_shape: tuple) -> dict[int, int]:
+    """Input dims that survive a reshape unchanged (same size, same position in the
+    row-major order of elements), mapped to their output dims. Size-1 dims are ignored."""
+    ins = [(i, n) for i, n in enumerate(in_shape) if n != 1]
+    outs = [(j, n) for j, n in enumerate(out_shape) if n != 1]
+    mapping, a, b = {}, 0, 0
+    while a < len(ins) and b < len(outs):
+        if ins[a][1] == outs[b][1]:
+            mapping[ins[a][0]] = outs[b][0]
+            a += 1
+            b += 1
+            continue
+        pi, pj = ins[a][1], outs[b][1]
+        a += 1
+        b += 1
+        while pi != pj:
+            if pi < pj:
+                pi *= ins[a][1]
+                a += 1
+            else:
+                pj *= outs[b][1]
+                b += 1
+    return mapping
+
+
+def unit_reshape_dims(src_shape: Sequence[int], out_shape: Sequence[int],
+                      dims: tuple, *, forward: bool = False) -> tuple | None:
+    """Labels across a reshape that only adds or drops size-1 dims (None for any other).
+
+    ``dims`` label the output, and the input's labels are returned; with ``forward`` it is
+    the other way round (``dims`` label the input)."""
+    src_big = [i for i, n in enumerate(src_shape) if n != 1]
+    out_big = [i for i, n in enumerate(out_shape) if n != 1]
+    if [src_shape[i] for i in src_big] != [out_shape[i] for i in out_big]:
+        return None
+    if forward:
+        src_big, out_big, src_shape = out_big, src_big, out_shape
+    labels = [None] * len(src_shape)
+    for i, o in zip(src_big, out_big):
+        labels[i] = dims[o]
+    return tuple(labels)
+
+
+def link_reshape(eqn) -> list[Link]:
+    """The dims that survive a reshape (see :func:`reshape_dim_map`)."""
+    x, out = eqn.invars[0], eqn.outvars[0]
+    return [(x, a, out, b) for a, b in reshape_dim_map(x.aval.shape, out.aval.shape).items()]
+
+
+def link_dropping(param: str) -> LinkRule:
+    """Rule for ops that remove the dims listed in ``params[param]`` (squeeze, reductions)."""
+    def rule(eqn) -> list[Link]:
+        x, out = eqn.invars[0], eqn.outvars[0]
+        dropped = set(eqn.params[param])
+        kept = [d for d in range(x.aval.ndim) if d not in dropped]
+        return [(x, d, out, j) for j, d in enumerate(kept)]
+    return rule
+
+
+def link_transpose(eqn) -> list[Link]:
+    """Each dim to where the permutation puts it."""
+    x, out = eqn.invars[0], eqn.outvars[0]
+    return [(x, src, out, dst) for dst, src in enumerate(eqn.params["permutation"])]
+
+
+def link_dot_general(eqn) -> list[Link]:
+    """Batch dims of both operands to the leading result dims, free dims after them in
+    order; contracting dims link to nothing."""
+    lhs, rhs = eqn.invars
+    out = eqn.outvars[0]
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    links = []
+    for k, (a, b) in enumerate(zip(lb, rb)):
+        links += [(lhs, a, out, k), (rhs, b, out, k)]
+    pos = len(lb)
+    for operand, contract, batch in ((lhs, lc, lb), (rhs, rc, rb)):
+        for d in range(operand.aval.ndim):
+            if d not in contract and d not in batch:
+                links.append((operand, d, out, pos))
+                pos += 1
+    return [link for link in links if not compat.is_literal(link[0])]
+
+
+def link_gather(eqn) -> list[Link]:
+    """Index batch dims and operand batching dims to the result's batch dims; whole
+    (unsliced) operand dims to their offset dims."""
+    operand, indices = eqn.invars
+    out = eqn.outvars[0]
+    dn = eqn.params["dimension_numbers"]
+    batch_out = [d for d in range(out.aval.ndim) if d not in dn.offset_dims]
+    index_dims = list(range(indices.aval.ndim - 1))
+    links = [(indices, i, out, o) for i, o in zip(index_dims, batch_out)]
+    for ob, ib in zip(dn.operand_batching_dims, dn.start_indices_batching_dims):
+        links.append((operand, ob, out, batch_out[index_dims.index(ib)]))
+    sliced = [d for d in range(operand.aval.ndim)
+              if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims]
+    for d, o in zip(sliced, dn.offset_dims):
+        if operand.aval.shape[d] == out.aval.shape[o]:
+            links.append((operand, d, out, o))
+    return links
+
+
+def link_slice_like(eqn) -> list[Link]:
+    """Positional ops keep their dims (with new sizes along sliced axes)."""
+    x, out = eqn.invars[0], eqn.outvars[0]
+    if x.aval.ndim != out.aval.ndim:
+        return []
+    return [(x, d, out, d) for d in range(x.aval.ndim)]
+
+
+def link_concatenate(eqn) -> list[Link]:
+    """Every operand keeps its dims."""
+    out = eqn.outvars[0]
+    return [(x, d, out, d) for x in eqn.invars if not compat.is_literal(x)
+            for d in range(out.aval.ndim)]
+
+
+def link_attention(eqn) -> list[Link]:
+    """Attention links its q and out dims (other than seq and features)."""
+    spec = eqn.params["spec"]
+    q, out = eqn.invars[0], eqn.outvars[0]
+    return [(q, d, out, d) for d in range(q.aval.ndim) if d != spec.q.feature]
+
+
+# -- acting rules ----------------------------------------------------------------------------
+
+def acts_on_nothing(eqn) -> set[int]:
+    """Elementwise ops read no dim across."""
+    return set()
+
+
+def acts_on_param(param: str) -> ActsOn:
+    """Ops acting along the one dim ``params[param]`` (cumulative ops, concatenate, sort)."""
+    return lambda eqn: {eqn.params[param]}
+
+
+def acts_on_params(param: str) -> ActsOn:
+    """Ops acting along the dims listed in ``params[param]`` (reductions, rev)."""
+    return lambda eqn: set(eqn.params[param])
+
+
+def acts_on_slice(eqn) -> set[int]:
+    """The dims a slice actually cuts or strides."""
+    params, shape = eqn.params, eqn.invars[0].aval.shape
+    strides = params.get("strides") or (1,) * len(shape)
+    return {d for d in range(len(shape)) if params["start_indices"][d] != 0
+            or params["limit_indices"][d] != shape[d] or strides[d] != 1}
+
+
+def acts_on_pad(eqn) -> set[int]:
+    """The dims a pad actually pads."""
+    return {d for d, cfg in enumerate(eqn.params["padding_config"]) if tuple(cfg) != (0, 0, 0)}
+
+
+def acts_on_dynamic_slice(eqn) -> set[int]:
+    """The dims a dynamic slice does not take whole."""
+    shape = eqn.invars[0].aval.shape
+    return {d for d in range(len(shape)) if eqn.params["slice_sizes"][d] != shape[d]}

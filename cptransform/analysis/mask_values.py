@@ -1,0 +1,155 @@
+"""The abstract values of mask analysis: index expressions, constants and predicates.
+
+:mod:`cptransform.analysis.mask_analysis` gives every value of a mask subgraph one of these
+meanings; :mod:`cptransform.analysis.mask_parts` sorts the resulting predicate into
+``MaskSpec`` parts. Each value's dims are tied to the dims of "the top" (the logits the
+mask applies to) by a :data:`DimMap`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from cptransform.analysis.intervals import complement, intersect, union
+
+DimMap = tuple  # per dim of a value: the top dim it indexes, or None (size-1, broadcast)
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """A value not looked into; ``dims[i]`` is the top dim of its dim ``i`` (or None)."""
+
+    var: Any = field(compare=False)
+    dims: DimMap
+    key: int = 0
+
+    @classmethod
+    def of(cls, var: Any, dims: DimMap) -> "Opaque":
+        return cls(var, tuple(dims), id(var))
+
+
+@dataclass(frozen=True)
+class Affine:
+    """``sum(c * index[top_dim] for top_dim, c in coeffs) + const`` (integers)."""
+
+    coeffs: tuple = ()
+    const: int = 0
+
+    def plus(self, other: "Affine", sign: int = 1) -> "Affine":
+        c = dict(self.coeffs)
+        for d, v in other.coeffs:
+            c[d] = c.get(d, 0) + sign * v
+        return Affine(tuple(sorted((d, v) for d, v in c.items() if v)),
+                      self.const + sign * other.const)
+
+    def times(self, k: int) -> "Affine":
+        return Affine(tuple((d, v * k) for d, v in self.coeffs if v * k), self.const * k)
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A constant, the same everywhere."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class Pred:
+    """Base of the predicates; ``origin`` is the boolean value it was read from."""
+
+    origin: Opaque | None = field(default=None, compare=False, kw_only=True)
+
+
+@dataclass(frozen=True)
+class Const(Pred):
+    """Always ``value``."""
+
+    value: bool = True
+
+
+@dataclass(frozen=True)
+class Band(Pred):
+    """``index[b] - index[a]`` lies in ``intervals`` (``a < b`` are top dims)."""
+
+    a: int = 0
+    b: int = 0
+    intervals: tuple = ()
+
+
+@dataclass(frozen=True)
+class Segments(Pred):
+    """``x == y`` where ``x`` and ``y`` are data indexed by different top dims."""
+
+    x: Opaque | None = None
+    y: Opaque | None = None
+
+
+@dataclass(frozen=True)
+class Dense(Pred):
+    """Data: the boolean value ``source`` (negated if ``negated``)."""
+
+    source: Opaque | None = None
+    negated: bool = False
+
+
+@dataclass(frozen=True)
+class And(Pred):
+    """All of ``terms``."""
+
+    terms: tuple = ()
+
+
+@dataclass(frozen=True)
+class Indicator:
+    """``on_true`` where ``pred`` holds, ``on_false`` elsewhere."""
+
+    pred: Pred
+    on_true: Any
+    on_false: Any
+
+
+def conjuncts(p: Pred) -> list[Pred]:
+    """The terms of a conjunction (a non-``And`` predicate is its own only term)."""
+    if isinstance(p, And):
+        return [t for term in p.terms for t in conjuncts(term)]
+    if isinstance(p, Const) and p.value:
+        return []
+    return [p]
+
+
+def p_and(a: Pred, b: Pred, origin: Opaque | None = None) -> Pred:
+    """``a and b``, merging bands over the same pair of dims."""
+    if isinstance(a, Const):
+        return b if a.value else a
+    if isinstance(b, Const):
+        return a if b.value else b
+    if isinstance(a, Band) and isinstance(b, Band) and (a.a, a.b) == (b.a, b.b):
+        return Band(a.a, a.b, intersect(a.intervals, b.intervals), origin=origin)
+    return And(tuple(conjuncts(a) + conjuncts(b)), origin=origin)
+
+
+def as_dense(p: Pred, origin: Opaque) -> Dense:
+    """``p`` kept as data: the boolean value ``origin`` it was read from."""
+    return p if isinstance(p, Dense) else Dense(source=origin, origin=origin)
+
+
+def p_or(a: Pred, b: Pred, origin: Opaque) -> Pred:
+    """``a or b``; only bands over the same pair of dims stay analytic."""
+    if isinstance(a, Const):
+        return a if a.value else b
+    if isinstance(b, Const):
+        return b if b.value else a
+    if isinstance(a, Band) and isinstance(b, Band) and (a.a, a.b) == (b.a, b.b):
+        return Band(a.a, a.b, union(a.intervals, b.intervals), origin=origin)
+    return Dense(source=origin, origin=origin)
+
+
+def p_not(a: Pred, origin: Opaque) -> Pred:
+    """``not a``."""
+    if isinstance(a, Const):
+        return Const(value=not a.value, origin=origin)
+    if isinstance(a, Band):
+        return Band(a.a, a.b, complement(a.intervals), origin=origin)
+    if isinstance(a, Dense):
+        return Dense(source=a.source, negated=not a.negated, origin=origin)
+    return Dense(source=origin, origin=origin)

@@ -1,0 +1,194 @@
+"""One table of what cptransform knows about each JAX primitive, keyed by name.
+
+Each row (:class:`PrimFacts`) says which :class:`Family` the primitive belongs to, how its
+operand dims link to its result dims (the sequence axis flows along those links), which
+dims it acts on, whether it is order-safe along the sequence, and the few facts passes
+need beyond that (a reduction's identity, how a value-preserving op moves its value, what
+kind of body a call carries). Families get a standard row in a loop; exceptions are
+explicit rows. Every set of primitive names a pass or analysis needs is read off this
+table (:func:`names_where`). A primitive missing from the table has no links, acts on
+unknown dims and is not order-safe: it is refused or handled positionally, never guessed.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from cptransform.analysis.dim_rules import (ActsOn, Link, LinkRule, acts_on_dynamic_slice,
+                                            acts_on_nothing, acts_on_pad, acts_on_param,
+                                            acts_on_params, acts_on_slice, link_attention,
+                                            link_broadcast_in_dim, link_concatenate,
+                                            link_dot_general, link_dropping, link_gather,
+                                            link_reshape, link_same_dims, link_slice_like,
+                                            link_transpose)
+from cptransform.op.attention import attention_p
+
+
+class Family(enum.Enum):
+    """Kinds of primitive that share a standard row."""
+
+    ELEMENTWISE = "elementwise"  # same shape in and out, position by position
+    REDUCTION = "reduction"      # drops the dims it reduces
+    CONTRACTION = "contraction"  # dot_general
+    SHAPE = "shape"              # broadcast, reshape, squeeze, transpose: moves values only
+    CUMULATIVE = "cumulative"    # running sums/maxima along one dim
+    INDEXING = "indexing"        # slices, pads, concatenates, gathers, reversals, sorts
+    CALL = "call"                # carries a body (jit, remat, loops, custom derivatives)
+    ATTENTION = "attention"      # cptransform's own attention_p
+
+
+class Moves(enum.Enum):
+    """How a value-preserving primitive passes its (single) operand on."""
+
+    IDENTITY = "identity"    # stop_gradient, copy: the same value
+    BARRIER = "barrier"      # optimization_barrier: the same value, but a scheduling fence
+    CAST = "cast"            # convert_element_type
+    BROADCAST = "broadcast"  # broadcast_in_dim
+    RESHAPE = "reshape"
+    SQUEEZE = "squeeze"
+    PERMUTE = "permute"      # transpose
+
+
+class CallKind(enum.Enum):
+    """What the body of a call-like primitive means."""
+
+    JIT = "jit"                            # a jit boundary: inlining changes nothing
+    CALL = "call"                          # a plain closed call
+    REMAT = "remat"                        # a memory policy around the body
+    CUSTOM_DERIVATIVE = "custom-derivative"  # custom_jvp / custom_vjp rules
+    CONTROL_FLOW = "control-flow"          # scan, while, cond
+
+
+@dataclass(frozen=True)
+class PrimFacts:
+    """What is known about one primitive.
+
+    ``seq_link``: the dim links of an equation (None: none, the sequence does not flow
+    through; calls link their bodies separately). ``acts_on``: the first operand's dims
+    the op acts on (None: unknown, assume all). ``order_safe``: commutes with a
+    permutation of any sequence dim it carries. ``shiftable``: can run on a sequence held
+    unsliced (see ``reorder-sequence``). ``identity``: for reductions, the element that
+    leaves the result unchanged. ``moves``: set when the op only moves, casts or
+    broadcasts its operand. ``call``: for calls, what kind of body.
+    """
+
+    family: Family
+    seq_link: LinkRule | None = None
+    acts_on: ActsOn | None = None
+    order_safe: bool = False
+    shiftable: bool = False
+    identity: Any = None
+    moves: Moves | None = None
+    call: CallKind | None = None
+
+
+ELEMENTWISE_NAMES = """
+add sub mul div rem pow max min neg sign floor ceil round is_finite exp exp2 log log1p expm1
+tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt rsqrt cbrt
+abs integer_pow square erf erfc erf_inv lgamma digamma not and or xor eq ne lt le gt ge
+select_n convert_element_type clamp nextafter shift_left shift_right_logical
+shift_right_arithmetic population_count copy copy_p reduce_precision imag real conj complex
+stop_gradient optimization_barrier
+""".split()
+
+#: Order-free reductions and their identity elements.
+REDUCTION_IDENTITIES = {"reduce_sum": 0, "reduce_max": -np.inf, "reduce_min": np.inf,
+                        "reduce_prod": 1, "reduce_and": True, "reduce_or": False,
+                        "reduce_xor": False}
+
+PRIMS: dict[str, PrimFacts] = {}
+
+for _name in ELEMENTWISE_NAMES:
+    PRIMS[_name] = PrimFacts(Family.ELEMENTWISE, link_same_dims, acts_on_nothing,
+                             order_safe=True, shiftable=True)
+for _name, _moves in {"stop_gradient": Moves.IDENTITY, "copy": Moves.IDENTITY,
+                        "copy_p": Moves.IDENTITY, "optimization_barrier": Moves.BARRIER,
+                        "convert_element_type": Moves.CAST}.items():
+    PRIMS[_name] = PrimFacts(Family.ELEMENTWISE, link_same_dims, acts_on_nothing,
+                             order_safe=True, shiftable=True, moves=_moves)
+for _name, _identity in REDUCTION_IDENTITIES.items():
+    PRIMS[_name] = PrimFacts(Family.REDUCTION, link_dropping("axes"), acts_on_params("axes"),
+                             order_safe=True, shiftable=True, identity=_identity)
+# An argmax answers with a position: reordering the sequence changes it.
+for _name in ("argmax", "argmin"):
+    PRIMS[_name] = PrimFacts(Family.REDUCTION, link_dropping("axes"), acts_on_params("axes"))
+for _name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"):
+    PRIMS[_name] = PrimFacts(Family.CUMULATIVE, link_same_dims, acts_on_param("axis"))
+
+PRIMS["dot_general"] = PrimFacts(Family.CONTRACTION, link_dot_general, order_safe=True)
+
+PRIMS["broadcast_in_dim"] = PrimFacts(Family.SHAPE, link_broadcast_in_dim, order_safe=True,
+                                      shiftable=True, moves=Moves.BROADCAST)
+PRIMS["reshape"] = PrimFacts(Family.SHAPE, link_reshape, order_safe=True, shiftable=True,
+                             moves=Moves.RESHAPE)
+PRIMS["squeeze"] = PrimFacts(Family.SHAPE, link_dropping("dimensions"), order_safe=True,
+                             shiftable=True, moves=Moves.SQUEEZE)
+PRIMS["transpose"] = PrimFacts(Family.SHAPE, link_transpose, order_safe=True,
+                               moves=Moves.PERMUTE)
+
+# Whether a gather keeps the token order depends on its dimension numbers; the reorder
+# pass decides per equation.
+PRIMS["gather"] = PrimFacts(Family.INDEXING, link_gather, shiftable=True)
+PRIMS["slice"] = PrimFacts(Family.INDEXING, link_slice_like, acts_on_slice)
+PRIMS["dynamic_slice"] = PrimFacts(Family.INDEXING, link_slice_like, acts_on_dynamic_slice)
+PRIMS["pad"] = PrimFacts(Family.INDEXING, link_slice_like, acts_on_pad)
+PRIMS["concatenate"] = PrimFacts(Family.INDEXING, link_concatenate, acts_on_param("dimension"))
+PRIMS["rev"] = PrimFacts(Family.INDEXING, link_same_dims, acts_on_params("dimensions"))
+# A sort permutes along its dimension by value: no dim of the result is an input dim.
+PRIMS["sort"] = PrimFacts(Family.INDEXING, None, acts_on_param("dimension"))
+
+for _name, _kind in {"pjit": CallKind.JIT, "jit": CallKind.JIT,
+                     "closed_call": CallKind.CALL, "core_call": CallKind.CALL,
+                     "remat2": CallKind.REMAT, "checkpoint": CallKind.REMAT,
+                     "custom_jvp_call": CallKind.CUSTOM_DERIVATIVE,
+                     "custom_vjp_call": CallKind.CUSTOM_DERIVATIVE,
+                     "custom_vjp_call_jaxpr": CallKind.CUSTOM_DERIVATIVE,
+                     "scan": CallKind.CONTROL_FLOW, "while": CallKind.CONTROL_FLOW,
+                     "cond": CallKind.CONTROL_FLOW}.items():
+    PRIMS[_name] = PrimFacts(Family.CALL, call=_kind)
+
+PRIMS[attention_p.name] = PrimFacts(Family.ATTENTION, link_attention)
+
+
+def facts(name: str) -> PrimFacts | None:
+    """The row of primitive ``name``, or None when the table does not know it."""
+    return PRIMS.get(name)
+
+
+def names_where(test: Callable[[PrimFacts], bool]) -> frozenset[str]:
+    """The names of the primitives whose row satisfies ``test``."""
+    return frozenset(name for name, row in PRIMS.items() if test(row))
+
+
+def names_of(*families: Family) -> frozenset[str]:
+    """The names of the primitives in ``families``."""
+    return names_where(lambda row: row.family in families)
+
+
+def moving(*kinds: Moves) -> frozenset[str]:
+    """The names of the value-preserving primitives that move their value as ``kinds``."""
+    return names_where(lambda row: row.moves in kinds)
+
+
+def calls(*kinds: CallKind) -> frozenset[str]:
+    """The names of the call-like primitives of ``kinds``."""
+    return names_where(lambda row: row.call in kinds)
+
+
+def seq_links(eqn) -> list[Link]:
+    """The dim links of one equation (none for a primitive without a link rule)."""
+    row = PRIMS.get(eqn.primitive.name)
+    return row.seq_link(eqn) if row is not None and row.seq_link is not None else []
+
+
+def acting_dims(eqn) -> set[int] | None:
+    """Input dims along which an op indexes (``None``: unknown, assume all).
+
+    A slice of the features or a concatenate of heads is order-free along the sequence even
+    though ``slice``/``concatenate`` are positional in general.
+    """
+    row = PRIMS.get(eqn.primitive.name)
+    return row.acts_on(eqn) if row is not None and row.acts_on is not None else None

@@ -1,0 +1,98 @@
+"""``match-attention``: replace each attention subgraph with one ``attention_p`` equation.
+
+Matching is anchored on the softmax core, the part every spelling shares:
+``e = exp(x - c)`` with ``c`` constant along one axis, ``sum(e, axis)``, and the division,
+either of ``e`` (``p = e / sum``, then ``p @ v``) or of the value product
+(``(e @ v) / sum``). From there it walks
+
+* back from ``x`` through elementwise and layout equations to the ``q·k`` ``dot_general``
+  (the *logits chain*), reading each step as a scale, a soft-cap ``m·tanh(s·x)``, an
+  additive bias, or a mask (``where``/``select_n`` with a fill value, a multiply by a 0/1
+  mask, an additive mask). Masked entries are then simulated on a few sample values: the
+  result must not depend on the scores, and must be ``-inf`` everywhere
+  (``empty_rows="zero"``) or one finite very negative value everywhere
+  (``empty_rows="uniform"``: a fully masked row averages V, as the original does);
+* forward from the probabilities to the ``p·v`` ``dot_general``, through casts and
+  transposes only, with no other reader of the probabilities.
+
+Dims are tracked by *labels* (the dims of the ``q·k`` product: shared batch dims, the
+query's free dims, the key position), so any layout (BTHD, BHTD, no batch, heads under
+``vmap``, GQA as a reshape of q or a ``repeat`` of K/V) maps onto the spec without
+guessing. Masks are classified by :mod:`cptransform.analysis.mask_analysis`; analytic parts become
+``MaskSpec`` fields and their iota/compare subgraphs die, the rest becomes the ``mask``
+operand. Anything that does not fit is left alone and reported with its reason.
+
+The modules, in the order a match uses them: ``anchor`` (the softmax core), ``chain``
+(the logits chain, a table of readers keyed by primitive), ``qk_product``,
+``value_product``, ``logits`` (visible form and empty rows), ``candidate`` (the frozen
+record of a match and its spec), ``emit`` (the replacement), ``matcher`` (one jaxpr),
+``stats`` (refusals and per-rule counts), ``walk`` (use-def helpers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cptransform.analysis.match_report import MatchReport
+from cptransform.ir import compat
+from cptransform.ir.errors import MatchAttentionError
+from cptransform.ir.facts import Fact
+from cptransform.ir.graph import Graph
+from cptransform.ir.module import Module
+from cptransform.ir.pipeline import Pass, PassResult
+from cptransform.ir.rewrite import Rewriter
+from cptransform.passes.match_attention.matcher import Matcher
+from cptransform.passes.match_attention.stats import RuleStats
+
+
+def _closed_jaxprs(closed: Any, depth: int = 0, out: dict | None = None) -> dict:
+    """``id(open jaxpr) -> (closed or open jaxpr, nesting depth)`` for every (sub-)jaxpr."""
+    out = {} if out is None else out
+    out[id(compat.open_jaxpr(closed))] = (closed, depth)
+    for eqn in compat.open_jaxpr(closed).eqns:
+        for _, sub in compat.eqn_subjaxprs(eqn):
+            _closed_jaxprs(sub, depth + 1, out)
+    return out
+
+
+@dataclass(frozen=True)
+class MatchAttention(Pass):
+    """Replace every attention subgraph with one ``attention_p`` (run after canonicalize).
+
+    ``strict``: raise when a softmax between a q·k and a p·v product cannot be rewritten,
+    instead of leaving it and reporting why.
+    """
+
+    name = "match-attention"
+    summary = "find softmax(q·k)·v subgraphs (any spelling) and replace them with attention_p"
+    ensures = (Fact.MATCHES,)
+
+    strict: bool = False
+
+    def run(self, module: Module) -> PassResult:
+        stats = RuleStats()
+        reports: list[MatchReport] = []
+        refusals: list[tuple[MatchReport, bool]] = []
+        known = _closed_jaxprs(module.jaxpr)
+
+        def plan(jaxpr):
+            closed, depth = known.get(id(jaxpr), (jaxpr, 0))
+            matcher = Matcher(Graph(closed), stats, depth)
+            reps, found = matcher.run()
+            reports.extend(found)
+            refusals.extend(matcher.refusals)
+            return reps
+
+        new = Rewriter(plan=plan).run(module.jaxpr)
+        if self.strict:
+            bad = [r for r, attention_like in refusals if attention_like]
+            if bad:
+                raise MatchAttentionError(
+                    "match-attention{strict=true}: attention not rewritten:\n  " +
+                    "\n  ".join(map(str, bad)) +
+                    "\nRewrite it with cptransform.attention(...), or drop strict to leave it.")
+        hits = sum(r.rewritten for r in reports)
+        log = tuple(str(r) for r in reports)
+        return PassResult(module.with_jaxpr(new if hits else module.jaxpr,
+                                            matches=tuple(reports), match_stats=stats.table),
+                          bool(hits), log)

@@ -1,0 +1,74 @@
+"""The softmax core every attention spelling shares: ``exp(x - c)``, its row sum, and the
+check that a divisor is that row sum."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cptransform.analysis.primitives import Moves, moving
+from cptransform.ir import compat
+from cptransform.ir.graph import Graph
+from cptransform.ir.patterns import Pat, look_through, one_of
+from cptransform.passes.match_attention.stats import NotAttention
+from cptransform.passes.match_attention.walk import WRAPPERS, follow_back
+
+_PERMUTES = moving(Moves.PERMUTE)
+_ROW_MAX = one_of(
+    Pat("max", (Pat.scalar(where=lambda v: v == -np.inf), Pat("reduce_max", name="row_max")),
+        commutative=True),
+    Pat("reduce_max", name="row_max"))
+#: ``exp(x - c)`` with ``c`` a (stop-gradient, broadcast) row max, or ``exp(x)``.
+SOFTMAX_EXP = one_of(
+    Pat("exp", (Pat("sub", (Pat.any("logits"), _ROW_MAX.through(WRAPPERS | _PERMUTES))),),
+        name="exp"),
+    Pat("exp", (Pat.any("logits"),), name="exp"))
+
+
+@dataclass(frozen=True)
+class Softmax:
+    """A matched softmax core: ``e = exp(logits - c)`` summed over ``axis`` into ``sum``.
+
+    ``e`` is the value summed (the exponentials, possibly cast).
+    """
+
+    exp_eqn: Any
+    logits: Any
+    e: Any
+    axis: int
+    sum: Any
+    sum_eqn: Any
+
+
+def find_softmax(graph: Graph, sum_eqn: Any) -> Softmax:
+    """The softmax core whose row sum is ``sum_eqn`` (a ``reduce_sum``), or NotAttention."""
+    axes = tuple(int(a) for a in sum_eqn.params["axes"])
+    if len(axes) != 1:
+        raise NotAttention("sum over several axes")
+    e = look_through(graph, sum_eqn.invars[0], moving(Moves.CAST))
+    caps = SOFTMAX_EXP.match(graph, e)
+    if caps is None:
+        raise NotAttention("not a sum of exponentials")
+    x = caps["logits"]
+    if "row_max" in caps:
+        # Any stabiliser constant along the softmax axis leaves softmax unchanged.
+        sub = graph.producer(caps["exp.eqn"].invars[0])
+        nd = len(compat.aval_of(x).shape)
+        dims = follow_back(graph, sub.invars[1], tuple(range(nd)), caps["row_max"],
+                           WRAPPERS | _PERMUTES | {"max"})
+        if dims is None or axes[0] in dims:
+            raise NotAttention("the subtracted row maximum is not constant along the "
+                               "softmax axis")
+    return Softmax(caps["exp.eqn"], x, e, axes[0], sum_eqn.outvars[0], sum_eqn)
+
+
+def is_normalizer(graph: Graph, atom: Any, softmax: Softmax, dims: tuple) -> bool:
+    """Whether ``atom`` is the row sum broadcast back onto values labelled ``dims``."""
+    nd = len(compat.aval_of(softmax.e).shape)
+    want = tuple(d for d in range(nd) if d != softmax.axis)
+    got = follow_back(graph, atom, dims, softmax.sum)
+    if got is None or len(got) != len(want):
+        return False
+    sum_shape = compat.aval_of(softmax.sum).shape
+    return all(a == b or (a is None and n == 1) for a, b, n in zip(got, want, sum_shape))

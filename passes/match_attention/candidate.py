@@ -1,0 +1,209 @@
+"""One matched attention as a frozen record, and its ``AttentionSpec``.
+
+A :class:`Candidate` is built from the two products once both are read: who q, k and v
+are (after stripping scalar scales and a ``repeat`` of KV heads), every operand dim by
+label, the visible form of the logits (scale, soft-cap, biases), how masked rows end up,
+and the mask parts. :mod:`~cptransform.passes.match_attention.emit` turns it into the
+replacement equation.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cptransform.analysis.mask_parts import MaskParts, classify
+from cptransform.analysis.mask_values import And
+from cptransform.ir import compat
+from cptransform.ir.graph import Graph
+from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.passes.match_attention.logits import empty_rows, visible_form
+from cptransform.passes.match_attention.qk_product import QKProduct
+from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
+from cptransform.passes.match_attention.value_product import ValueProduct
+from cptransform.passes.match_attention.walk import strip_scale, unrepeat
+
+#: Labels of the feature dims of q, k and v (the q·k dims are labelled by integers).
+Q_FEATURE, K_FEATURE, V_FEATURE = "qd", "kd", "dv"
+
+
+@dataclass(frozen=True)
+class Operand:
+    """An operand of the attention and the label of each of its dims (None: size 1)."""
+
+    atom: Any
+    labels: tuple
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """What one match found, every dim named by its label.
+
+    ``root``/``out``: the equation replaced and its output; ``batch``: batch labels, in
+    order; ``q_seq``/``kv_seq``: the sequence labels; ``kv_head``: the KV-heads label (None
+    for a single KV head); ``group``: query-only head labels; ``out_labels``: the labels of
+    ``out``'s dims, in order; ``biases``: ``(operand, coefficient)`` pairs; ``band``:
+    bounds on ``kv - q`` (or None); ``segments``: ``(q ids, kv ids)`` or ``()``;
+    ``q_pads``/``kv_pads``: keep-masks of one sequence only, folded into segment ids;
+    ``dense``: the rest of the mask, as data; ``mask_kinds``: the parts found, for reports.
+    """
+
+    root: Any
+    out: Any
+    q: Operand
+    k: Operand
+    v: Operand
+    batch: tuple
+    q_seq: Any
+    kv_seq: Any
+    kv_head: Any
+    group: tuple
+    sizes: dict
+    out_labels: tuple
+    scale: float
+    softcap: float | None
+    biases: tuple
+    empty_rows: str
+    band: tuple | None
+    segments: tuple
+    q_pads: tuple
+    kv_pads: tuple
+    dense: tuple
+    groups: int
+    mask_kinds: tuple
+
+    @property
+    def heads(self) -> tuple:
+        """The query-heads labels, merged in this order: KV heads, then groups."""
+        return ((self.kv_head,) if self.kv_head is not None else ()) + self.group
+
+    @property
+    def kinds(self) -> tuple:
+        """The mask parts for the match report."""
+        return tuple(k for k in self.mask_kinds if k != "dense" or self.dense) \
+            + (("padding",) if self.q_pads or self.kv_pads else ()) \
+            + (("bias",) if self.biases else ())
+
+    def spec(self) -> AttentionSpec:
+        """The spec of the ``attention_p`` equation: operands as ``(*batch, T, H, D)``."""
+        nbl = len(self.batch)
+        canonical = Layout(tuple(range(nbl)), nbl, nbl + 1, nbl + 2)
+        mqa = Layout(tuple(range(nbl)), nbl, None, nbl + 1)
+        k_layout = canonical if self.kv_head is not None else mqa
+        band = self.band
+        mask = MaskSpec(
+            causal=band is not None and band[1] is not None,
+            causal_offset=band[1] if band is not None and band[1] is not None else 0,
+            window=(-band[0], None) if band is not None and band[0] is not None else None,
+            segments=bool(self.segments) or bool(self.q_pads or self.kv_pads),
+            dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows)
+        return AttentionSpec(q=canonical, k=k_layout, v=k_layout, scale=float(self.scale),
+                             softcap=self.softcap, groups=self.groups, mask=mask)
+
+
+def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
+                    stats: RuleStats) -> Candidate:
+    """Put the two products together (or refuse, with the first reason found)."""
+    p_dims = tuple(None if d is None else qk.labels[d] for d in pv.p_dims)
+    shared = list(range(qk.n_batch))
+    # The kv-heads dim: the last shared dim in K's order that is not K's leading dim
+    # (by convention the batch); others are batch. Any choice is exact.
+    cand = [lab for lab in shared if qk.k_dims[lab] != 0]
+    kv_head = max(cand, key=lambda lab: qk.k_dims[lab]) if cand else None
+    batch = [lab for lab in shared if lab != kv_head]
+
+    q_in, q_scale = strip_scale(graph, qk.q)
+    k_in, k_scale = strip_scale(graph, qk.k)
+    scale, softcap, biases = visible_form(qk.steps, q_scale * k_scale)
+    rows, preds = empty_rows(qk.steps)
+    parts = _mask_parts(qk, preds, batch, stats)
+    q_seq = parts.q_dim
+    if q_seq is None:
+        same = [lab for lab in qk.q_free if qk.sizes[lab] == qk.sizes[qk.kv]]
+        q_seq = (same or qk.q_free)[0]
+    group = tuple(lab for lab in qk.q_free if lab != q_seq)
+    heads = ((kv_head,) if kv_head is not None else ()) + group
+
+    v_in, v_dims, v_feature, dv = _value_operand(pv, p_dims, shared, qk)
+    sizes = {**qk.sizes, V_FEATURE: dv}
+    if kv_head is not None and not group:
+        rk = unrepeat(graph, k_in, qk.k_dims[kv_head])
+        rv = unrepeat(graph, v_in, v_dims[kv_head])
+        if rk is not None and rv is not None and rk[1] == rv[1]:
+            k_in, v_in = rk[0], rv[0]
+    hq = int(np.prod([sizes[lab] for lab in heads]))
+    hk = 1 if kv_head is None else compat.aval_of(k_in).shape[qk.k_dims[kv_head]]
+    if hq % hk:
+        raise NotAttention(f"{hq} query heads over {hk} KV heads")
+
+    out_labels = _out_labels(pv, p_dims)
+    if sorted(map(str, out_labels)) != sorted(map(str, [*batch, q_seq, *heads, V_FEATURE])):
+        raise NotAttention("the output dims do not line up with q's dims")
+
+    # Padding masks (a query-only or key-only predicate, e.g. ``tokens != pad``) need no
+    # S×S operand: they are folded into segment ids (see ``emit.padding_ids``).
+    q_pads = tuple(d for d in parts.dense if _only_on(d, batch, q_seq))
+    kv_pads = tuple(d for d in parts.dense if d not in q_pads and _only_on(d, batch, qk.kv))
+    dense = tuple(d for d in parts.dense if d not in q_pads and d not in kv_pads)
+    return Candidate(
+        root=pv.root, out=pv.out,
+        q=Operand(q_in, _labels_of(qk.q_dims, qk.q_contract, Q_FEATURE, q_in)),
+        k=Operand(k_in, _labels_of(qk.k_dims, qk.k_contract, K_FEATURE, k_in)),
+        v=Operand(v_in, _labels_of(v_dims, v_feature, V_FEATURE, v_in)),
+        batch=tuple(batch), q_seq=q_seq, kv_seq=qk.kv, kv_head=kv_head, group=group,
+        sizes=sizes, out_labels=out_labels, scale=scale, softcap=softcap,
+        biases=tuple(biases), empty_rows=rows, band=parts.band,
+        segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
+        groups=hq // hk, mask_kinds=parts.kinds)
+
+
+def _mask_parts(qk: QKProduct, preds: list, batch: list, stats: RuleStats) -> MaskParts:
+    """The conjunction of the chain's visibility predicates, split into MaskSpec parts."""
+    with stats.attempt(Rule.MASK):
+        parts = classify(And(tuple(preds)), qk.q_free, qk.kv, lambda lab: qk.sizes[lab],
+                         qk.sizes[qk.kv], batch)
+        if any(d.source is None for d in parts.dense):
+            raise NotAttention("a mask part cannot be passed as a dense mask (a negated "
+                               "segment comparison, or a mask hiding everything)")
+    return parts
+
+
+def _value_operand(pv: ValueProduct, p_dims: tuple, shared: list, qk: QKProduct):
+    """``(v, label -> v dim, v's feature dim, its size)``, checking the product contracts
+    the softmax axis and shares the q·k product's batch dims."""
+    pc, pb, vc, vb = pv.dims()
+    if len(pc) != 1 or p_dims[pc[0]] != qk.kv:
+        raise NotAttention("the value product does not contract the softmax axis")
+    if sorted(p_dims[i] for i in pb) != sorted(shared):
+        raise NotAttention("the value product's batch dims differ from the q·k product's")
+    v_shape = compat.aval_of(pv.v).shape
+    v_free = [d for d in range(len(v_shape)) if d not in vc and d not in vb]
+    if len(v_free) != 1 or v_shape[vc[0]] != qk.sizes[qk.kv]:
+        raise NotAttention("V must have one feature dim and K's sequence length")
+    v_dims = {p_dims[i]: vb[j] for j, i in enumerate(pb)}
+    v_dims[qk.kv] = vc[0]
+    return pv.v, v_dims, v_free[0], v_shape[v_free[0]]
+
+
+def _out_labels(pv: ValueProduct, p_dims: tuple) -> tuple:
+    """The labels of the p·v output dims, in order."""
+    pc, pb, _, _ = pv.dims()
+    p_free = [p_dims[i] for i in range(len(p_dims)) if i not in pc and i not in pb]
+    batch = [p_dims[i] for i in pb]
+    return tuple(batch + (p_free + [V_FEATURE] if pv.p_is_lhs else [V_FEATURE] + p_free))
+
+
+def _only_on(part, batch: list, seq_label) -> bool:
+    """Whether a dense mask part varies only along batch dims and one sequence dim."""
+    used = {lab for lab in part.source.dims if lab is not None}
+    return seq_label in used and used <= set(batch) | {seq_label}
+
+
+def _labels_of(label_dim: dict, feature: int, feature_label: str, atom: Any) -> tuple:
+    """Per-dim labels of an operand from its label -> dim map and its feature dim."""
+    out: list = [None] * len(compat.aval_of(atom).shape)
+    for lab, d in label_dim.items():
+        out[d] = lab
+    out[feature] = feature_label
+    return tuple(out)

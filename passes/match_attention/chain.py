@@ -1,0 +1,240 @@
+"""The logits chain: from the ``q·k`` product to the softmax input, read as typed steps.
+
+The walk goes back from the softmax input through the primitives of :data:`CHAIN` to a
+``dot_general``, following at each equation the operand that comes from it (the *main*
+operand; the others are *sides*: a mask, a bias, a constant). Reading then goes forward:
+each primitive's reader turns one equation into steps (:class:`Step`: a scale, a soft-cap,
+a bias, a mask) and tracks which q·k dim each dim of the logits is (its *label*).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from cptransform.analysis.dim_rules import unit_reshape_dims
+from cptransform.analysis.mask_analysis import MaskAnalyzer
+from cptransform.analysis.mask_values import Indicator, Opaque, Pred, Scalar, p_not
+from cptransform.analysis.primitives import Family, names_of
+from cptransform.ir import compat
+from cptransform.ir.graph import Graph
+from cptransform.passes.match_attention.stats import NotAttention, RuleStats
+from cptransform.passes.match_attention.walk import scalar_value
+
+
+class StepKind(enum.Enum):
+    """What one chain equation does to the logits."""
+
+    SCALE = "scale"                # x * value
+    SHIFT = "shift"                # x + value
+    TANH = "tanh"                  # the inside of a soft-cap c·tanh(x / c)
+    BIAS = "bias"                  # x + value * side
+    MASK_REPLACE = "mask-replace"  # where(pred, x, value)
+    MASK_MUL = "mask-mul"          # where(pred, x, 0), as x * mask
+    MASK_BIAS = "mask-bias"        # where(pred, x, x + value), as x + additive mask
+    CAST = "cast"                  # a float cast
+    LAYOUT = "layout"              # a transpose or a size-1 reshape
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the logits chain, read forward from the q·k product.
+
+    ``value``: scale factor, shift, fill or bias sign; ``pred``: the visibility predicate
+    of a mask step; ``side``: the bias operand; ``labels``: the labels after a layout step.
+    """
+
+    kind: StepKind
+    value: float = 0.0
+    pred: Pred | None = None
+    side: Opaque | None = None
+    labels: tuple | None = None
+
+
+class ChainReader:
+    """Walks and reads logits chains of one graph (it caches which values reach a product)."""
+
+    def __init__(self, graph: Graph, masks: MaskAnalyzer, stats: RuleStats):
+        self.g = graph
+        self.masks = masks
+        self.stats = stats
+        self._reaches: dict = {}
+
+    def walk(self, x: Any) -> list:
+        """``[(qk, None), (eqn, main), ...]``: the q·k dot_general, then the chain equations
+        from it to the softmax input ``x`` with the index of their main operand."""
+        eqns = []
+        atom = x
+        while True:
+            eqn = self.g.producer(atom)
+            if eqn is None:
+                raise NotAttention("softmax input does not come from a q·k product")
+            if eqn.primitive.name == "dot_general":
+                break
+            if eqn.primitive.name not in CHAIN:
+                raise NotAttention(f"softmax input comes from {eqn.primitive.name}, not from a "
+                                   "q·k product")
+            out_shape = compat.aval_of(atom).shape
+            cands = [i for i, a in enumerate(eqn.invars) if not compat.is_literal(a)
+                     and compat.aval_of(a).dtype != np.bool_
+                     and (compat.aval_of(a).shape == out_shape
+                          or eqn.primitive.name not in _ELEMENTWISE)
+                     and self._reaches_dot(a)]
+            if eqn.primitive.name == "select_n":
+                cands = [i for i in cands if i > 0]
+            if not cands:
+                raise NotAttention("softmax input does not come from a q·k product")
+            eqns.append((eqn, cands[0]))
+            atom = eqn.invars[cands[0]]
+        eqns.reverse()
+        return [(self.g.producer(atom), None)] + eqns
+
+    def read(self, chain: list, labels: tuple) -> tuple[list[Step], tuple]:
+        """The steps of a walked chain (q·k output dims labelled ``labels``) and the labels
+        of the softmax input's dims."""
+        steps: list[Step] = []
+        for eqn, main in chain[1:]:
+            name = eqn.primitive.name
+            with self.stats.attempt(f"chain:{name}"):
+                read = CHAIN[name](self, eqn, main, labels)
+            for step in read:
+                if step.labels is not None:
+                    labels = step.labels
+            steps.extend(read)
+        return steps, labels
+
+    def _reaches_dot(self, atom: Any) -> bool:
+        """Whether ``atom`` comes from a dot_general through chain equations only."""
+        stack = [atom]
+        while stack:
+            a = stack.pop()
+            if compat.is_literal(a) or a in self._reaches:
+                continue
+            eqn = self.g.producer(a)
+            if eqn is None or (eqn.primitive.name != "dot_general"
+                               and eqn.primitive.name not in CHAIN):
+                self._reaches[a] = False
+                continue
+            if eqn.primitive.name == "dot_general":
+                self._reaches[a] = True
+                continue
+            pending = [x for x in eqn.invars if not compat.is_literal(x) and x not in self._reaches]
+            if pending:
+                stack.append(a)
+                stack.extend(pending)
+                continue
+            self._reaches[a] = any(self._reaches.get(x, False) for x in eqn.invars
+                                   if not compat.is_literal(x))
+        return self._reaches.get(atom, False)
+
+
+# -- the readers, one per primitive ----------------------------------------------------------
+
+Reader = Callable[[ChainReader, Any, int, tuple], list[Step]]
+
+
+def side_dims(atom: Any, labels: tuple) -> tuple:
+    """Labels of a side operand of an elementwise equation (same shape as the main one)."""
+    shape = compat.aval_of(atom).shape
+    if len(shape) == 0:
+        return ()
+    return tuple(lab if n != 1 else None for lab, n in zip(labels, shape))
+
+
+def _negate(pred: Pred, atom: Any, labels: tuple) -> Pred:
+    return p_not(pred, Opaque.of(atom, side_dims(atom, labels)))
+
+
+def _read_cast(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step]:
+    if not np.issubdtype(eqn.params.get("new_dtype", np.float32), np.floating):
+        raise NotAttention("logits are cast to a non-float type")
+    return [Step(StepKind.CAST)]
+
+
+def _read_transpose(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step]:
+    return [Step(StepKind.LAYOUT, labels=tuple(labels[i] for i in eqn.params["permutation"]))]
+
+
+def _read_reshape(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step]:
+    new = unit_reshape_dims(compat.aval_of(eqn.invars[main]).shape,
+                            compat.aval_of(eqn.outvars[0]).shape, labels, forward=True)
+    if new is None or {x for x in new if x is not None} != \
+            {x for x in labels if x is not None}:
+        raise NotAttention("the logits are reshaped (dims merged or split)")
+    return [Step(StepKind.LAYOUT, labels=new)]
+
+
+def _read_select(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step]:
+    if len(eqn.invars) != 3 or compat.aval_of(eqn.invars[0]).dtype != np.bool_:
+        raise NotAttention("logits selected by a non-boolean index")
+    fill = scalar_value(r.g, eqn.invars[3 - main])
+    if fill is None:
+        raise NotAttention("masked logits are replaced by a non-constant value")
+    which = eqn.invars[0]
+    pred = r.masks.predicate(which, side_dims(which, labels))
+    # select_n(pred, on_false, on_true): the logits stay where the index picks them.
+    visible = pred if main == 2 else _negate(pred, which, labels)
+    return [Step(StepKind.MASK_REPLACE, fill, visible)]
+
+
+def _read_arith(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step]:
+    """``mul``/``div``/``add``/``sub`` of the logits and a side: a constant (scale, shift),
+    a 0/1 mask (multiplied in, or an additive mask), or a bias."""
+    name = eqn.primitive.name
+    side = [a for i, a in enumerate(eqn.invars) if i != main][-1]
+    value = r.masks.analyze(side, side_dims(side, labels)) \
+        if not compat.is_literal(side) else Scalar(compat.literal_value(side))
+    if isinstance(value, Pred):
+        value = Indicator(value, 1, 0)
+    if isinstance(value, Scalar):
+        c = float(value.value)
+        if name == "mul":
+            return [Step(StepKind.SCALE, c)]
+        if name == "div" and main == 0 and c != 0:
+            return [Step(StepKind.SCALE, 1.0 / c)]
+        if name == "add":
+            return [Step(StepKind.SHIFT, c)]
+        if name == "sub":
+            if main == 0:
+                return [Step(StepKind.SHIFT, -c)]
+            return [Step(StepKind.SCALE, -1.0), Step(StepKind.SHIFT, c)]
+        raise NotAttention("logits divide a constant")
+    if name == "mul" and isinstance(value, Indicator) and \
+            (value.on_true, value.on_false) == (1, 0):
+        return [Step(StepKind.MASK_MUL, 0.0, value.pred)]
+    if name in ("add", "sub") and main == 0 or name == "add":
+        sign = -1.0 if name == "sub" else 1.0
+        if isinstance(value, Indicator):
+            t, f = float(value.on_true) * sign, float(value.on_false) * sign
+            if t == 0:
+                return [Step(StepKind.MASK_BIAS, f, value.pred)]
+            if f == 0:
+                return [Step(StepKind.MASK_BIAS, t, _negate(value.pred, side, labels))]
+            raise NotAttention("an additive 0/1-style term with no zero side")
+        if isinstance(value, Opaque) and value.var is side:
+            return [Step(StepKind.BIAS, sign, side=value)]
+        return [Step(StepKind.BIAS, sign, side=Opaque.of(side, side_dims(side, labels)))]
+    raise NotAttention(f"logits go through {name} with a non-constant operand")
+
+
+#: The primitives a logits chain may go through, and how each one is read.
+CHAIN: dict[str, Reader] = {
+    "convert_element_type": _read_cast,                         # logits.astype(f32)
+    "copy": _read_cast,
+    "copy_p": _read_cast,
+    "transpose": _read_transpose,                               # head/seq permutations
+    "reshape": _read_reshape,                                   # size-1 dims only
+    "squeeze": _read_reshape,
+    "neg": lambda r, e, main, labels: [Step(StepKind.SCALE, -1.0)],   # -x
+    "tanh": lambda r, e, main, labels: [Step(StepKind.TANH)],         # c * tanh(x / c)
+    "select_n": _read_select,                                   # where(mask, x, fill)
+    "mul": _read_arith,                                         # scale, 0/1 mask
+    "div": _read_arith,                                         # x / sqrt(d)
+    "add": _read_arith,                                         # bias, additive mask
+    "sub": _read_arith,
+}
+
+#: The main operand of an elementwise equation has the logits' shape (a side may not).
+_ELEMENTWISE = names_of(Family.ELEMENTWISE)

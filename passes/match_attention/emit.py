@@ -1,0 +1,147 @@
+"""From a :class:`Candidate` to the equations that replace the attention subgraph.
+
+The replacement runs while the program is re-traced: it arranges q, k, v (and segment ids,
+padding, the dense mask and biases) into the spec's ``(*batch, T, H, D)`` layout, binds
+``attention_p``, and arranges the result back into the layout of the output it replaces.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from cptransform.ir import compat
+from cptransform.ir.rewrite import Replacement
+from cptransform.op.attention import attention_p
+from cptransform.op.attention_spec import AttentionSpec
+from cptransform.passes.match_attention.candidate import (K_FEATURE, Q_FEATURE, V_FEATURE,
+                                                          Candidate)
+
+
+def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
+    """The rewrite of ``c.root``: one ``attention_p`` with ``spec`` and the arranging around
+    it. Its inputs are q, k, v, then the segment ids, the padding and dense mask parts and
+    the biases, in that order."""
+    sizes, nbl = c.sizes, len(c.batch)
+    batch, heads = list(c.batch), c.heads
+    q_target = [*batch, c.q_seq, heads, Q_FEATURE]
+    kv_heads = () if c.kv_head is None else (c.kv_head,)
+    k_target = [*batch, c.kv_seq, *kv_heads, K_FEATURE]
+    v_target = [*batch, c.kv_seq, *kv_heads, V_FEATURE]
+    out_target = [*batch, c.q_seq, *heads, V_FEATURE]
+    pair_target = [*batch, heads, c.q_seq, c.kv_seq]
+    full = (c.q_seq, c.kv_seq)
+    q_seq_target, kv_seq_target = [*batch, c.q_seq], [*batch, c.kv_seq]
+    out_dtype = compat.aval_of(c.out).dtype
+    n_seg, n_dense = len(c.segments), len(c.dense)
+    n_qpad, n_kvpad = len(c.q_pads), len(c.kv_pads)
+
+    def build(q, k, v, *side_values):
+        operands = [arrange(q, c.q.labels, q_target, sizes),
+                    arrange(k, c.k.labels, k_target, sizes),
+                    arrange(v, c.v.labels, v_target, sizes)]
+        vals = list(side_values)
+        ids = [None, None]
+        if n_seg:
+            ids = [arrange(vals[0], c.segments[0].dims, q_seq_target, sizes, (c.q_seq,)),
+                   arrange(vals[1], c.segments[1].dims, kv_seq_target, sizes, (c.kv_seq,))]
+        vals = vals[n_seg:]
+        if n_qpad or n_kvpad:
+            q_ok = _all_of(c.q_pads, vals[:n_qpad], q_seq_target, sizes, (c.q_seq,))
+            kv_ok = _all_of(c.kv_pads, vals[n_qpad:n_qpad + n_kvpad], kv_seq_target, sizes,
+                            (c.kv_seq,))
+            ids = padding_ids(ids, q_ok, kv_ok, nbl, sizes[c.q_seq], sizes[c.kv_seq])
+        vals = vals[n_qpad + n_kvpad:]
+        if ids[0] is not None:
+            operands += ids
+        if n_dense:
+            operands.append(_all_of(c.dense, vals[:n_dense], pair_target, sizes, full))
+        vals = vals[n_dense:]
+        if c.biases:
+            total = None
+            for (b, coef), val in zip(c.biases, vals):
+                term = arrange(lax.convert_element_type(val, jnp.float32), b.dims, pair_target,
+                               sizes, full)
+                term = lax.mul(term, jnp.float32(coef)) if coef != 1 else term
+                total = term if total is None else lax.add(total, term)
+            operands.append(total)
+        out = attention_p.bind(*operands, spec=spec)
+        split = out.shape[:nbl + 1] + tuple(sizes[lab] for lab in heads) + out.shape[-1:]
+        if split != out.shape:
+            out = lax.reshape(out, split)
+        out = arrange(out, out_target, c.out_labels, sizes)
+        if out.dtype != out_dtype:
+            out = lax.convert_element_type(out, out_dtype)
+        return [out]
+
+    sides = [s.var for s in c.segments]
+    sides += [d.source.var for d in c.q_pads + c.kv_pads + c.dense]
+    sides += [b.var for b, _ in c.biases]
+    return Replacement(c.root, (c.q.atom, c.k.atom, c.v.atom, *sides), build)
+
+
+def _all_of(parts, values, target, sizes, full):
+    """The conjunction of dense mask parts, each arranged to ``target`` (boolean)."""
+    mask = None
+    for d, val in zip(parts, values):
+        val = val if val.dtype == jnp.bool_ else lax.ne(val, jnp.zeros((), val.dtype))
+        val = lax.bitwise_not(val) if d.negated else val
+        val = arrange(val, d.source.dims, target, sizes, full)
+        mask = val if mask is None else lax.bitwise_and(mask, val)
+    return mask
+
+
+def padding_ids(ids, q_ok, kv_ok, lead: int, q_len: int, kv_len: int):
+    """Segment ids that also encode query/key padding: ``q == kv`` iff the segments are
+    equal and both tokens are kept.
+
+    ``ids``: the ``[q_ids, kv_ids]`` found (or ``None``s), ``q_ok``/``kv_ok``: boolean
+    ``(*batch|1, T)`` keep-masks (or ``None``), ``lead``: the number of batch dims. Kept
+    tokens get even ids (``2·segment``, or 0 without segments); a dropped query gets 1 and
+    a dropped key 3, which equal nothing on the other side.
+    """
+    def encode(base, ok, dropped, length):
+        base = jnp.zeros((1,) * lead + (length,), jnp.int32) if base is None \
+            else lax.mul(lax.convert_element_type(base, jnp.int32), jnp.int32(2))
+        if ok is None:
+            return base
+        shape = jnp.broadcast_shapes(base.shape, ok.shape)
+        return lax.select(jnp.broadcast_to(ok, shape), jnp.broadcast_to(base, shape),
+                          lax.full(shape, dropped, jnp.int32))
+
+    return [encode(ids[0], q_ok, 1, q_len), encode(ids[1], kv_ok, 3, kv_len)]
+
+
+def arrange(x, dims: Sequence, target: Sequence, sizes: dict, full: Sequence = ()):
+    """Rearrange ``x`` (dims labelled ``dims``; None = size 1) to ``target``.
+
+    ``target`` entries are labels or tuples of labels merged into one dim (in that order);
+    labels absent from ``x`` become size 1, except those in ``full`` (broadcast to size).
+    Emits only the reshapes/transposes/broadcasts that change something (``lax``, not
+    ``jnp``: this runs once per attention while re-tracing).
+    """
+    keep = [i for i, d in enumerate(dims) if d is not None and x.shape[i] != 1]
+    labs = [dims[i] for i in keep]
+    flat = [lab for t in target for lab in (t if isinstance(t, tuple) else (t,))]
+    if keep != list(range(x.ndim)):
+        x = lax.reshape(x, tuple(x.shape[i] for i in keep))
+    perm = [labs.index(lab) for lab in flat if lab in labs]
+    if perm != sorted(perm):
+        x = lax.transpose(x, perm)
+    labs = [labs[i] for i in perm]
+    want, merged = [], []
+    for t in target:
+        group = t if isinstance(t, tuple) else (t,)
+        have = [x.shape[labs.index(lab)] if lab in labs else 1 for lab in group]
+        grow = any(lab in full for lab in group) or (len(group) > 1 and any(n != 1 for n in have))
+        sub = [sizes[lab] if grow else n for lab, n in zip(group, have)]
+        want.extend(sub)
+        merged.append(int(np.prod(sub)))
+    placed = [flat.index(lab) for lab in labs]
+    if tuple(want) != x.shape or placed != list(range(len(flat))):
+        x = lax.broadcast_in_dim(x, tuple(want), tuple(placed))
+    if tuple(merged) != x.shape:
+        x = lax.reshape(x, tuple(merged))
+    return x

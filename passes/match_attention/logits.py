@@ -1,0 +1,107 @@
+"""What a read logits chain does: to the visible logits (scale, soft-cap, biases), and to
+the masked ones (how empty rows end up).
+
+Assumption for finite fills (``-1e9``, ``finfo.min``, ...): a fill ``f <= -1e4`` only
+counts as a mask when the visible logits stay far above it (``exp(f - max)`` underflows
+to 0), which holds for any real model.
+"""
+from __future__ import annotations
+
+import math
+from itertools import combinations
+from typing import Callable, Sequence
+
+import numpy as np
+
+from cptransform.analysis.mask_values import Pred
+from cptransform.passes.match_attention.chain import Step, StepKind
+from cptransform.passes.match_attention.stats import NotAttention
+
+#: The finite fill at or below which a masked logit counts as masked.
+FINITE_FILL_LIMIT = -1e4
+
+
+def visible_form(steps: Sequence[Step], scale: float):
+    """``(scale, softcap, biases)`` of the logits where no mask hides them."""
+    inner = None  # (scale inside tanh, multiplier outside) once a tanh was seen
+    biases: list = []
+    for st in steps:
+        if st.kind is StepKind.SCALE:
+            if inner is not None:
+                inner = (inner[0], inner[1] * st.value)
+            else:
+                scale *= st.value
+            biases = [(side, coef * st.value) for side, coef in biases]
+        elif st.kind is StepKind.TANH:
+            if inner is not None or biases:
+                raise NotAttention("tanh of logits that already carry a bias or soft-cap")
+            inner = (scale, 1.0)
+        elif st.kind is StepKind.BIAS:
+            biases.append((st.side, st.value))
+    softcap = None
+    if inner is not None:
+        s, m = inner
+        if m == 0:
+            raise NotAttention("soft-capped logits multiplied by zero")
+        scale, softcap = s * m, abs(m)
+    return scale, softcap, biases
+
+
+_SAMPLES = (-2.5, 0.75, 3.0)
+_BIAS_SAMPLES = (-1.25, 2.0)
+_f32 = np.float32
+
+#: ``effect(v, step, bias sample, masked)``: a step's effect on one float32 logit.
+_EFFECT: dict[StepKind, Callable] = {
+    StepKind.SCALE: lambda v, st, b, masked: _f32(v * _f32(st.value)),
+    StepKind.SHIFT: lambda v, st, b, masked: _f32(v + _f32(st.value)),
+    StepKind.TANH: lambda v, st, b, masked: _f32(np.tanh(v)),
+    StepKind.BIAS: lambda v, st, b, masked: _f32(v + _f32(st.value) * _f32(b)),
+    StepKind.MASK_REPLACE: lambda v, st, b, masked: _f32(st.value) if masked else v,
+    StepKind.MASK_MUL: lambda v, st, b, masked: _f32(v * _f32(0)) if masked else v,
+    StepKind.MASK_BIAS: lambda v, st, b, masked: _f32(v + _f32(st.value)) if masked else v,
+    StepKind.CAST: lambda v, st, b, masked: v,
+    StepKind.LAYOUT: lambda v, st, b, masked: v,
+}
+
+
+def empty_rows(steps: Sequence[Step]) -> tuple[str, list[Pred]]:
+    """How masked logits end up, and the distinct visibility predicates.
+
+    Each subset of mask predicates that hides an entry is simulated on sample scores and
+    biases (float32, as the program computes): the hidden value must not depend on them,
+    and must be ``-inf`` for every subset or one finite value ``<= FINITE_FILL_LIMIT``.
+    """
+    preds: list[Pred] = []
+    for st in steps:
+        if st.pred is not None and st.pred not in preds:
+            preds.append(st.pred)
+    if not preds:
+        return "zero", preds
+    if len(preds) > 6:
+        raise NotAttention("more than six distinct masks on the logits")
+    hidden_values = set()
+    for r in range(1, len(preds) + 1):
+        for hidden in combinations(range(len(preds)), r):
+            outs = set()
+            for x in _SAMPLES:
+                for b in _BIAS_SAMPLES:
+                    v = _f32(x)
+                    with np.errstate(all="ignore"):
+                        for st in steps:
+                            masked = st.pred is not None and preds.index(st.pred) in hidden
+                            v = _EFFECT[st.kind](v, st, b, masked)
+                    outs.add(float(v) if not np.isnan(v) else "nan")
+            if len(outs) != 1 or "nan" in outs:
+                raise NotAttention("masked logits still depend on the scores or bias "
+                                   "(mask applied before a soft-cap or bias?)")
+            hidden_values |= outs
+    if hidden_values == {-math.inf}:
+        return "zero", preds
+    if len(hidden_values) == 1:
+        (fill,) = hidden_values
+        if fill <= FINITE_FILL_LIMIT:
+            return "uniform", preds
+        raise NotAttention(f"masked logits become {fill:g}, too large to hide them")
+    raise NotAttention("masked logits take different values depending on which mask hides "
+                       f"them ({', '.join(sorted(f'{v:g}' for v in hidden_values))})")

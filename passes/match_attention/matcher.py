@@ -1,0 +1,84 @@
+"""The matcher of one (sub-)jaxpr: each softmax core, then the two products around it."""
+from __future__ import annotations
+
+from cptransform.analysis.mask_analysis import MaskAnalyzer
+from cptransform.analysis.match_report import MatchReport
+from cptransform.ir import compat
+from cptransform.ir.graph import Graph
+from cptransform.ir.rewrite import Replacement
+from cptransform.passes.match_attention.anchor import Softmax, find_softmax, is_normalizer
+from cptransform.passes.match_attention.candidate import Candidate, build_candidate
+from cptransform.passes.match_attention.chain import ChainReader
+from cptransform.passes.match_attention.emit import replacement
+from cptransform.passes.match_attention.qk_product import read_qk_product
+from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
+from cptransform.passes.match_attention.value_product import deferred, normalized
+from cptransform.passes.match_attention.walk import only_feeds
+
+
+class Matcher:
+    """Finds the attentions of one (sub-)jaxpr at nesting ``depth``."""
+
+    def __init__(self, graph: Graph, stats: RuleStats, depth: int):
+        self.g = graph
+        self.stats = stats
+        self.depth = depth
+        self.chains = ChainReader(graph, MaskAnalyzer(graph), stats)
+        #: ``(report, attention_like)`` for every refusal.
+        self.refusals: list[tuple[MatchReport, bool]] = []
+
+    def run(self) -> tuple[list[Replacement], list[MatchReport]]:
+        """The replacements to apply and a report per softmax core found."""
+        reps, reports = [], []
+        for eqn in self.g.jaxpr.eqns:
+            if eqn.primitive.name != "reduce_sum":
+                continue
+            try:
+                with self.stats.attempt(Rule.SOFTMAX):
+                    softmax = find_softmax(self.g, eqn)
+            except NotAttention:
+                continue
+            src = compat.source_line(softmax.exp_eqn)
+            try:
+                candidate, rule = self._attention(softmax)
+            except NotAttention as e:
+                report = MatchReport(src, "refused", str(e), depth=self.depth, rule=e.rule)
+                reports.append(report)
+                self.refusals.append((report, e.attention_like))
+                continue
+            spec = candidate.spec()
+            reps.append(replacement(candidate, spec))
+            reports.append(MatchReport(src, "rewritten", "", spec,
+                                       " ".join(candidate.kinds) or "full", rule.value,
+                                       self.depth))
+        return reps, reports
+
+    def _attention(self, softmax: Softmax) -> tuple[Candidate, Rule]:
+        g = self.g
+        with self.stats.attempt(Rule.LOGITS_CHAIN):
+            chain = self.chains.walk(softmax.logits)
+        e, sum_eqn = softmax.e, softmax.sum_eqn
+        ident = tuple(range(len(compat.aval_of(e).shape)))
+        users = [u for u in g.users(e) if u is not sum_eqn]
+        if g.is_output(e) or len(users) != 1:
+            raise NotAttention("the exponentials are read elsewhere")
+        user = users[0]
+        if user.primitive.name == "div" and user.invars[0] is e and \
+                is_normalizer(g, user.invars[1], softmax, ident):
+            rule = Rule.NORMALIZED
+            with self.stats.attempt(rule):
+                if not only_feeds(g, softmax.sum, user):
+                    raise NotAttention("the softmax normaliser is read elsewhere")
+                product = normalized(g, user.outvars[0], ident)
+        else:
+            rule = Rule.DEFERRED
+            with self.stats.attempt(rule):
+                product = deferred(g, softmax, ident)
+        try:
+            with self.stats.attempt(Rule.VALUE_PRODUCT):
+                qk = read_qk_product(self.chains, chain, softmax.axis)
+                return build_candidate(g, qk, product, self.stats), rule
+        except NotAttention as err:
+            err.attention_like = True
+            err.rule = rule.value
+            raise

@@ -1,0 +1,118 @@
+"""Forward from the probabilities to the ``p·v`` product, and where the attention ends.
+
+The probabilities may only be cast, transposed or reshaped by size-1 dims on the way, and
+nothing else may read them. Where the normalisation is deferred (``(e @ v) / sum``), the
+division after the product is the attention's output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from cptransform.analysis.dim_rules import unit_reshape_dims
+from cptransform.analysis.primitives import Moves, moving
+from cptransform.ir import compat
+from cptransform.ir.graph import Graph
+from cptransform.passes.match_attention.anchor import Softmax, is_normalizer
+from cptransform.passes.match_attention.stats import NotAttention
+from cptransform.passes.match_attention.walk import UNIT_RESHAPES, single_user
+
+_CASTS = moving(Moves.CAST)
+_PERMUTES = moving(Moves.PERMUTE)
+
+
+@dataclass(frozen=True)
+class ValueProduct:
+    """The ``p·v`` dot_general of one attention and the output it produces.
+
+    ``p``: the probabilities operand of ``eqn``; ``p_dims``: which softmax-input dim each
+    of its dims is; ``root``: the equation the attention replaces (the product, or the
+    division after it); ``out``: that equation's output.
+    """
+
+    eqn: Any
+    p: Any
+    p_dims: tuple
+    root: Any
+    out: Any
+
+    @property
+    def p_is_lhs(self) -> bool:
+        return self.eqn.invars[0] is self.p
+
+    @property
+    def v(self) -> Any:
+        return self.eqn.invars[1 if self.p_is_lhs else 0]
+
+    def dims(self) -> tuple[tuple, tuple, tuple, tuple]:
+        """``(p contracting, p batch, v contracting, v batch)`` dims of the product."""
+        (lc, rc), (lb, rb) = self.eqn.params["dimension_numbers"]
+        return (lc, lb, rc, rb) if self.p_is_lhs else (rc, rb, lc, lb)
+
+
+def normalized(graph: Graph, probs: Any, dims: tuple) -> ValueProduct:
+    """``p = e / sum`` then ``p @ v``: the product is the root."""
+    pv, p_dims, p = _to_product(graph, probs, dims)
+    return ValueProduct(pv, p, p_dims, pv, pv.outvars[0])
+
+
+def deferred(graph: Graph, softmax: Softmax, dims: tuple) -> ValueProduct:
+    """``(e @ v) / sum``: the division after the value product is the root."""
+    pv, p_dims, p = _to_product(graph, softmax.e, dims, softmax.sum_eqn)
+    out = pv.outvars[0]
+    user = single_user(graph, out)
+    if user is None or user.primitive.name != "div" or user.invars[0] is not out:
+        raise NotAttention("the value product of unnormalised exponentials is not divided "
+                           "by the row sum")
+    product = ValueProduct(pv, p, p_dims, user, user.outvars[0])
+    if not is_normalizer(graph, user.invars[1], softmax, _out_dims(product)):
+        raise NotAttention("the value product is divided by something other than the "
+                           "row sum")
+    return product
+
+
+def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None):
+    """Follow the probabilities through casts/transposes to the p·v dot_general.
+
+    ``also_read_by``: an equation allowed to read ``p`` itself besides the path (the
+    row sum, when the normalisation comes after the value product).
+    """
+    while True:
+        users = [u for u in graph.users(p) if u is not also_read_by]
+        also_read_by = None
+        user = users[0] if len(users) == 1 and not graph.is_output(p) else None
+        if user is None:
+            err = NotAttention("the attention probabilities are also used elsewhere "
+                               "(returned weights, dropout, ...)")
+            err.attention_like = any(u.primitive.name == "dot_general"
+                                     for u in graph.users(p))
+            raise err
+        name = user.primitive.name
+        if name == "dot_general":
+            return user, dims, p
+        if name in _CASTS:
+            pass
+        elif name in _PERMUTES:
+            dims = tuple(dims[i] for i in user.params["permutation"])
+        elif name in UNIT_RESHAPES:
+            new = unit_reshape_dims(compat.aval_of(p).shape,
+                                    compat.aval_of(user.outvars[0]).shape, dims,
+                                    forward=True)
+            if new is None:
+                raise NotAttention("the probabilities are reshaped before the value product")
+            dims = new
+        else:
+            raise NotAttention(f"the probabilities go through {name} before the value "
+                               "product (dropout or another use), not plain attention")
+        p = user.outvars[0]
+
+
+def _out_dims(product: ValueProduct) -> tuple:
+    """Labels of the p·v output dims in terms of p's dims (v's own dims: None)."""
+    pc, pb, vc, vb = product.dims()
+    p_dims = product.p_dims
+    v_nd = len(compat.aval_of(product.v).shape)
+    p_free = [p_dims[i] for i in range(len(p_dims)) if i not in pc and i not in pb]
+    v_free = [None for i in range(v_nd) if i not in vc and i not in vb]
+    batch = [p_dims[i] for i in pb]
+    return tuple(batch + (p_free + v_free if product.p_is_lhs else v_free + p_free))
