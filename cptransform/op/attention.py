@@ -158,10 +158,10 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
     if layout is None:
         layout = {4: "BTHD", 3: "THD"}.get(jnp.ndim(q))
         if layout is None:
-            raise ValueError(f"q has {jnp.ndim(q)} dims; pass layout= (e.g. 'BTHD', 'BHTD')")
+            raise AttentionShapeError(f"q has {jnp.ndim(q)} dims; pass layout= (e.g. 'BTHD', 'BHTD')")
     lay = Layout.parse(layout)
     if lay.heads is None:
-        raise ValueError("attention() needs a heads dim in its layout (e.g. 'BTHD')")
+        raise AttentionShapeError("attention() needs a heads dim in its layout (e.g. 'BTHD')")
     nb = len(lay.batch)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[lay.feature])
@@ -170,7 +170,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
     def pair(x, what):
         if isinstance(x, (tuple, list)):
             if len(x) != 2:
-                raise ValueError(f"{what} must be an array or a (q, kv) pair")
+                raise AttentionShapeError(f"{what} must be an array or a (q, kv) pair")
             return list(x)
         return [x, x]
 
