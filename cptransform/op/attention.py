@@ -158,7 +158,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
     if layout is None:
         layout = {4: "BTHD", 3: "THD"}.get(jnp.ndim(q))
         if layout is None:
-            raise AttentionShapeError(f"q has {jnp.ndim(q)} dims; pass layout= (e.g. 'BTHD', 'BHTD')")
+            raise AttentionShapeError(
+                f"q has {jnp.ndim(q)} dims; pass layout= (e.g. 'BTHD', 'BHTD')")
     lay = Layout.parse(layout)
     if lay.heads is None:
         raise AttentionShapeError("attention() needs a heads dim in its layout (e.g. 'BTHD')")
