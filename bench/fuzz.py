@@ -1,0 +1,139 @@
+"""Differential fuzzer, the long run: N random programs around attention, each checked
+against the undecorated single-device program (loss and every gradient).
+
+    python -m bench.fuzz --cases 1000 --seed 0 --json bench/results/fuzz.json
+    python -m bench.fuzz --classes masked_rows,nan_weight --cases 40
+    python -m bench.fuzz --repro "FuzzCase(cls='mask_causal', seed=3, ...)"
+
+Classes are taken round-robin (every class gets about N / #classes cases), including the
+ones ``tests/fuzz_programs.KNOWN_BROKEN`` lists (the CI fuzzer skips those). Prints a table
+by class: cases, passed, refused (clearly), wrong numbers, crashed (unclear), and one
+reproduction line per failing class; ``--json`` gets every outcome, written after each case
+so a run stopped by ``--minutes`` keeps what it did.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+if os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_force_host_platform_device_count=8").strip()
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import fuzz_programs as fp  # noqa: E402
+
+STATUSES = ("passed", "refused", "wrong", "crashed")
+
+
+def summarize(records):
+    table = {}
+    for r in records:
+        row = table.setdefault(r["cls"], {"cases": 0, **{s: 0 for s in STATUSES},
+                                          "example": None, "known_broken": r["cls"] in
+                                          fp.KNOWN_BROKEN})
+        row["cases"] += 1
+        row[r["status"]] += 1
+        if r["status"] in ("wrong", "crashed") and row["example"] is None:
+            row["example"] = {"status": r["status"], "repro": r["repro"], "detail": r["detail"]}
+    return table
+
+
+def print_table(table, out=sys.stdout):
+    head = f"{'class':18s} {'cases':>5s} {'passed':>6s} {'refused':>7s} {'wrong':>5s} " \
+           f"{'crashed':>7s}  known-broken"
+    print(head, file=out)
+    print("-" * len(head), file=out)
+    for cls in fp.ALL_CLASSES:
+        if cls not in table:
+            continue
+        r = table[cls]
+        print(f"{cls:18s} {r['cases']:5d} {r['passed']:6d} {r['refused']:7d} {r['wrong']:5d} "
+              f"{r['crashed']:7d}  {'yes' if r['known_broken'] else ''}", file=out)
+    total = {s: sum(r[s] for r in table.values()) for s in ("cases",) + STATUSES}
+    print("-" * len(head), file=out)
+    print(f"{'total':18s} {total['cases']:5d} {total['passed']:6d} {total['refused']:7d} "
+          f"{total['wrong']:5d} {total['crashed']:7d}", file=out)
+    failing = [c for c in fp.ALL_CLASSES if c in table and table[c]["example"]]
+    if failing:
+        print("\nOne reproduction per failing class:", file=out)
+    for cls in failing:
+        ex = table[cls]["example"]
+        print(f"  [{cls}] {ex['status']}: {ex['detail'][:240]}\n    {ex['repro']}", file=out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", type=int, default=1000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write every outcome and the table here")
+    ap.add_argument("--classes", default=None, help="comma-separated classes (default: all)")
+    ap.add_argument("--minutes", type=float, default=None, help="stop after this much time")
+    ap.add_argument("--repro", default=None, help="run one printed FuzzCase(...) and report")
+    args = ap.parse_args(argv)
+
+    if args.repro:
+        case = eval(args.repro, {"FuzzCase": fp.FuzzCase})  # noqa: S307 - a printed record
+        print(case)
+        print(fp.run_case(case))
+        return 0
+
+    classes = tuple(args.classes.split(",")) if args.classes else fp.ALL_CLASSES
+    unknown = set(classes) - set(fp.ALL_CLASSES)
+    if unknown:
+        ap.error(f"unknown classes {sorted(unknown)}; known: {', '.join(fp.ALL_CLASSES)}")
+    records, start = [], time.time()
+    for i in range(args.cases):
+        if args.minutes is not None and time.time() - start > 60 * args.minutes:
+            print(f"stopping after {i} cases: --minutes={args.minutes} reached", flush=True)
+            break
+        cls = classes[i % len(classes)]
+        rng = np.random.default_rng([args.seed, i])
+        case = fp.draw_case(fp.numpy_chooser(rng), cls, seed=args.seed * 1_000_003 + i)
+        t = time.time()
+        try:
+            out = fp.run_case(case)
+        except Exception as exc:  # noqa: BLE001 - the reference itself failed: generator bug
+            out = fp.Outcome("crashed", f"GENERATOR (reference failed): {type(exc).__name__}: "
+                                        f"{exc}"[:300])
+        records.append({"index": i, "cls": cls, "status": out.status, "detail": out.detail,
+                        "seconds": round(time.time() - t, 2), "case": repr(case),
+                        "repro": case.repro(), "schedule": case.schedule,
+                        "load_balance": case.load_balance, "cp": case.cp, "mask": case.mask,
+                        "spelling": case.spelling})
+        print(f"[{i:4d}] {cls:18s} {out.status:8s} {time.time() - t:5.1f}s "
+              f"{out.detail[:120]}", flush=True)
+        if args.json and (i % 5 == 4 or i == args.cases - 1):
+            _write(args, records, start)
+        if i % 50 == 49:
+            jax.clear_caches()
+    table = summarize(records)
+    print()
+    print_table(table)
+    if args.json:
+        _write(args, records, start)
+    return 0
+
+
+def _write(args, records, start):
+    path = Path(args.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"seed": args.seed, "cases_requested": args.cases, "cases_run": len(records),
+            "seconds": round(time.time() - start, 1), "jax": jax.__version__,
+            "known_broken": fp.KNOWN_BROKEN, "by_class": summarize(records),
+            "records": records}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

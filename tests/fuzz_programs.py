@@ -1,0 +1,624 @@
+"""Random small programs around attention, for the differential fuzzer.
+
+A :class:`FuzzCase` is a printable record (class, seed, sizes, mask, spelling, options).
+:func:`draw_case` fills one in from any ``choose(name, options)`` function: hypothesis'
+``data.draw`` in ``tests/test_fuzz.py``, a NumPy generator in ``bench/fuzz.py``.
+:func:`build` turns a case into ``(loss_fn, params, inputs)``: ``params`` holds every float
+operand (each gets a gradient), ``inputs`` the integer / boolean ones. :func:`run_case`
+runs ``jax.value_and_grad`` of the undecorated and the ``@context_parallel`` function
+(both jitted) and classifies the result:
+
+- ``passed``: loss and every gradient equal (fp32: ``rtol=1e-5`` plus ``atol=1e-5 * max|ref|``;
+  bf16 attention: ``2e-2``), NaN where the reference is NaN;
+- ``refused``: a ``CPTransformError`` or ``NotImplementedError`` with a message;
+- ``wrong``: different numbers (a silent wrong answer);
+- ``crashed``: any other exception (an unclear crash).
+
+Reproduce a case with ``python -m bench.fuzz --repro "FuzzCase(...)"`` or
+``run_case(FuzzCase(...))``.
+
+Only the public API is used: ``context_parallel`` and ``cptransform.ir.errors``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from cptransform import context_parallel
+from cptransform.ir.errors import CPTransformError
+
+# ----------------------------------------------------------------------------------------
+# Case classes
+# ----------------------------------------------------------------------------------------
+
+#: One attention with a drawn mask, around projections (norm / RoPE / residual drawn).
+MASK_CLASSES = ("mask_none", "mask_causal", "mask_window", "mask_two_sided", "mask_segments",
+                "mask_key_padding", "mask_dense", "mask_bias")
+#: The surrounding-program classes (mask drawn from the simple ones unless stated).
+PROGRAM_CLASSES = (
+    "llama_block",      # RMSNorm, RoPE (positions from jnp.arange), GQA, SwiGLU, residuals
+    "bf16",             # attention in bfloat16 (f32 softmax), everything else f32
+    "seq_contract",     # einsum('bshd,s->bhd', o, w) with a learned length-S weight
+    "token_mix",        # einsum('bsd,st->btd', x, W), W an S x S argument
+    "fused_qkv",        # qkv = x @ Wqkv; jnp.split(qkv, 3, axis=-1)
+    "concat_nonseq",    # concatenation / slicing on the feature and head dims
+    "cumsum_seq",       # jnp.cumsum along the sequence
+    "shift_loss",       # embeddings, logits[:, :-1] vs tokens[:, 1:] cross-entropy
+    "custom_vjp_clip",  # custom_vjp gradient clipping (global norm over the sequence) on o
+    "straight_through",  # custom_vjp straight-through rounding of the normed activations
+    "scan_layers",      # lax.scan over stacked layers
+    "checkpoint",       # jax.checkpoint around the block
+    "vmap_batch",       # a per-example block under jax.vmap over the batch
+    "nan_weight",       # a NaN in the output projection: the loss must be NaN too
+    "masked_rows",      # fully masked query rows with a -inf fill (left padding + causal)
+)
+ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES
+
+#: Classes that currently find bugs (wrong numbers or unclear crashes), with the reason.
+#: ``tests/test_fuzz.py`` skips them; ``bench/fuzz.py`` runs them. Fix the bug, delete the
+#: entry, and the CI fuzzer covers the class.
+KNOWN_BROKEN: dict[str, str] = {
+    "seq_contract": "wrong numbers under zigzag/striped: einsum('bshd,s->bhd', o, w) contracts "
+                    "the permuted o with the unpermuted length-S weight w",
+    "token_mix": "wrong numbers under zigzag/striped: x + einsum('bsd,st->btd', x, W) with W an "
+                 "S x S argument mixes layout-order x with natural-order W",
+    "straight_through": "wrong gradients under zigzag/striped: a custom_vjp (straight-through "
+                        "round) on a sequence-carrying value",
+    "custom_vjp_clip": "wrong gradients under zigzag/striped: a custom_vjp gradient clip "
+                       "(elementwise or by global norm) on the attention output",
+    "checkpoint": "unclear crash: IndexError: list index out of range in "
+                  "passes/lower_context_parallel.py:48 under jax.checkpoint when the layout stays "
+                  "contiguous (load_balance=none, or auto without a causal mask)",
+    "nan_weight": "silent wrong answer: a NaN in the query projection (NaN scores) gives a "
+                  "finite loss under ring/allgather (single device: NaN); NaN in wo is fine",
+    "masked_rows": "silent wrong answer: fully masked rows with a -inf where-fill are NaN on "
+                   "one device (softmax of all -inf) and finite under context_parallel",
+}
+
+SPELLINGS = ("jnn", "einsum", "matmul")
+SCHEDULES = ("ring", "ulysses", "allgather", "auto")
+LOAD_BALANCES = ("none", "zigzag", "striped", "auto")
+
+
+@dataclass(frozen=True)
+class FuzzCase:
+    """One generated program; ``repr`` is the reproduction."""
+
+    cls: str
+    seed: int
+    cp: int
+    schedule: str
+    load_balance: str
+    batch: int
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    model_dim: int
+    mask: str            # none causal window two_sided segments key_padding dense bias
+    causal: bool         # combined with segments / key_padding / dense / bias
+    window: int          # for window / two_sided
+    spelling: str        # jnn einsum matmul
+    gqa_style: str       # repeat reshape (hand-written spellings)
+    fill: str            # where-mask fill: neg_big (-1e9), finfo_min, neg_inf
+    variant: str         # per-class / per-mask sub-choice
+    norm: bool
+    rope: bool
+    residual: bool
+    bf16: bool
+
+    def repro(self) -> str:
+        return f"python -m bench.fuzz --repro \"{self!r}\""
+
+
+def _heads(choose, cp: int, force_mha: bool = False, need_ulysses: bool = False):
+    heads = choose("heads", (1, 2, 4, 8))
+    if force_mha:
+        return heads, heads
+    kind = choose("head_sharing", ("mha", "gqa", "mqa"))
+    if kind == "mha" or heads == 1:
+        return heads, heads
+    if kind == "mqa":
+        return heads, 1
+    return heads, choose("kv_heads", tuple(k for k in (2, 4) if k < heads and heads % k == 0)
+                         or (1,))
+
+
+def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzCase:
+    """A case of class ``cls``; ``choose(name, options)`` returns one of ``options``."""
+    assert cls in ALL_CLASSES, cls
+    cp = choose("cp", (2, 4, 8))
+    seq = choose("seq", tuple(s for s in range(16, 65, 2 * cp)))
+    batch = choose("batch", (1, 2))
+    force_mha = cls == "fused_qkv"
+    heads, kv_heads = _heads(choose, cp, force_mha)
+    head_dim = choose("head_dim", (4, 8, 16))
+    mask = {"mask_none": "none", "mask_causal": "causal", "mask_window": "window",
+            "mask_two_sided": "two_sided", "mask_segments": "segments",
+            "mask_key_padding": "key_padding", "mask_dense": "dense",
+            "mask_bias": "bias"}.get(cls)
+    if cls == "masked_rows":
+        mask = "key_padding"
+    elif mask is None:
+        mask = choose("mask", ("none", "causal", "causal", "window"))
+    spelling = choose("spelling", SPELLINGS)
+    if cls in ("masked_rows",) and spelling == "jnn":
+        spelling = "einsum"   # the -inf fill is a hand-written where-mask
+    same_v = spelling == "jnn" or cls == "fused_qkv"
+    v_head_dim = head_dim if same_v else choose("v_head_dim", (head_dim, 4, 8))
+    schedules = tuple(s for s in SCHEDULES if s != "ulysses" or heads % cp == 0)
+    schedule = choose("schedule", schedules)
+    load_balance = choose("load_balance", LOAD_BALANCES)
+    causal = mask in ("causal", "window") or (
+        mask in ("segments", "key_padding", "dense", "bias") and choose("causal", (False, True)))
+    if cls == "masked_rows":
+        causal = True
+    window = choose("window", (1, 3, 5, 8, 17)) if mask in ("window", "two_sided") else 0
+    fill = "neg_inf" if cls == "masked_rows" else choose("fill", ("neg_big", "finfo_min",
+                                                                  "neg_inf"))
+    variants = {
+        "mask_key_padding": ("lengths", "valid"),
+        "mask_bias": ("param", "alibi"),
+        "mask_dense": ("batch", "shared"),
+        "concat_nonseq": ("concat_features", "slice_heads"),
+        "custom_vjp_clip": ("global_norm", "elementwise"),
+        "shift_loss": ("mean", "sum"),
+        "scan_layers": ("plain", "remat"),
+        "nan_weight": ("wo", "wq"),
+        "masked_rows": ("where_out", "plain"),
+    }.get(cls, ("",))
+    variant = choose("variant", variants)
+    llama = cls == "llama_block"
+    return FuzzCase(
+        cls=cls, seed=seed, cp=cp, schedule=schedule, load_balance=load_balance,
+        batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+        v_head_dim=v_head_dim, model_dim=choose("model_dim", (16, 32)), mask=mask,
+        causal=causal, window=window, spelling=spelling,
+        gqa_style=choose("gqa_style", ("repeat", "reshape")), fill=fill, variant=variant,
+        norm=True if llama else choose("norm", (False, True)),
+        rope=True if llama else choose("rope", (False, True)),
+        residual=True if llama else choose("residual", (False, True)),
+        bf16=cls == "bf16")
+
+
+def numpy_chooser(rng: np.random.Generator):
+    def choose(name, options):
+        return options[int(rng.integers(len(options)))]
+    return choose
+
+
+# ----------------------------------------------------------------------------------------
+# Building the program
+# ----------------------------------------------------------------------------------------
+
+def _fill_value(fill: str, dtype):
+    if fill == "neg_inf":
+        return -jnp.inf
+    if fill == "finfo_min":
+        return jnp.finfo(dtype).min
+    return -1e9
+
+
+def rmsnorm(x, g, eps=1e-5):
+    return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * g
+
+
+def rope(x, base=10000.0):
+    """x: [B, S, H, D] (D even); positions from jnp.arange."""
+    s, d = x.shape[1], x.shape[-1]
+    pos = jnp.arange(s, dtype=jnp.float32)
+    inv = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    ang = pos[:, None] * inv[None, :]
+    cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+def _allowed(case: FuzzCase, inputs: dict, batched: bool = True):
+    """The boolean mask [B|1, 1, S, S] (or None) for hand-written spellings."""
+    s = case.seq
+    i = jnp.arange(s)[:, None]
+    j = jnp.arange(s)[None, :]
+    m = None
+
+    def conj(a, b):
+        return b if a is None else a & b
+
+    if case.causal:
+        m = conj(m, i >= j)
+    if case.mask == "window":
+        m = conj(m, i - j < case.window)
+    if case.mask == "two_sided":
+        m = conj(m, jnp.abs(i - j) <= case.window)
+    if m is not None:
+        m = m[None, None]
+    if case.mask == "segments":
+        seg = inputs["segment_ids"]
+        m = conj(m, (seg[:, :, None] == seg[:, None, :])[:, None])
+    if case.mask == "key_padding":
+        valid = _key_valid(case, inputs)
+        m = conj(m, valid[:, None, None, :])
+    if case.mask == "dense":
+        m = conj(m, inputs["dense_mask"])
+    return m
+
+
+def _key_valid(case, inputs):
+    if case.variant == "lengths":
+        return jnp.arange(case.seq)[None, :] < inputs["lengths"][:, None]
+    return inputs["key_valid"]
+
+
+def _bias(case, params):
+    if case.mask != "bias":
+        return None
+    if case.variant == "alibi":
+        i = jnp.arange(case.seq)[:, None]
+        j = jnp.arange(case.seq)[None, :]
+        slopes = params["alibi_slopes"]   # [H]
+        return (slopes[:, None, None] * (j - i).astype(jnp.float32)[None])[None]
+    return params["bias"]
+
+
+def attend(case: FuzzCase, q, k, v, params, inputs):
+    """q [B,S,H,D], k [B,S,K,D], v [B,S,K,Dv] -> [B,S,H,Dv] in the drawn spelling."""
+    h, kh = q.shape[2], k.shape[2]
+    bias = _bias(case, params)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    if case.spelling == "jnn":
+        kw: dict[str, Any] = {}
+        mask = None
+        if case.mask in ("window", "two_sided"):
+            kw["local_window_size"] = ((case.window - 1, 0) if case.mask == "window"
+                                       else (case.window, case.window))
+        if case.causal:
+            kw["is_causal"] = True
+        if case.mask == "segments":
+            seg = inputs["segment_ids"]
+            mask = (seg[:, :, None] == seg[:, None, :])[:, None]
+        if case.mask == "key_padding":
+            if case.variant == "lengths":
+                kw["key_value_seq_lengths"] = inputs["lengths"]
+            else:
+                mask = inputs["key_valid"][:, None, None, :]
+        if case.mask == "dense":
+            mask = inputs["dense_mask"]
+        if bias is not None:
+            bias = bias.astype(q.dtype)
+        return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, **kw)
+
+    allowed = _allowed(case, inputs)
+    fill = _fill_value(case.fill, jnp.float32)
+    if case.gqa_style == "reshape" and kh != h:
+        g = h // kh
+        qg = q.reshape(q.shape[0], q.shape[1], kh, g, q.shape[3])
+        if case.spelling == "einsum":
+            s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k)
+        else:
+            s = qg.transpose(0, 2, 3, 1, 4) @ k.transpose(0, 2, 3, 1)[:, :, None]
+        s = s.astype(jnp.float32) * scale
+        s = s.reshape(s.shape[0], h, s.shape[3], s.shape[4])
+        if bias is not None:
+            s = s + bias
+        if allowed is not None:
+            s = jnp.where(allowed, s, fill)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        pg = p.reshape(p.shape[0], kh, g, p.shape[2], p.shape[3])
+        if case.spelling == "einsum":
+            o = jnp.einsum("bkgqs,bskd->bqkgd", pg, v)
+        else:
+            o = (pg @ v.transpose(0, 2, 1, 3)[:, :, None]).transpose(0, 3, 1, 2, 4)
+        return o.reshape(o.shape[0], o.shape[1], h, v.shape[-1])
+    if kh != h:
+        k = jnp.repeat(k, h // kh, axis=2)
+        v = jnp.repeat(v, h // kh, axis=2)
+    if case.spelling == "einsum":
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    else:
+        s = q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1)
+    s = s.astype(jnp.float32) * scale
+    if bias is not None:
+        s = s + bias
+    if allowed is not None:
+        s = jnp.where(allowed, s, fill)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    if case.spelling == "einsum":
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return (p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+
+def _normal(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def make_data(case: FuzzCase):
+    """(params, inputs) for a case: random, never zeros, from the case's seed."""
+    rng = np.random.default_rng(case.seed)
+    b, s, h, kh, d, dv, e = (case.batch, case.seq, case.heads, case.kv_heads, case.head_dim,
+                             case.v_head_dim, case.model_dim)
+    p: dict[str, Any] = {}
+    inp: dict[str, Any] = {}
+    layers = 2 if case.cls == "scan_layers" else None
+
+    def w(name, shape, fan_in):
+        full = shape if layers is None else (layers,) + shape
+        p[name] = _normal(rng, full, 1.0 / math.sqrt(fan_in))
+
+    if case.cls == "fused_qkv":
+        w("wqkv", (e, 3 * h * d), e)
+    else:
+        w("wq", (e, h * d), e)
+        w("wk", (e, kh * d), e)
+        w("wv", (e, kh * dv), e)
+    w("wo", (h * dv, e), h * dv)
+    if case.norm:
+        p["g"] = (1.0 + 0.1 * rng.standard_normal((e,) if layers is None else (layers, e))
+                  ).astype(np.float32)
+    if case.cls == "llama_block":
+        w("w1", (e, 2 * e), e)
+        w("w3", (e, 2 * e), e)
+        w("w2", (2 * e, e), 2 * e)
+    if case.cls == "shift_loss":
+        vocab = 11
+        inp["tokens"] = rng.integers(0, vocab, (b, s)).astype(np.int32)
+        p["emb"] = _normal(rng, (vocab, e))
+        p["unemb"] = _normal(rng, (e, vocab), 1.0 / math.sqrt(e))
+    else:
+        p["x"] = _normal(rng, (b, s, e))
+        p["target"] = _normal(rng, (b, s, e))
+    if case.cls == "seq_contract":
+        p["w_s"] = _normal(rng, (s,), 1.0 / math.sqrt(s))
+    if case.cls == "token_mix":
+        p["w_mix"] = _normal(rng, (s, s), 1.0 / math.sqrt(s))
+    if case.cls == "concat_nonseq":
+        hh = max(1, h // 2) if case.variant == "slice_heads" else h
+        w("wo2", (hh * dv + e, e), hh * dv + e)
+    if case.mask == "bias":
+        if case.variant == "alibi":
+            p["alibi_slopes"] = (0.1 + rng.random(h)).astype(np.float32)
+        else:
+            shape = (1, h, s, s) if rng.random() < 0.5 else (b, 1, s, s)
+            p["bias"] = _normal(rng, shape)
+    if case.mask == "segments":
+        seg = np.zeros((b, s), np.int32)
+        for r in range(b):
+            cuts = np.sort(rng.choice(np.arange(1, s), size=int(rng.integers(1, 4)),
+                                      replace=False))
+            for c in cuts:
+                seg[r, c:] += 1
+        inp["segment_ids"] = seg
+    if case.mask == "key_padding":
+        if case.cls == "masked_rows":
+            # left padding: the first rows see only padded keys (fully masked under causal)
+            pads = rng.integers(1, s // 2, (b,))
+            inp["key_valid"] = np.arange(s)[None, :] >= pads[:, None]
+        else:
+            lengths = rng.integers(s // 2, s + 1, (b,)).astype(np.int32)
+            if case.variant == "lengths":
+                inp["lengths"] = lengths
+            else:
+                inp["key_valid"] = np.arange(s)[None, :] < lengths[:, None]
+    if case.mask == "dense":
+        mb = b if case.variant == "batch" else 1
+        m = rng.random((mb, 1, s, s)) < 0.6
+        m |= np.eye(s, dtype=bool)[None, None]
+        inp["dense_mask"] = m
+    if case.cls == "nan_weight":
+        key = "wo" if case.variant == "wo" else "wq"
+        p[key] = p[key].copy()
+        p[key].reshape(-1)[int(rng.integers(p[key].size))] = np.nan
+    params = jax.tree_util.tree_map(jnp.asarray, p)
+    inputs = jax.tree_util.tree_map(jnp.asarray, inp)
+    return params, inputs
+
+
+def _clip_fwd(x):
+    return x, None
+
+
+def _clip_bwd_global(_, g):
+    n = jnp.sqrt(jnp.sum(g.astype(jnp.float32) ** 2))
+    return ((g * jnp.minimum(1.0, 1e-3 / (n + 1e-12))).astype(g.dtype),)
+
+
+def _clip_bwd_elem(_, g):
+    return (jnp.clip(g, -1e-4, 1e-4),)
+
+
+@jax.custom_vjp
+def clip_global(x):
+    return x
+
+
+clip_global.defvjp(_clip_fwd, _clip_bwd_global)
+
+
+@jax.custom_vjp
+def clip_elem(x):
+    return x
+
+
+clip_elem.defvjp(_clip_fwd, _clip_bwd_elem)
+
+
+@jax.custom_vjp
+def ste_round(x):
+    return jnp.round(x * 4.0) / 4.0
+
+
+ste_round.defvjp(lambda x: (jnp.round(x * 4.0) / 4.0, None), lambda _, g: (g,))
+
+
+def block(case: FuzzCase, p: dict, x, inputs: dict):
+    """One attention block on x [B, S, E] with layer weights ``p``; returns [B, S, E]."""
+    b, s = x.shape[0], x.shape[1]
+    h, kh, d, dv = case.heads, case.kv_heads, case.head_dim, case.v_head_dim
+    hx = rmsnorm(x, p["g"]) if case.norm else x
+    if case.cls == "straight_through":
+        hx = ste_round(hx)
+    if case.cls == "fused_qkv":
+        qkv = hx @ p["wqkv"]
+        q, k, v = jnp.split(qkv, 3, axis=-1)
+    else:
+        q, k, v = hx @ p["wq"], hx @ p["wk"], hx @ p["wv"]
+    q = q.reshape(b, s, h, d)
+    k = k.reshape(b, s, kh, d)
+    v = v.reshape(b, s, kh, dv)
+    if case.rope and d % 2 == 0:
+        q, k = rope(q), rope(k)
+    if case.bf16:
+        q, k, v = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    o = attend(case, q, k, v, p, inputs).astype(jnp.float32)
+    if case.cls == "seq_contract":
+        # a learned length-S weight contracted with the attention output over the sequence
+        pooled = jnp.einsum("bshd,s->bhd", o, p["w_s"])
+        o = o + jnp.tanh(pooled)[:, None]
+    if case.cls == "custom_vjp_clip":
+        o = clip_global(o) if case.variant == "global_norm" else clip_elem(o)
+    if case.cls == "masked_rows" and case.variant == "where_out":
+        o = jnp.where(_key_valid(case, inputs)[:, :, None, None], o, 0.0)
+    flat = o.reshape(b, s, h * dv)
+    if case.cls == "concat_nonseq":
+        if case.variant == "slice_heads":
+            flat = o[:, :, : max(1, h // 2)].reshape(b, s, -1)
+        y = jnp.concatenate([flat, hx], axis=-1) @ p["wo2"]
+    else:
+        y = flat @ p["wo"]
+    if case.residual:
+        y = x + y
+    if case.cls == "llama_block":
+        hy = rmsnorm(y, p["g"])
+        y = y + (jax.nn.silu(hy @ p["w1"]) * (hy @ p["w3"])) @ p["w2"]
+    return y
+
+
+def build(case: FuzzCase):
+    """(loss_fn(params, inputs), params, inputs)."""
+    params, inputs = make_data(case)
+    layer_keys = tuple(k for k in ("wq", "wk", "wv", "wqkv", "wo", "g") if k in params)
+
+    def loss(p, inp):
+        if case.cls == "shift_loss":
+            x = p["emb"][inp["tokens"]]
+        else:
+            x = p["x"]
+        if case.cls == "token_mix":
+            x = x + jnp.einsum("bsd,st->btd", x, p["w_mix"])
+        if case.cls == "scan_layers":
+            stacked = {k: p[k] for k in layer_keys}
+            rest = {k: v for k, v in p.items() if k not in layer_keys}
+
+            def body(carry, lp):
+                return block(case, {**rest, **lp}, carry, inp), None
+
+            if case.variant == "remat":
+                body = jax.checkpoint(body)
+            y, _ = lax.scan(body, x, stacked)
+        elif case.cls == "checkpoint":
+            y = jax.checkpoint(lambda pp, xx: block(case, pp, xx, inp))(p, x)
+        elif case.cls == "vmap_batch":
+            def one(xx, ii):
+                yy = block(dataclasses.replace(case, batch=1), p, xx[None],
+                           jax.tree_util.tree_map(lambda a: a[None], ii))
+                return yy[0]
+            per_example = {k: v for k, v in inp.items() if k not in ("dense_mask",)}
+            if "dense_mask" in inp:
+                raise AssertionError("vmap_batch draws no dense mask")
+            y = jax.vmap(one)(x, per_example)
+        else:
+            y = block(case, p, x, inp)
+        if case.cls == "cumsum_seq":
+            y = jnp.cumsum(y, axis=1) / y.shape[1]
+        if case.cls == "shift_loss":
+            logits = y @ p["unemb"]
+            logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+            nll = -jnp.take_along_axis(logp, inp["tokens"][:, 1:, None], axis=-1)[..., 0]
+            return jnp.mean(nll) if case.variant == "mean" else jnp.sum(nll) / 100.0
+        return jnp.mean((y - p["target"]) ** 2)
+
+    return loss, params, inputs
+
+
+# ----------------------------------------------------------------------------------------
+# Running and classifying
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class Outcome:
+    status: str          # passed refused wrong crashed
+    detail: str = ""
+
+    def __str__(self):
+        return f"{self.status}: {self.detail}" if self.detail else self.status
+
+
+def _tol(case: FuzzCase) -> float:
+    return 2e-2 if case.bf16 else 1e-5
+
+
+def compare(case: FuzzCase, got, ref) -> str | None:
+    """None when equal, else what differs."""
+    rtol = _tol(case)
+    (gl, gg), (rl, rg) = got, ref
+    items = [("loss", gl, rl)] + [
+        (jax.tree_util.keystr(path), g, r)
+        for (path, r), g in zip(jax.tree_util.tree_flatten_with_path(rg)[0],
+                                jax.tree_util.tree_leaves(gg))]
+    for name, g, r in items:
+        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
+        if g.shape != r.shape:
+            return f"{name}: shape {g.shape} vs reference {r.shape}"
+        finite = np.abs(r[np.isfinite(r)])
+        # like tests/test_transform.assert_tree_close: an all-zero reference leaf has scale 1
+        scale = (float(finite.max()) if finite.size else 0.0) or 1.0
+        try:
+            np.testing.assert_allclose(g, r, rtol=rtol, atol=rtol * scale, equal_nan=True)
+        except AssertionError as err:
+            gn, rn = int(np.isnan(g).sum()), int(np.isnan(r).sum())
+            bad = np.abs(g - r)
+            ok = np.isfinite(bad)
+            worst = float(bad[ok].max()) if ok.any() else float("nan")
+            msg = " ".join(str(err).split())[:200]
+            return (f"{name}: max|diff|={worst:.3g} vs max|ref|={scale:.3g}; NaNs {gn} vs "
+                    f"reference {rn}; {msg}")
+    return None
+
+
+def _last_line(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    text = " ".join(text.split())
+    return text[:300]
+
+
+def run_case(case: FuzzCase) -> Outcome:
+    """Run one case; the reference must work (else the generator is wrong: raises)."""
+    loss, params, inputs = build(case)
+    ref = jax.jit(jax.value_and_grad(loss))(params, inputs)
+    ref = jax.block_until_ready(ref)
+    if case.cls == "nan_weight":
+        assert np.isnan(float(ref[0])), "the NaN weight should make the reference loss NaN"
+    try:
+        f = context_parallel(loss, cp=case.cp, schedule=case.schedule,
+                             load_balance=case.load_balance)
+        got = jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, inputs))
+    except (CPTransformError, NotImplementedError) as exc:
+        if str(exc).strip():
+            return Outcome("refused", _last_line(exc))
+        return Outcome("crashed", "refusal without a message: " + _last_line(exc))
+    except Exception as exc:  # noqa: BLE001 - any other type is an unclear crash
+        tb = traceback.extract_tb(exc.__traceback__)
+        where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+        return Outcome("crashed", _last_line(exc) + where)
+    diff = compare(case, got, ref)
+    if diff is not None:
+        return Outcome("wrong", diff)
+    return Outcome("passed")
