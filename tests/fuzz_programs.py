@@ -70,13 +70,6 @@ KNOWN_BROKEN: dict[str, str] = {
                     "the permuted o with the unpermuted length-S weight w",
     "token_mix": "wrong numbers under zigzag/striped: x + einsum('bsd,st->btd', x, W) with W an "
                  "S x S argument mixes layout-order x with natural-order W",
-    "straight_through": "wrong gradients under zigzag/striped: a custom_vjp (straight-through "
-                        "round) on a sequence-carrying value",
-    "custom_vjp_clip": "wrong gradients under zigzag/striped: a custom_vjp gradient clip "
-                       "(elementwise or by global norm) on the attention output",
-    "checkpoint": "unclear crash: IndexError: list index out of range in "
-                  "passes/lower_context_parallel.py:48 under jax.checkpoint when the layout stays "
-                  "contiguous (load_balance=none, or auto without a causal mask)",
     "nan_weight": "silent wrong answer: a NaN in the query projection (NaN scores) gives a "
                   "finite loss under ring/allgather (single device: NaN); NaN in wo is fine",
     "masked_rows": "silent wrong answer: fully masked rows with a -inf where-fill are NaN on "

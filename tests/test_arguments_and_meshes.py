@@ -101,3 +101,17 @@ def test_no_attention_warns_with_the_refused_softmax(data):
         np.testing.assert_allclose(f(x), gate(x), rtol=RTOL)
     with pytest.raises(ContextParallelError, match="no attention found"):
         context_parallel(gate, cp=4, strict=True)(x)
+
+
+def test_an_empty_pytree_argument_is_traced_not_static(data):
+    x, w = data
+
+    def fn(params, x, extra):
+        return jnp.sum(attend(x, params["w"]) ** 2) + len(extra)
+
+    f = context_parallel(fn, cp=4)
+    got = jax.value_and_grad(f)({"w": w}, x, {})
+    want = jax.value_and_grad(fn)({"w": w}, x, {})
+    np.testing.assert_allclose(got[0], want[0], rtol=RTOL)
+    np.testing.assert_allclose(got[1]["w"], want[1]["w"], rtol=RTOL,
+                               atol=RTOL * np.abs(want[1]["w"]).max())

@@ -19,9 +19,12 @@ from cptransform.ir.errors import ContextParallelOptionError
 _ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)
 
 
-def _holds_array(value: Any) -> bool:
-    return any(isinstance(leaf, _ARRAY_TYPES) or hasattr(leaf, "aval")
-               for leaf in jax.tree_util.tree_leaves(value))
+def _is_static(value: Any) -> bool:
+    """Leaves, none of them an array: a configuration value (a pytree without leaves, such as
+    ``{}`` or ``None``, is traced: its structure is part of the signature already)."""
+    leaves = jax.tree_util.tree_leaves(value)
+    return bool(leaves) and not any(isinstance(leaf, _ARRAY_TYPES) or hasattr(leaf, "aval")
+                                    for leaf in leaves)
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,12 @@ class CallArguments:
         nums = {i % len(args) if args else i for i in static_argnums}
         static, dyn_args, dyn_kwargs = [], [], {}
         for i, value in enumerate(args):
-            if i in nums or not _holds_array(value):
+            if i in nums or _is_static(value):
                 static.append(("arg", i, _hashable(value, f"argument {i}")))
             else:
                 dyn_args.append(value)
         for name, value in kwargs.items():
-            if name in static_argnames or not _holds_array(value):
+            if name in static_argnames or _is_static(value):
                 static.append(("kw", name, _hashable(value, f"argument {name!r}")))
             else:
                 dyn_kwargs[name] = value
