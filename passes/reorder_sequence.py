@@ -5,10 +5,14 @@ sequence-carrying inputs into layout order, replaces ``iota`` along the sequence
 permuted positions (RoPE and position tables keep working), gives every attention explicit
 position operands, and un-permutes the outputs. Values are tracked in one of three states:
 ``perm`` (layout order), ``nat`` (natural order) and ``inv`` (no sequence dim, or constant
-along it). Order-independent ops keep the state; positional ops along the sequence (slices
-such as ``x[:, 1:]``, pads, concatenates, cumsums, gathers by position) get their
-operands un-permuted first, which costs a permutation of those operands; each such place is
-logged with its bytes, and ``strict`` makes it an error.
+along it). Order-independent ops keep the state, and so do ops acting only on other dims
+(a split of a fused qkv projection on the features) and contractions over the sequence
+whose operands both carry it (an ``[S]`` pooling weight, an ``[S, S]`` token-mixing
+matrix: inputs and constants linked to the sequence are permuted like activations);
+positional ops along the sequence (slices such as ``x[:, 1:]``, pads, concatenates,
+cumsums, gathers by position) get their operands un-permuted first, which costs a
+permutation of those operands; each such place is logged with its bytes, and ``strict``
+makes it an error.
 """
 from __future__ import annotations
 
@@ -24,7 +28,8 @@ from cptransform.ir.module import Module
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import fit_body, interpret, map_bodies, trace_like
 from cptransform.analysis.dim_rules import reshape_dim_map
-from cptransform.analysis.primitives import CallKind, acting_dims, calls, facts, names_where
+from cptransform.analysis.primitives import (CallKind, Family, acting_dims, calls, facts,
+                                             names_of, names_where)
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.op.layouts import SequenceLayout
 from cptransform.ir.errors import ReorderError
@@ -35,6 +40,9 @@ PERM, NAT, INV = "perm", "nat", "inv"
 
 #: Primitives that commute with a permutation of any sequence dim they carry.
 EQUIVARIANT = names_where(lambda row: row.order_safe)
+
+#: Contractions: exact in layout order when both operands' contracted dims share one order.
+CONTRACTIONS = names_of(Family.CONTRACTION)
 
 
 #: Primitives that can work on a shifted value (see :class:`Shift`) without materializing it.
@@ -129,22 +137,39 @@ class _Reorderer:
             return [self.put(o, NAT if self.axes.full_dims(v) else INV)
                     for o, v in zip(outs, eqn.outvars)]
         states = {self.get(invals[i]) for i in carrying}
-        if name in EQUIVARIANT or (name == "gather" and self._gather_keeps_order(eqn)) \
-                or self._acts_off_sequence(eqn, carrying):
-            want = PERM if PERM in states else NAT
-            invals = [self.to(x, a, want) if i in carrying else x
-                      for i, (x, a) in enumerate(zip(invals, eqn.invars))]
-            outs = compat.bind_eqn(eqn, invals)
-            return [self.put(o, want if self.axes.full_dims(v) else INV)
-                    for o, v in zip(outs, eqn.outvars)]
+        if name in EQUIVARIANT or self._acts_off_sequence(eqn, carrying) \
+                or (name in CONTRACTIONS and self._contracts_in_step(eqn, carrying)):
+            return self.equivariant(eqn, invals, carrying, states)
         return self.positional(eqn, invals, carrying, states)
+
+    def equivariant(self, eqn, invals, carrying, states):
+        """Run ``eqn`` with every sequence-carrying operand in one order (layout order when
+        any of them is in it); its sequence-carrying outputs are in that order."""
+        want = PERM if PERM in states else NAT
+        invals = [self.to(x, a, want) if i in carrying else x
+                  for i, (x, a) in enumerate(zip(invals, eqn.invars))]
+        outs = compat.bind_eqn(eqn, invals)
+        return [self.put(o, want if self.axes.full_dims(v) else INV)
+                for o, v in zip(outs, eqn.outvars)]
+
+    def _contracts_in_step(self, eqn, carrying) -> bool:
+        """A ``dot_general`` whose contracted dims are sequence dims on both operands or on
+        neither. ``sum_s a[s] b[s]`` equals ``sum_s a[p(s)] b[p(s)]`` for any permutation
+        ``p``, so once both operands are in one order (as :meth:`equivariant` puts them)
+        the contraction is exact. Contracting links put both dims of a pair in one
+        component, so a pair marked on one side only is an operand the analysis cannot
+        see (a literal): its order is unknown, and the op runs positionally."""
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        held = [[i in carrying and d in self.axes.full_dims(eqn.invars[i]) for d in dims]
+                for i, dims in enumerate((lc, rc))]
+        return held[0] == held[1]
 
     # -- shifted slices along the sequence --
     def start_shift(self, eqn, invals):
         """A stride-1 slice along one sequence dim of a layout-order value: keep it whole."""
         x, atom = invals[0], eqn.invars[0]
         full = self.axes.full_dims(atom)
-        acting = acting_dims(eqn)
+        acting = acting_dims(eqn)[0]
         strides = eqn.params.get("strides") or (1,) * atom.aval.ndim
         if self.get(x) != PERM or len(acting & set(full)) != 1 or len(full) != 1:
             return None
@@ -237,16 +262,18 @@ class _Reorderer:
         return result
 
     def _acts_off_sequence(self, eqn, carrying) -> bool:
-        """A positional op (slice, concatenate, pad, ...) acting only on non-sequence dims."""
+        """An op (slice, split, concatenate, pad, gather, contraction, ...) acting only on
+        non-sequence dims of its sequence-carrying operands."""
         acting = acting_dims(eqn)
         if acting is None:
             return False
-        return all(not acting & set(self.axes.dims(eqn.invars[i])) for i in carrying)
+        return all(not acting[i] & set(self.axes.dims(eqn.invars[i])) for i in carrying)
 
     def _gather_keeps_order(self, eqn) -> bool:
-        """A gather that never indexes *along* the sequence: the operand's sequence dims are
-        batching dims (``take_along_axis`` per token) or it has none (an embedding lookup by
-        sequence-carrying indices). Its output then follows its operands' token order."""
+        """A gather whose operand's sequence dims are all batching dims (``take_along_axis``
+        per token) or that has none (an embedding lookup by sequence-carrying indices): it
+        runs unchanged on a shifted operand held unsliced, unlike one taking a sequence dim
+        whole, whose slice size is the sliced length."""
         dn = eqn.params["dimension_numbers"]
         return set(self.axes.dims(eqn.invars[0])) <= set(dn.operand_batching_dims)
 

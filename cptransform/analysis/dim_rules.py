@@ -4,8 +4,10 @@ Two kinds of rule, both read through :mod:`cptransform.analysis.primitives`:
 
 * a *link rule* lists ``(atom, dim, atom, dim)`` pairs that are the same axis ("dim 1 of
   x is dim 2 of y"), contracting and batch dims of a contraction included;
-* an *acting rule* gives the operand dims along which an op indexes or reduces (a slice
-  of the features acts only on the feature dim, so it is order-free along the sequence).
+* an *acting rule* gives, per operand, the dims along which an op indexes, reduces or
+  contracts (a slice or split of the features acts only on the feature dim, so it is
+  order-free along the sequence; a gather acts on the operand dims it indexes, never on
+  its indices).
 """
 from __future__ import annotations
 
@@ -16,8 +18,8 @@ from cptransform.ir import compat
 Link = tuple[Any, int, Any, int]  # (atom, dim, atom, dim): the two dims are the same axis
 #: ``rule(eqn)``: the dim links of one equation.
 LinkRule = Callable[[Any], list[Link]]
-#: ``rule(eqn)``: the dims of the first operand the op acts on.
-ActsOn = Callable[[Any], set[int]]
+#: ``rule(eqn)``: for each operand, the set of its dims the op acts on.
+ActsOn = Callable[[Any], list[set[int]]]
 
 
 # -- link rules ------------------------------------------------------------------------------
@@ -109,11 +111,13 @@ def link_transpose(eqn) -> list[Link]:
 
 def link_dot_general(eqn) -> list[Link]:
     """Batch dims of both operands to the leading result dims, free dims after them in
-    order; contracting dims link to nothing."""
+    order, and each contracting dim of one operand to its partner in the other: a weight
+    contracted with the sequence (learned pooling over ``[S]``, token mixing with
+    ``[S, S]``) carries the sequence along that dim, and must be held in the same order."""
     lhs, rhs = eqn.invars
     out = eqn.outvars[0]
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    links = []
+    links = [(lhs, a, rhs, b) for a, b in zip(lc, rc)]
     for k, (a, b) in enumerate(zip(lb, rb)):
         links += [(lhs, a, out, k), (rhs, b, out, k)]
     pos = len(lb)
@@ -122,7 +126,8 @@ def link_dot_general(eqn) -> list[Link]:
             if d not in contract and d not in batch:
                 links.append((operand, d, out, pos))
                 pos += 1
-    return [link for link in links if not compat.is_literal(link[0])]
+    return [link for link in links
+            if not compat.is_literal(link[0]) and not compat.is_literal(link[2])]
 
 
 def link_gather(eqn) -> list[Link]:
@@ -152,6 +157,18 @@ def link_slice_like(eqn) -> list[Link]:
     return [(x, d, out, d) for d in range(x.aval.ndim)]
 
 
+def link_split(eqn) -> list[Link]:
+    """Every piece keeps the operand's dims (with a new size along the split axis)."""
+    x = eqn.invars[0]
+    return [(x, d, out, d) for out in eqn.outvars for d in range(x.aval.ndim)]
+
+
+def link_sort(eqn) -> list[Link]:
+    """Operand ``i`` to result ``i``, dim by dim (all operands share one shape)."""
+    return [(x, d, out, d) for x, out in zip(eqn.invars, eqn.outvars)
+            for d in range(x.aval.ndim)]
+
+
 def link_concatenate(eqn) -> list[Link]:
     """Every operand keeps its dims."""
     out = eqn.outvars[0]
@@ -168,35 +185,59 @@ def link_attention(eqn) -> list[Link]:
 
 # -- acting rules ----------------------------------------------------------------------------
 
-def acts_on_nothing(eqn) -> set[int]:
+def _on_first(eqn, dims: set[int]) -> list[set[int]]:
+    """``dims`` of the first operand; the others (a pad value, slice start indices) are
+    scalars or index operands the op does not act along."""
+    return [set(dims)] + [set() for _ in eqn.invars[1:]]
+
+
+def acts_on_nothing(eqn) -> list[set[int]]:
     """Elementwise ops read no dim across."""
-    return set()
+    return [set() for _ in eqn.invars]
 
 
 def acts_on_param(param: str) -> ActsOn:
-    """Ops acting along the one dim ``params[param]`` (cumulative ops, concatenate, sort)."""
-    return lambda eqn: {eqn.params[param]}
+    """Ops acting along the one dim ``params[param]`` of every operand (cumulative ops,
+    concatenate, split, sort: the operands share one dim numbering)."""
+    return lambda eqn: [{eqn.params[param]} for _ in eqn.invars]
 
 
 def acts_on_params(param: str) -> ActsOn:
     """Ops acting along the dims listed in ``params[param]`` (reductions, rev)."""
-    return lambda eqn: set(eqn.params[param])
+    return lambda eqn: [set(eqn.params[param]) for _ in eqn.invars]
 
 
-def acts_on_slice(eqn) -> set[int]:
+def acts_on_slice(eqn) -> list[set[int]]:
     """The dims a slice actually cuts or strides."""
     params, shape = eqn.params, eqn.invars[0].aval.shape
     strides = params.get("strides") or (1,) * len(shape)
-    return {d for d in range(len(shape)) if params["start_indices"][d] != 0
-            or params["limit_indices"][d] != shape[d] or strides[d] != 1}
+    return _on_first(eqn, {d for d in range(len(shape)) if params["start_indices"][d] != 0
+                           or params["limit_indices"][d] != shape[d] or strides[d] != 1})
 
 
-def acts_on_pad(eqn) -> set[int]:
+def acts_on_pad(eqn) -> list[set[int]]:
     """The dims a pad actually pads."""
-    return {d for d, cfg in enumerate(eqn.params["padding_config"]) if tuple(cfg) != (0, 0, 0)}
+    return _on_first(eqn, {d for d, cfg in enumerate(eqn.params["padding_config"])
+                           if tuple(cfg) != (0, 0, 0)})
 
 
-def acts_on_dynamic_slice(eqn) -> set[int]:
+def acts_on_dynamic_slice(eqn) -> list[set[int]]:
     """The dims a dynamic slice does not take whole."""
     shape = eqn.invars[0].aval.shape
-    return {d for d in range(len(shape)) if eqn.params["slice_sizes"][d] != shape[d]}
+    return _on_first(eqn, {d for d in range(len(shape))
+                           if eqn.params["slice_sizes"][d] != shape[d]})
+
+
+def acts_on_gather(eqn) -> list[set[int]]:
+    """The operand dims a gather indexes or slices; not its batching dims (paired with the
+    indices' own dims, as ``take_along_axis`` per token) and never the indices, whose dims
+    become result dims in their order (an embedding lookup by tokens)."""
+    dn, shape = eqn.params["dimension_numbers"], eqn.invars[0].aval.shape
+    sliced = {d for d in range(len(shape)) if eqn.params["slice_sizes"][d] != shape[d]}
+    return _on_first(eqn, (set(dn.start_index_map) | sliced) - set(dn.operand_batching_dims))
+
+
+def acts_on_contracting(eqn) -> list[set[int]]:
+    """A contraction sums over its contracting dims of both operands."""
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    return [set(lc), set(rc)]

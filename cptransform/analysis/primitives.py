@@ -17,13 +17,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cptransform.analysis.dim_rules import (ActsOn, Link, LinkRule, acts_on_dynamic_slice,
+from cptransform.analysis.dim_rules import (ActsOn, Link, LinkRule, acts_on_contracting,
+                                            acts_on_dynamic_slice, acts_on_gather,
                                             acts_on_nothing, acts_on_pad, acts_on_param,
                                             acts_on_params, acts_on_slice, link_attention,
                                             link_broadcast_in_dim, link_concatenate,
                                             link_dot_general, link_dropping, link_gather,
                                             link_reshape, link_same_dims, link_slice_like,
-                                            link_transpose)
+                                            link_sort, link_split, link_transpose)
 from cptransform.op.attention import attention_p
 
 
@@ -67,8 +68,9 @@ class PrimFacts:
     """What is known about one primitive.
 
     ``seq_link``: the dim links of an equation (None: none, the sequence does not flow
-    through; calls link their bodies separately). ``acts_on``: the first operand's dims
-    the op acts on (None: unknown, assume all). ``order_safe``: commutes with a
+    through; calls link their bodies separately). ``acts_on``: per operand, the dims the
+    op acts on (None: unknown, assume all); an op acting on no sequence dim keeps the
+    token order even when it is not ``order_safe``. ``order_safe``: commutes with a
     permutation of any sequence dim it carries. ``shiftable``: can run on a sequence held
     unsliced (see ``reorder-sequence``). ``identity``: for reductions, the element that
     leaves the result unchanged. ``moves``: set when the op only moves, casts or
@@ -118,7 +120,9 @@ for _name in ("argmax", "argmin"):
 for _name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"):
     PRIMS[_name] = PrimFacts(Family.CUMULATIVE, link_same_dims, acts_on_param("axis"))
 
-PRIMS["dot_general"] = PrimFacts(Family.CONTRACTION, link_dot_general, order_safe=True)
+# A contraction over the sequence is exact in layout order only when both operands hold the
+# contracted dims in the same order: the reorder pass aligns them per equation.
+PRIMS["dot_general"] = PrimFacts(Family.CONTRACTION, link_dot_general, acts_on_contracting)
 
 PRIMS["broadcast_in_dim"] = PrimFacts(Family.SHAPE, link_broadcast_in_dim, order_safe=True,
                                       shiftable=True, moves=Moves.BROADCAST)
@@ -129,16 +133,16 @@ PRIMS["squeeze"] = PrimFacts(Family.SHAPE, link_dropping("dimensions"), order_sa
 PRIMS["transpose"] = PrimFacts(Family.SHAPE, link_transpose, order_safe=True,
                                moves=Moves.PERMUTE)
 
-# Whether a gather keeps the token order depends on its dimension numbers; the reorder
-# pass decides per equation.
-PRIMS["gather"] = PrimFacts(Family.INDEXING, link_gather, shiftable=True)
+# Indexing ops are positional along the dims they act on and keep the order of the others.
+PRIMS["gather"] = PrimFacts(Family.INDEXING, link_gather, acts_on_gather, shiftable=True)
 PRIMS["slice"] = PrimFacts(Family.INDEXING, link_slice_like, acts_on_slice)
 PRIMS["dynamic_slice"] = PrimFacts(Family.INDEXING, link_slice_like, acts_on_dynamic_slice)
 PRIMS["pad"] = PrimFacts(Family.INDEXING, link_slice_like, acts_on_pad)
 PRIMS["concatenate"] = PrimFacts(Family.INDEXING, link_concatenate, acts_on_param("dimension"))
+PRIMS["split"] = PrimFacts(Family.INDEXING, link_split, acts_on_param("axis"))
 PRIMS["rev"] = PrimFacts(Family.INDEXING, link_same_dims, acts_on_params("dimensions"))
-# A sort permutes along its dimension by value: no dim of the result is an input dim.
-PRIMS["sort"] = PrimFacts(Family.INDEXING, None, acts_on_param("dimension"))
+# A sort permutes along its dimension by value; its other dims keep their order.
+PRIMS["sort"] = PrimFacts(Family.INDEXING, link_sort, acts_on_param("dimension"))
 
 for _name, _kind in {"pjit": CallKind.JIT, "jit": CallKind.JIT,
                      "closed_call": CallKind.CALL, "core_call": CallKind.CALL,
@@ -184,11 +188,12 @@ def seq_links(eqn) -> list[Link]:
     return row.seq_link(eqn) if row is not None and row.seq_link is not None else []
 
 
-def acting_dims(eqn) -> set[int] | None:
-    """Input dims along which an op indexes (``None``: unknown, assume all).
+def acting_dims(eqn) -> list[set[int]] | None:
+    """Per operand, the dims along which an op indexes, reduces or contracts (``None``:
+    unknown, assume all).
 
-    A slice of the features or a concatenate of heads is order-free along the sequence even
-    though ``slice``/``concatenate`` are positional in general.
+    A slice or split of the features or a concatenate of heads is order-free along the
+    sequence even though ``slice``/``split``/``concatenate`` are positional in general.
     """
     row = PRIMS.get(eqn.primitive.name)
     return row.acts_on(eqn) if row is not None and row.acts_on is not None else None

@@ -254,10 +254,16 @@ class ContextParallelFunction:
         _, call, flat = self._build(args, kwargs)
         return call.lower(*flat)
 
-    def explain(self, *args, **kwargs) -> str:
-        """A readable account of what the transform does for these arguments."""
+    def explain(self, *args, leaks: bool = False, **kwargs) -> str:
+        """A readable account of what the transform does for these arguments.
+
+        ``leaks=True`` also compiles the transformed program for them and lists its sharding
+        leaks (all-gathers of the whole sequence outside the attention schedules). It is
+        opt-in because compiling costs seconds on the demo, far more than the rest of the
+        report. (A keyword argument of the function named ``leaks`` goes positionally.)"""
         from cptransform.api.explain import explain_module
-        return explain_module(self.module(*args, **kwargs), self.options)
+        hlo = self.lower(*args, **kwargs).compile().as_text() if leaks else None
+        return explain_module(self.module(*args, **kwargs), self.options, hlo)
 
 
 def context_parallel(fn: Callable | None = None, **options) -> Any:

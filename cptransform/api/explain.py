@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from cptransform.api.plan_chart import device_work
+from cptransform.lowering.sharding_leaks import sequence_all_gathers
 from cptransform.op.attention_spec import MaskSpec
 from cptransform.op.layouts import SequenceLayout
 
@@ -24,8 +25,22 @@ def balance_line(mask: MaskSpec, layout, seq_len: int, cp: int) -> str:
     return "load balance (slowest device / mean): " + ", ".join(rows)
 
 
-def explain_module(module, options: Any) -> str:
-    """The report behind ``ContextParallelFunction.explain``."""
+def leak_lines(hlo_text: str, seq_len: int | None) -> list[str]:
+    """The "sharding leaks:" lines for the compiled program ``hlo_text``."""
+    if seq_len is None:
+        return ["  sharding leaks: no sequence axis, nothing is sharded"]
+    gathers = sequence_all_gathers(hlo_text, seq_len)
+    if not gathers:
+        return ["  sharding leaks: none (no all-gather of the whole sequence outside the "
+                "attention schedules in the compiled program)"]
+    return ([f"  sharding leaks: {len(gathers)} all-gather(s) of the whole sequence outside "
+             "the attention schedules (compiled program):"]
+            + [f"    {g.describe()}" for g in gathers])
+
+
+def explain_module(module, options: Any, hlo_text: str | None = None) -> str:
+    """The report behind ``ContextParallelFunction.explain``; with the compiled program's
+    HLO text (``hlo_text``), also its sharding leaks."""
     facts = module.facts
     mesh, axes, layout, seq = facts.mesh, facts.cp_axes, facts.layout, facts.seq_axes
     cp = facts.cp if mesh is not None else None
@@ -57,5 +72,7 @@ def explain_module(module, options: Any) -> str:
             lines.append("    " + balance_line(p.mask, layout, p.shape.seq_len, cp))
     for entry in facts.reorder_log:
         lines.append(f"  {entry}")
+    if hlo_text is not None:
+        lines += leak_lines(hlo_text, seq.seq_len if seq is not None else None)
     return "\n".join(lines)
 
