@@ -66,10 +66,6 @@ ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES
 #: ``tests/test_fuzz.py`` skips them; ``bench/fuzz.py`` runs them. Fix the bug, delete the
 #: entry, and the CI fuzzer covers the class.
 KNOWN_BROKEN: dict[str, str] = {
-    "seq_contract": "wrong numbers under zigzag/striped: einsum('bshd,s->bhd', o, w) contracts "
-                    "the permuted o with the unpermuted length-S weight w",
-    "token_mix": "wrong numbers under zigzag/striped: x + einsum('bsd,st->btd', x, W) with W an "
-                 "S x S argument mixes layout-order x with natural-order W",
     "nan_weight": "silent wrong answer: a NaN in the query projection (NaN scores) gives a "
                   "finite loss under ring/allgather (single device: NaN); NaN in wo is fine",
     "masked_rows": "silent wrong answer: fully masked rows with a -inf where-fill are NaN on "
