@@ -121,7 +121,7 @@ def main() -> None:
     variants = {"ring-zigzag": ours("ring", "zigzag"),
                 "ring-contiguous": ours("ring", "contiguous"),
                 "ulysses": ours("ulysses", "contiguous"),
-                "allgather": ours("allgather", "contiguous"),
+                "allgather": ours("allgather", "zigzag"),
                 "hybrid-2x4": ours("hybrid", "zigzag"),
                 "allgather-dense": dense_allgather}
     if ring_attention is not None:
@@ -150,7 +150,7 @@ def main() -> None:
             grid = rows[:, None] >= rows[None, :] if causal else np.ones((s // c,) * 2, bool)
             per = [grid[r * loc // c:(r + 1) * loc // c].sum() * c * c * h for r in range(CP)]
             return max(per) / ideal
-        layout = "contiguous" if name in ("ring-contiguous", "ulysses", "allgather") else "zigzag"
+        layout = "contiguous" if name in ("ring-contiguous", "ulysses") else "zigzag"
         pos = SequenceLayout(layout, s, CP).permutation()
         shard = lambda r, n=1: pos[r * s // CP:(r + n) * s // CP]  # noqa: E731
         if name == "ulysses":
