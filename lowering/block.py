@@ -21,10 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
-from cptransform.op.attention_spec import AttentionSpec
 
 #: The fields that belong to the keys: they travel together (ring) or are gathered together.
 KEY_FIELDS = ("k", "v", "kv_pos", "kv_seg")
@@ -65,41 +63,3 @@ class Block:
         cut = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
             x, source * width, width, axis=3)
         return self.replace(mask=cut(self.mask), bias=cut(self.bias))
-
-    def tiles(self, nq: int, nk: int) -> list[list["Block"]]:
-        """The block cut into ``nq`` query tiles × ``nk`` key tiles of equal length;
-        ``tiles[a][j]`` holds query tile ``a`` and key tile ``j``."""
-        def cut(x, axis, parts):
-            return [None] * parts if x is None else jnp.split(x, parts, axis=axis)
-
-        q, q_pos, q_seg = cut(self.q, 1, nq), cut(self.q_pos, 1, nq), cut(self.q_seg, 1, nq)
-        k, v = cut(self.k, 1, nk), cut(self.v, 1, nk)
-        kv_pos, kv_seg = cut(self.kv_pos, 1, nk), cut(self.kv_seg, 1, nk)
-        mask = [cut(m, 3, nk) for m in cut(self.mask, 2, nq)]
-        bias = [cut(b, 3, nk) for b in cut(self.bias, 2, nq)]
-        return [[Block(q[a], k[j], v[j], q_pos[a], kv_pos[j], q_seg[a], kv_seg[j], mask[a][j],
-                       bias[a][j]) for j in range(nk)] for a in range(nq)]
-
-    def may_be_visible(self, spec: AttentionSpec):
-        """Scalar bool: can any query of the block see any of its keys?
-
-        Decided from ranges (min/max positions and segment ids per batch row), exactly for a
-        dense mask (``any``). ``False`` is a proof that the block is fully masked, so a
-        schedule may skip it; ``True`` may be conservative (e.g. segment ranges that overlap
-        without a common id).
-        """
-        may = jnp.ones((1,), dtype=bool)
-        lo, hi = spec.mask.band()
-        if lo is not None or hi is not None:
-            d_max = jnp.max(self.kv_pos, axis=-1) - jnp.min(self.q_pos, axis=-1)
-            d_min = jnp.min(self.kv_pos, axis=-1) - jnp.max(self.q_pos, axis=-1)
-            if lo is not None:
-                may = may & (d_max >= lo)
-            if hi is not None:
-                may = may & (d_min <= hi)
-        if spec.mask.segments:
-            may = may & (jnp.max(self.kv_seg, axis=-1) >= jnp.min(self.q_seg, axis=-1)) \
-                & (jnp.max(self.q_seg, axis=-1) >= jnp.min(self.kv_seg, axis=-1))
-        if spec.mask.dense:
-            may = may & jnp.any(self.mask, axis=(1, 2, 3))
-        return jnp.any(may)

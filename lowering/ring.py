@@ -8,25 +8,27 @@ block is sent (``ppermute`` to rank ``r + 1``) before the current block is compu
 can overlap the transfer with the compute. Steps ``0 … cp-2`` are one ``lax.scan``, so
 compile time does not grow with ``cp``; the last step sends nothing.
 
-Each step is computed as a grid of tiles (2 × 2 when the local lengths are even, else
-1 × 1); a tile that :meth:`Block.may_be_visible` proves fully masked is skipped with
-``lax.cond`` while K/V still move. Under a causal mask this skips about half the work with
-contiguous shards and exactly the empty half-blocks with zigzag (each zigzag rank holds
-two chunks, which are the two tiles).
+Each step is one kernel call on the local queries against the arrived block. The kernel
+classifies its (query chunk, key chunk) pairs from the positions and skips the empty ones
+(:mod:`cptransform.lowering.kernels.chunked`), so under a causal mask contiguous shards
+skip about half the work and zigzag exactly the empty half-blocks (each zigzag rank holds
+two chunks of the sequence, which never share a kernel chunk).
 
 Dense masks and biases hold all key columns (in layout order); step ``i`` reads the column
 block of its source rank ``(r - i) mod cp``.
 
 Communication, per device (``Tkv_loc`` local keys, ``B`` batch, element sizes in bytes):
 
-* forward: ``cp - 1`` collective-permutes each of K, V, the kv positions (only when the
+* forward: ``cp - 1`` collective-permutes of K and V (concatenated on the feature dim into
+  one send when they share a dtype), of the kv positions (only when the
   mask reads them: causal or window) and the kv segment ids (with a segment mask):
   ``(cp-1)·Tkv_loc·(B·Hkv·(D·|k| + Dv·|v|) [+ B_pos·|pos|] [+ B_seg·|seg|])`` bytes, where
   ``B_pos``/``B_seg`` are 1 for positions / segment ids shared by the batch;
 * backward: the same ``cp - 1`` rotations of K, V, positions and segment ids, plus ``cp``
-  rotations each of the float32 dK and dV accumulators, which travel with their block and
-  arrive at the owner after the last step (``cp·B·Tkv_loc·Hkv·(D + Dv)·4`` bytes). dQ and
-  dbias stay local.
+  rotations of the float32 dK and dV accumulators (one send, concatenated), which travel
+  with their block and arrive at the owner after the last step
+  (``cp·B·Tkv_loc·Hkv·(D + Dv)·4`` bytes). dQ and dbias stay local; ``rowsum(dO∘O)`` is
+  computed once, not per step.
 
 The backward is a ``custom_vjp``: residuals are q, k, v, o, lse and the mask operands
 (positions, segment ids, dense mask, bias), never the probabilities.
@@ -44,17 +46,8 @@ from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, m
 from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import Schedule, divides_sequence, \
     fill_empty_rows_sharded, register_schedule
+from cptransform.lowering.kernels import row_delta
 from cptransform.op.attention_reference import merge
-
-
-def tiles_per_block(length: int) -> int:
-    """How many tiles one local block is cut into along a sequence axis."""
-    return 2 if length % 2 == 0 else 1
-
-
-def _cut(x, axis: int, parts: int):
-    """``x`` split into ``parts`` equal pieces along ``axis``."""
-    return jnp.split(x, parts, axis=axis)
 
 
 def _rotate(tree, axes, cp: int):
@@ -66,19 +59,38 @@ def _rotate(tree, axes, cp: int):
 def _zeros(like, shape, fill=0.0):
     """Float32 ``fill`` of ``shape``, varying over the same mesh axes as ``like``.
 
-    Branches of ``lax.cond`` under ``shard_map`` must agree on which axes a value varies
-    over; deriving constants from an operand keeps them in step with the kernel's outputs.
+    Loop carries under ``shard_map`` must agree on which axes a value varies over; deriving
+    constants from an operand keeps them in step with the kernel's outputs.
     """
     return jnp.full_like(like, fill, dtype=jnp.float32, shape=shape)
 
 
-def _travelling(spec, block: Block) -> Block:
-    """The keys that move around the ring: K, V, segment ids, and the kv positions only
-    when the mask reads them (causal or window); positions not sent are stood in for by the
+def _packed(k, v):
+    """K and V as what one send carries: concatenated on the feature dim when they share a
+    dtype (one collective-permute per step), else the pair."""
+    return jnp.concatenate([k, v], axis=-1) if k.dtype == v.dtype else (k, v)
+
+
+def _unpacked(kv, d: int):
+    """Inverse of :func:`_packed` for keys of ``d`` features."""
+    return kv if isinstance(kv, tuple) else (kv[..., :d], kv[..., d:])
+
+
+def _travelling(spec, block: Block):
+    """What moves around the ring: packed K/V, segment ids, and the kv positions only when
+    the mask reads them (causal or window); positions not sent are stood in for by the
     local ones on arrival (:meth:`Block.with_keys`)."""
-    keys = block.keys()
     reads_positions = spec.mask.band() != (None, None)
-    return keys if reads_positions else keys.replace(kv_pos=None)
+    return (_packed(block.k, block.v),
+            Block(kv_pos=block.kv_pos if reads_positions else None, kv_seg=block.kv_seg))
+
+
+def _arrived(block: Block, keys, source, tkv: int) -> Block:
+    """One ring step's problem: the local queries against ``keys`` (from rank ``source``),
+    with the mask and bias columns of those keys."""
+    kv, meta = keys
+    k, v = _unpacked(kv, block.k.shape[-1])
+    return block.with_keys(meta.replace(k=k, v=v)).columns(source, tkv)
 
 
 def _around_the_ring(step, state, keys, axes, cp: int):
@@ -99,38 +111,19 @@ def _around_the_ring(step, state, keys, axes, cp: int):
     return step(cp - 1, state, keys)
 
 
-def _step_tiles(block: Block, keys: Block, source, tkv: int) -> list[list[Block]]:
-    """The tiles of one ring step: the local queries against ``keys`` (from rank
-    ``source``), with the mask and bias columns of those keys."""
-    step = block.with_keys(keys).columns(source, tkv)
-    return step.tiles(tiles_per_block(block.q.shape[1]), tiles_per_block(tkv))
-
-
 def _forward(block: Block, spec, axes, kernel):
     cp = lax.axis_size(axes)
     rank = lax.axis_index(axes)
     b, tq, h, _ = block.q.shape
     tkv, dv = block.k.shape[1], block.v.shape[3]
-    nq = tiles_per_block(tq)
-    tile_q = tq // nq
-
-    def skip(tile):
-        return (_zeros(tile.q, (b, tile_q, h, dv)), _zeros(tile.q, (b, h, tile_q), -jnp.inf))
 
     def step(i, acc, keys):
-        acc = list(acc)
-        for a, row in enumerate(_step_tiles(block, keys, (rank - i) % cp, tkv)):
-            for tile in row:
-                o_t, lse_t = lax.cond(tile.may_be_visible(spec),
-                                      lambda t: kernel.forward(t, spec), skip, tile)
-                acc[a] = merge(*acc[a], o_t, lse_t)
-        return tuple(acc)
+        # The kernel classifies its chunk pairs, so the masked half of a step costs nothing.
+        o_s, lse_s = kernel.forward(_arrived(block, keys, (rank - i) % cp, tkv), spec)
+        return merge(*acc, o_s, lse_s)
 
-    empty = tuple((_zeros(block.q, (b, tile_q, h, dv)),
-                   _zeros(block.q, (b, h, tile_q), -jnp.inf)) for _ in range(nq))
-    acc = _around_the_ring(step, empty, _travelling(spec, block), axes, cp)
-    o = jnp.concatenate([o for o, _ in acc], axis=1)
-    lse = jnp.concatenate([lse for _, lse in acc], axis=2)
+    empty = (_zeros(block.q, (b, tq, h, dv)), _zeros(block.q, (b, h, tq), -jnp.inf))
+    o, lse = _around_the_ring(step, empty, _travelling(spec, block), axes, cp)
     return o.astype(block.q.dtype), lse
 
 
@@ -158,44 +151,26 @@ def _ring_bwd(spec, axes, kernel, residuals, cotangents):
     cp = lax.axis_size(axes)
     rank = lax.axis_index(axes)
     q, k, v, bias = block.q, block.k, block.v, block.bias
-    tkv = k.shape[1]
-    nq, nk = tiles_per_block(q.shape[1]), tiles_per_block(tkv)
-    row_tiles = list(zip(_cut(o, 1, nq), _cut(lse, 2, nq), _cut(do, 1, nq), _cut(dlse, 2, nq)))
-
-    def compute(tile, o_a, lse_a, do_a, dlse_a):
-        return kernel.backward(tile, o_a, lse_a, do_a, spec, dlse=dlse_a)
-
-    def skip(tile, *_):
-        return (_zeros(tile.q, tile.q.shape), _zeros(tile.q, tile.k.shape),
-                _zeros(tile.q, tile.v.shape),
-                None if tile.bias is None else _zeros(tile.q, tile.bias.shape))
+    tkv, d = k.shape[1], k.shape[3]
+    # rowsum(dO∘O) - dlse is the same for every key block: computed once, not per step.
+    delta = row_delta(o, do, dlse)
 
     def step(i, state, keys):
-        dq, dk, dv, dbias = state
+        dq, dkv, dbias = state
         source = (rank - i) % cp
-        dq, dk_t, dv_t = list(_cut(dq, 1, nq)), _cut(dk, 1, nk), _cut(dv, 1, nk)
-        dbias_rows = []
-        for a, row in enumerate(_step_tiles(block, keys, source, tkv)):
-            dbias_row = []
-            for j, tile in enumerate(row):
-                g_q, g_k, g_v, g_b = lax.cond(tile.may_be_visible(spec), compute, skip, tile,
-                                              *row_tiles[a])
-                dq[a] = dq[a] + g_q
-                dk_t[j] = dk_t[j] + g_k
-                dv_t[j] = dv_t[j] + g_v
-                dbias_row.append(g_b)
-            dbias_rows.append(dbias_row)
+        g_q, g_k, g_v, g_b = kernel.backward(_arrived(block, keys, source, tkv), o, lse, do,
+                                             spec, delta=delta)
         if dbias is not None:
-            cols = jnp.concatenate([jnp.concatenate(row, axis=3) for row in dbias_rows], axis=2)
-            dbias = lax.dynamic_update_slice_in_dim(dbias, cols, source * tkv, axis=3)
-        # dK/dV accumulators travel with their keys and arrive home after the last step.
-        dk, dv = _rotate((jnp.concatenate(dk_t, axis=1), jnp.concatenate(dv_t, axis=1)),
-                         axes, cp)
-        return jnp.concatenate(dq, axis=1), dk, dv, dbias
+            dbias = lax.dynamic_update_slice_in_dim(dbias, g_b, source * tkv, axis=3)
+        # The float32 dK/dV accumulators travel (as one send) with their keys and arrive
+        # home after the last step.
+        dkv = jax.tree.map(jnp.add, dkv, _packed(g_k, g_v))
+        return dq + g_q, _rotate(dkv, axes, cp), dbias
 
-    zeros = (_zeros(q, q.shape), _zeros(k, k.shape), _zeros(v, v.shape),
+    zeros = (_zeros(q, q.shape), _packed(_zeros(q, k.shape), _zeros(q, v.shape)),
              None if bias is None else _zeros(q, bias.shape))
-    dq, dk, dv, dbias = _around_the_ring(step, zeros, _travelling(spec, block), axes, cp)
+    dq, dkv, dbias = _around_the_ring(step, zeros, _travelling(spec, block), axes, cp)
+    dk, dv = _unpacked(dkv, d)
     return (Block(q=dq.astype(q.dtype), k=dk.astype(k.dtype), v=dv.astype(v.dtype),
                   bias=None if bias is None else dbias.astype(bias.dtype)),)
 

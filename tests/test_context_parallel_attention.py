@@ -90,7 +90,8 @@ def test_schedule_contract(rng, monkeypatch):
 
 
 def test_attend_is_the_local_kernel_forward(rng):
-    """The XLA kernel's forward is attention_reference.attend (one definition of a block)."""
+    """The default kernel's forward equals attention_reference.attend (one definition of a
+    block), up to float32 rounding: it accumulates over key chunks."""
     from cptransform.lowering.kernels import get_kernel
 
     bthd = Layout.parse("BTHD")
@@ -100,7 +101,7 @@ def test_attend_is_the_local_kernel_forward(rng):
     pos = jnp.arange(4)[None]
     for got, want in zip(get_kernel("auto").forward(Block(q, k, v, pos, pos), spec),
                          attend(spec, q, k, v, pos, pos)):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture

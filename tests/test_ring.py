@@ -14,6 +14,7 @@ from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.lowering import kernels as kernels_module
 from cptransform.lowering.block import Block
+from cptransform.lowering.kernels.chunked import EMPTY, ChunkedKernel, chunk_kinds
 from cptransform.lowering.schedule import schedules
 from cptransform.lowering.collectives import lower_and_count
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
@@ -114,45 +115,30 @@ def test_kernel_backward_matches_autodiff(rng):
         assert relative_error(g, w) <= 1e-5, name
 
 
-def test_block_classification():
-    spec = AttentionSpec(q=BTHD, k=BTHD, v=BTHD, scale=1.0,
-                         mask=MaskSpec(causal=True, window=(4, None), segments=True))
-    pos = lambda *p: jnp.asarray([p])  # noqa: E731
-    seg = pos(0, 0, 1)
-
-    def block(q_pos, kv_pos, q_seg=None, kv_seg=None, mask=None):
-        return Block(q_pos=q_pos, kv_pos=kv_pos, q_seg=q_seg, kv_seg=kv_seg, mask=mask)
-
-    assert block(pos(8, 9, 10), pos(5, 6, 7), seg, seg).may_be_visible(spec)
-    assert not block(pos(0, 1, 2), pos(3, 4, 5), seg, seg).may_be_visible(spec)  # causal
-    assert not block(pos(12, 13, 14), pos(5, 6, 7), seg, seg).may_be_visible(spec)  # window
-    assert not block(pos(8, 9, 10), pos(5, 6, 7), seg, seg + 2).may_be_visible(spec)
-    dense = spec.replace(mask=MaskSpec(dense=True))
-    tile = jnp.zeros((2, 1, 3, 3), bool)
-    assert not block(pos(0, 1, 2), pos(0, 1, 2), mask=tile).may_be_visible(dense)
-    assert block(pos(0, 1, 2), pos(0, 1, 2), mask=tile.at[1, 0, 2, 0].set(True)).may_be_visible(
-        dense)
-
-
-class _CountingKernel(XlaKernel):
-    """The XLA kernel, reporting which rank runs a forward tile (so skips can be counted)."""
-
-    name = "counting"
+class _CountingKernel(ChunkedKernel):
+    """The chunked kernel, reporting per rank how many chunk pairs a forward computes (the
+    pairs its classification does not skip)."""
 
     def __init__(self, axes):
-        self.axes = axes
-        self.calls = Counter()
+        super().__init__(name="counting")
+        object.__setattr__(self, "axes", axes)
+        object.__setattr__(self, "calls", Counter())
 
-    def forward(self, *args):
-        jax.debug.callback(lambda r: self.calls.update([int(r)]), jax.lax.axis_index(self.axes))
-        return super().forward(*args)
+    def __hash__(self):
+        return id(self)
+
+    def forward(self, block, spec):
+        computed = jnp.sum(chunk_kinds(block, spec, self.chunk) != EMPTY)
+        jax.debug.callback(lambda r, n: self.calls.update({int(r): int(n)}),
+                           jax.lax.axis_index(self.axes), computed)
+        return super().forward(block, spec)
 
 
 @pytest.mark.parametrize("layout,per_rank", [("contiguous", [3, 7, 11, 15]),
                                              ("zigzag", [9, 9, 9, 9])])
 def test_causal_skips_fully_masked_tiles(rng, monkeypatch, layout, per_rank):
-    """cp=4, 2×2 tiles per step (16 per rank): contiguous shards compute 3 tiles on the
-    diagonal step and 4 per earlier block; zigzag computes the same 9 on every rank."""
+    """cp=4, 2×2 kernel chunks per step (16 per rank): contiguous shards compute 3 pairs on
+    the diagonal step and 4 per earlier block; zigzag computes the same 9 on every rank."""
     counting = _CountingKernel("cp")
     monkeypatch.setitem(kernels_module.kernels(), "counting", counting)
     case = make_case(rng, "causal", "gqa", seq=32)
@@ -167,9 +153,10 @@ def test_causal_skips_fully_masked_tiles(rng, monkeypatch, layout, per_rank):
 @pytest.mark.parametrize("cp,heads,kind", [(2, "mha", "causal"), (4, "gqa", "segments"),
                                            (8, "mqa", "window")])
 def test_communication(cp, heads, kind):
-    """Forward: cp-1 collective-permutes each of K, V, the kv positions (when the mask
-    reads them) and segment ids, to the byte of the closed form and the cost model; the
-    backward adds the same rotations again plus cp float32 rotations of dK and dV."""
+    """Forward: cp-1 collective-permutes each of K and V (one send), the kv positions (when
+    the mask reads them) and segment ids, to the byte of the closed form and the cost model;
+    the backward adds the same rotations again plus cp float32 rotations of dK and dV (one
+    send)."""
     seq, d, dv, batch = 64, 8, 12, 2
     case = make_case(np.random.default_rng(0), kind, heads, seq=seq, dv=dv, batch=batch,
                      dtype=jnp.bfloat16)
@@ -186,7 +173,7 @@ def test_communication(cp, heads, kind):
 
     segments, positions = kind == "segments", kind != "segments"
     loc = seq // cp
-    want_shapes = {f"{batch}x{loc}x{hkv}x{d}xbf16": cp - 1, f"{batch}x{loc}x{hkv}x{dv}xbf16": cp - 1}
+    want_shapes = {f"{batch}x{loc}x{hkv}x{d + dv}xbf16": cp - 1}  # K and V in one send
     if positions:
         want_shapes[f"1x{loc}xi32"] = cp - 1
     if segments:
@@ -205,7 +192,7 @@ def test_communication(cp, heads, kind):
         dtype_bytes=2, positions=positions, segments=segments, segment_batch=batch))
     assert fwd.bytes_by_kind() == expected.forward
     bwd = lower_and_count(grad, *abstract)
-    assert bwd.counts() == {"collective_permute": 2 * sum(want_shapes.values()) + 2 * cp}
+    assert bwd.counts() == {"collective_permute": 2 * sum(want_shapes.values()) + cp}
     dkv_bytes = cp * batch * loc * hkv * (d + dv) * 4
     assert bwd.per_device_bytes == 2 * closed_form + dkv_bytes
     assert bwd.per_device_bytes == expected.forward_total + expected.backward_total

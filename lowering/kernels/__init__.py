@@ -6,14 +6,16 @@ methods (:class:`Kernel`); each module of this package registers its kernels wit
 is one new module here.
 
 * ``forward(block, spec) -> (o, lse)``
-* ``backward(block, o, lse, do, spec, dlse=None) -> (dq, dk, dv, dbias)``
+* ``backward(block, o, lse, do, spec, dlse=None, delta=None) -> (dq, dk, dv, dbias)``
 
 ``block`` is a :class:`~cptransform.lowering.block.Block` in the canonical per-device shapes
 with the mask and bias holding only this block's key columns. ``o`` is float32 and
 normalised within the block, ``lse`` float32 ``[B, H, Tq]`` and ``-inf`` for rows that see
 no key in the block. In ``backward``, ``o``/``lse`` are the *merged* results over all key
 blocks (so the probabilities of this block are ``exp(logits - lse)``) and ``dlse`` an
-optional cotangent of ``lse``; all gradients are float32, ``dbias`` has the bias's shape
+optional cotangent of ``lse``; ``delta``, when given, is :func:`row_delta` of those (a schedule
+that calls the backward once per key block computes it once), and then ``o`` and ``dlse``
+are not read; all gradients are float32, ``dbias`` has the bias's shape
 (broadcast dims summed) and is ``None`` without a bias.
 """
 from __future__ import annotations
@@ -21,6 +23,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from typing import Protocol
+
+import jax.numpy as jnp
 
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
@@ -34,8 +38,14 @@ class Kernel(Protocol):
     def forward(self, block: Block, spec: AttentionSpec):
         ...
 
-    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None):
+    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None):
         ...
+
+
+def row_delta(o, do, dlse=None):
+    """Float32 ``[B, H, Tq]``: ``rowsum(dO ∘ O) - dlse``, the backward's per-row term."""
+    delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)
+    return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
 #: Local-step kernels by name (filled by the modules of this package; see :func:`kernels`).

@@ -1,5 +1,8 @@
-"""The XLA kernel: the local step in plain ``jax.numpy`` (the reference every kernel is
-checked against)."""
+"""The dense XLA kernel: the local step in plain ``jax.numpy`` on the whole logits tile.
+
+Not registered: the default ``"xla"`` kernel is the chunked one
+(:mod:`cptransform.lowering.kernels.chunked`); this one stays as the tests' oracle for a
+kernel's backward."""
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -7,7 +10,6 @@ import jax.numpy as jnp
 from cptransform.op.attention_reference import attend, logits, visible
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
-from cptransform.lowering.kernels import register_kernel
 
 
 def _grouped(x, hkv):
@@ -77,5 +79,3 @@ class XlaKernel:
         dk = jnp.einsum("bhgqk,bqhgd->bkhd", dsg, qg, preferred_element_type=f32)
         return dq, dk, dv, dbias
 
-
-register_kernel(XlaKernel())

@@ -1,0 +1,225 @@
+"""Our schedules against the ``ringattention`` package's pure-JAX ring, on the CPU.
+
+One run, 8 simulated devices (cp=8), fp32, B=1, H=8, D=64; MHA (8 KV heads) and GQA
+(2 KV heads, repeated to 8 for the peers, which are MHA-only); causal and full masks.
+For each variant: time of the forward and of forward+backward (median of interleaved
+repetitions: every variant runs once per round), per-device temporary memory from XLA's
+memory analysis of the compiled program, and executed score entries of the slowest device
+over the ideal per-device share (counted from the chunk classification for our
+schedules, from the peer's chunk rule for ``ringattention``, everything for the dense
+all-gather baseline). Ratios are against ``ringattention``.
+
+    python bench/peers.py [--seqs 2048,4096] [--reps 3] [--heads mha,gqa]
+                          [--masks causal,full] [--no-time]
+
+Prints a table and writes ``bench/results/peers.json``. The ``ringattention`` package
+(``pip install --no-deps ringattention`` plus ``einops``) is imported with a stand-in for
+``jax.lib.xla_bridge``, which its package init reads and current JAX no longer has.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CP = 8
+
+
+def _import_ringattention():
+    """``ringattention.ringattention_jax.ring_attention``, or ``None`` when not installed."""
+    import jax
+    if not hasattr(jax.lib, "xla_bridge"):
+        # The package init asks jax.lib.xla_bridge for the platform (removed from JAX).
+        jax.lib.xla_bridge = types.SimpleNamespace(get_backend=jax.extend.backend.get_backend)
+    try:
+        from ringattention.ringattention_jax import ring_attention
+    except ImportError as err:
+        print(f"ringattention unavailable ({err}); comparing against all-gather only")
+        return None
+    return ring_attention
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seqs", default="2048,4096")
+    parser.add_argument("--heads", default="mha,gqa")
+    parser.add_argument("--masks", default="causal,full")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--no-time", action="store_true", help="memory and FLOPs only")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers.json"))
+    args = parser.parse_args()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={CP}")
+    sys.path.insert(0, str(ROOT))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+
+    from cptransform.lowering.block import Block
+    from cptransform.lowering.context_parallel_attention import context_parallel_attention
+    from cptransform.lowering.kernels.chunked import DEFAULT_CHUNK, EMPTY, chunk_kinds, \
+        chunk_size
+    from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+    from cptransform.op.layouts import SequenceLayout
+
+    ring_attention = _import_ringattention()
+    h, d, batch = 8, 64, 1
+    auto = jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((CP,), ("cp",), axis_types=(auto,))
+    mesh2 = jax.make_mesh((2, 4), ("uly", "ring"), axis_types=(auto, auto))
+    bthd = Layout.parse("BTHD")
+
+    def ours(schedule, layout):
+        def run(q, k, v, causal):
+            spec = AttentionSpec(q=bthd, k=bthd, v=bthd, scale=1 / math.sqrt(d),
+                                 groups=h // k.shape[2], mask=MaskSpec(causal=causal))
+            hybrid = schedule == "hybrid"
+            return context_parallel_attention(
+                q, k, v, spec=spec, mesh=mesh2 if hybrid else mesh,
+                axes=("uly", "ring") if hybrid else "cp", schedule=schedule, layout=layout)
+        return run
+
+    def repeat_heads(k, v):
+        return (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+
+    def peer_ring(q, k, v, causal):
+        s_loc = q.shape[1] // CP
+        chunk = min(512, s_loc)
+        kwargs = dict(causal_block_size=1 if causal else None, query_chunk_size=chunk,
+                      key_chunk_size=chunk, deterministic=True, dropout_rng=None,
+                      attn_pdrop=0.0, dtype=jnp.float32, policy=None, precision=None,
+                      prevent_cse=True)
+
+        def local(q, k, v):
+            k, v = repeat_heads(k, v)
+            return ring_attention(q, k, v, None, None, None, "cp", True, kwargs)
+        # The package predates varying-axis checks (its lax.cond branches disagree).
+        return jax.shard_map(local, mesh=mesh, in_specs=P(None, "cp"),
+                             out_specs=P(None, "cp"), check_vma=False)(q, k, v)
+
+    def dense_allgather(q, k, v, causal):
+        def local(q, k, v):
+            k, v = (lax.all_gather(x, "cp", axis=1, tiled=True) for x in repeat_heads(k, v))
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+            if causal:
+                t = q.shape[1]
+                rows = lax.axis_index("cp") * t + jnp.arange(t)
+                s = jnp.where(jnp.arange(k.shape[1])[None] <= rows[:, None], s, -jnp.inf)
+            return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+        return jax.shard_map(local, mesh=mesh, in_specs=P(None, "cp"),
+                             out_specs=P(None, "cp"))(q, k, v)
+
+    variants = {"ring-zigzag": ours("ring", "zigzag"),
+                "ring-contiguous": ours("ring", "contiguous"),
+                "ulysses": ours("ulysses", "contiguous"),
+                "allgather": ours("allgather", "zigzag"),
+                "hybrid-2x4": ours("hybrid", "zigzag"),
+                "allgather-dense": dense_allgather}
+    if ring_attention is not None:
+        variants["ringattention"] = peer_ring
+
+    spec_of = lambda causal: AttentionSpec(q=bthd, k=bthd, v=bthd, scale=1.0,  # noqa: E731
+                                           mask=MaskSpec(causal=causal))
+
+    def computed(q_pos, kv_pos, causal):
+        """Score entries the chunked kernel computes for one call."""
+        z = lambda t: jnp.zeros((1, t, 1, 1))  # noqa: E731
+        tq, tkv = len(q_pos), len(kv_pos)
+        block = Block(z(tq), z(tkv), z(tkv), jnp.asarray(q_pos)[None], jnp.asarray(kv_pos)[None])
+        kinds = np.asarray(chunk_kinds(block, spec_of(causal)))
+        return int(np.sum(kinds != EMPTY)) * chunk_size(tq, DEFAULT_CHUNK) * \
+            chunk_size(tkv, DEFAULT_CHUNK)
+
+    def executed(name, s, causal):
+        """Score entries × heads of the slowest device, over the ideal per-device share."""
+        ideal = (s * (s + 1) / 2 if causal else s * s) * h / CP
+        if name == "allgather-dense":
+            return s * s * h / CP / ideal
+        if name == "ringattention":
+            loc, c = s // CP, min(512, s // CP)
+            rows = np.arange(s // c)
+            grid = rows[:, None] >= rows[None, :] if causal else np.ones((s // c,) * 2, bool)
+            per = [grid[r * loc // c:(r + 1) * loc // c].sum() * c * c * h for r in range(CP)]
+            return max(per) / ideal
+        layout = "contiguous" if name in ("ring-contiguous", "ulysses") else "zigzag"
+        pos = SequenceLayout(layout, s, CP).permutation()
+        shard = lambda r, n=1: pos[r * s // CP:(r + n) * s // CP]  # noqa: E731
+        if name == "ulysses":
+            return computed(pos, pos, causal) * (h // CP) / ideal
+        if name == "allgather":
+            return max(computed(shard(r), pos, causal) for r in range(CP)) * h / ideal
+        if name == "ring-zigzag" or name == "ring-contiguous":
+            return max(sum(computed(shard(r), shard((r - i) % CP), causal) for i in range(CP))
+                       for r in range(CP)) * h / ideal
+        u, groups = 2, CP // 2   # hybrid: a Ulysses group holds U consecutive shards
+        group = lambda g: shard(g * u, u)  # noqa: E731
+        return max(sum(computed(group(g), group((g - i) % groups), causal)
+                       for i in range(groups)) for g in range(groups)) * (h // u) / ideal
+
+    rng = np.random.default_rng(0)
+    rows, timings = [], {}
+    for s in [int(x) for x in args.seqs.split(",")]:
+        for heads in args.heads.split(","):
+            hkv = {"mha": h, "gqa": 2}[heads]
+            q, k, v = (jnp.asarray(rng.normal(size=(batch, s, n, d)), jnp.float32)
+                       for n in (h, hkv, hkv))
+            for mask in args.masks.split(","):
+                causal = mask == "causal"
+                compiled = {}
+                for name, fn in variants.items():
+                    fwd = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, causal))
+                    grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v, causal)),
+                                            argnums=(0, 1, 2)))
+                    fwd_c, grad_c = (f.lower(q, k, v).compile() for f in (fwd, grad))
+                    compiled[name] = (fwd_c, grad_c)
+                    rows.append(dict(
+                        seq=s, heads=heads, mask=mask, variant=name,
+                        fwd_temp_mib=fwd_c.memory_analysis().temp_size_in_bytes / 2**20,
+                        fwdbwd_temp_mib=grad_c.memory_analysis().temp_size_in_bytes / 2**20,
+                        flops_over_ideal=executed(name, s, causal)))
+                if args.no_time:
+                    continue
+                for f in [c for pair in compiled.values() for c in pair]:
+                    jax.block_until_ready(f(q, k, v))  # warm up
+                for _ in range(args.reps):   # interleaved: every variant once per round
+                    for name, (fwd_c, grad_c) in compiled.items():
+                        for kind, f in (("fwd", fwd_c), ("fwdbwd", grad_c)):
+                            t0 = time.perf_counter()
+                            jax.block_until_ready(f(q, k, v))
+                            timings.setdefault((s, heads, mask, name, kind), []).append(
+                                time.perf_counter() - t0)
+    for row in rows:
+        for kind in ("fwd", "fwdbwd"):
+            ts = timings.get((row["seq"], row["heads"], row["mask"], row["variant"], kind))
+            row[f"{kind}_s"] = statistics.median(ts) if ts else None
+    peer = {(r["seq"], r["heads"], r["mask"]): r for r in rows
+            if r["variant"] == "ringattention"}
+    header = (f"{'S':>5} {'heads':5} {'mask':6} {'variant':16} {'fwd s':>7} {'f+b s':>7} "
+              f"{'f+b/peer':>8} {'fwd MiB':>8} {'f+b MiB':>8} {'mem/peer':>8} {'FLOPs/ideal':>11}")
+    print(header)
+    for r in rows:
+        p = peer.get((r["seq"], r["heads"], r["mask"]))
+        ratio = lambda key: (f"{r[key] / p[key]:.2f}" if p and r.get(key) and p.get(key)  # noqa: E731
+                             else "-")
+        fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+        print(f"{r['seq']:>5} {r['heads']:5} {r['mask']:6} {r['variant']:16} "
+              f"{fmt(r['fwd_s']):>7} {fmt(r['fwdbwd_s']):>7} {ratio('fwdbwd_s'):>8} "
+              f"{r['fwd_temp_mib']:>8.1f} {r['fwdbwd_temp_mib']:>8.1f} "
+              f"{ratio('fwdbwd_temp_mib'):>8} {r['flops_over_ideal']:>11.3f}")
+    Path(args.out).write_text(json.dumps(dict(
+        cp=CP, heads=h, head_dim=d, batch=batch, dtype="float32", chunk=DEFAULT_CHUNK,
+        reps=args.reps, argv=sys.argv[1:], rows=rows), indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

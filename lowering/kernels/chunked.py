@@ -1,0 +1,393 @@
+"""The chunked XLA kernel: flash-style attention in plain ``jax.numpy`` (kernel ``"xla"``).
+
+The local problem is cut into a static grid of query chunks × key chunks. Each (query
+chunk, key chunk) pair is classified once per call (:func:`chunk_kinds`) from position
+ranges (min/max per chunk against the mask band), segment-id ranges and the dense-mask
+tile (``any``/``all``):
+
+* ``EMPTY`` pairs are skipped (``lax.switch`` runs a branch that does no FLOPs);
+* ``FULL`` pairs compute without building a mask;
+* ``PARTIAL`` pairs build the mask of the pair (:func:`visible`) and apply it.
+
+Forward: a ``lax.scan`` over query chunks, inside it a ``lax.fori_loop`` over key chunks
+keeping a running max, sum and accumulator per row; normalised once at the end. Backward:
+a ``lax.scan`` over key chunks (dK/dV of the chunk accumulate over the query chunks of a
+``fori_loop``) with dQ accumulated across the scan, the probabilities recomputed from the
+merged ``lse`` and ``delta = rowsum(dO∘O) - dlse`` computed once per call. Working memory
+is one pair's ``[B, Hkv, G·cq, ck]`` tile plus O(T) state, so it grows linearly with the
+local length, and compile time does not grow with the grid.
+
+GQA/MQA fold the query-head group into the rows (``q [B, T, H, D] → [B, Hkv, G·T, D]``),
+so every product is a plain batched matmul over ``(B, Hkv)``.
+
+Lengths that the chunk does not divide are padded: padded keys are masked (their pairs are
+never ``FULL``), padded queries are dropped from the result and carry ``lse = +inf`` in the
+backward so they contribute nothing. A row is empty (``lse = -inf``, ``o = 0``) exactly when
+its mask excludes every key; that is tracked from the mask, never read off ``l`` or
+``lse``, so NaN and Inf in the inputs propagate as in :func:`attention_reference.attend`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from cptransform.lowering.block import Block
+from cptransform.lowering.kernels import register_kernel, row_delta
+from cptransform.op.attention_reference import visible
+from cptransform.op.attention_spec import AttentionSpec
+
+#: Pair kinds of :func:`chunk_kinds` (also the ``lax.switch`` branch indices).
+EMPTY, FULL, PARTIAL = 0, 1, 2
+
+#: Default chunk length (queries and keys) of the ``"xla"`` kernel: small enough that the
+#: diagonal tiles of a causal mask cost under 10% extra from 2K tokens on (``1 + 1/nb``).
+DEFAULT_CHUNK = 128
+
+F32 = jnp.float32
+
+
+def chunk_size(length: int, target: int) -> int:
+    """The chunk length used for a sequence of ``length`` tokens, at most ``target``.
+
+    A divisor of ``length`` when a reasonable one exists (no padding); of ``length / 2``
+    when ``length`` is even, so that the two half-blocks of a zigzag rank never share a
+    chunk. Otherwise ``min(target, length)`` and the last chunk is padded.
+    """
+    base = length // 2 if length % 2 == 0 and length > 1 else length
+    best = max(c for c in range(1, min(target, base) + 1) if base % c == 0)
+    if 2 * best >= min(target, base):
+        return best
+    return min(target, length)
+
+
+def _pad(x, axis: int, to: int, value=None):
+    """``x`` padded along ``axis`` to length ``to``: repeating its last entry (``value``
+    ``None``, which keeps min/max ranges unchanged) or with ``value``."""
+    if x is None or x.shape[axis] == to:
+        return x
+    extra = to - x.shape[axis]
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    if value is None:
+        return jnp.pad(x, widths, mode="edge")
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _ranges(x, size: int, count: int):
+    """Per-chunk (min, max) of ``x [B|1, T]``: two ``[B|1, count]`` arrays."""
+    x = _pad(x, 1, size * count).reshape(x.shape[0], count, size)
+    return jnp.min(x, axis=-1), jnp.max(x, axis=-1)
+
+
+def _grid(block: Block, target: int):
+    """``((cq, nq), (ck, nk))``: chunk length and count for queries and keys."""
+    tq, tkv = block.q.shape[1], block.k.shape[1]
+    cq, ck = chunk_size(tq, target), chunk_size(tkv, target)
+    if tkv % cq == 0 and 4 * cq >= ck:
+        # Square tiles when the keys allow: a layout's chunk boundaries (zigzag halves)
+        # fall on query-chunk boundaries, and then on key-chunk boundaries too.
+        ck = cq
+    return (cq, -(-tq // cq)), (ck, -(-tkv // ck))
+
+
+def chunk_kinds(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
+    """Int32 ``[nq, nk]``: ``EMPTY``, ``FULL`` or ``PARTIAL`` for each (query chunk, key
+    chunk) pair of ``block`` cut as the kernel with chunk ``target`` cuts it.
+
+    ``EMPTY`` is a proof that no query of the chunk sees a key of the chunk in any batch
+    row; ``FULL`` that every query sees every key; ranges make both conservative (e.g.
+    segment ranges that overlap without a common id are ``PARTIAL``).
+    """
+    (cq, nq), (ck, nk) = _grid(block, target)
+    may = jnp.ones((1, nq, nk), bool)
+    full = jnp.ones((1, nq, nk), bool)
+    lo, hi = spec.mask.band()
+    if lo is not None or hi is not None:
+        q_min, q_max = _ranges(block.q_pos, cq, nq)
+        k_min, k_max = _ranges(block.kv_pos, ck, nk)
+        d_max = k_max[:, None, :] - q_min[:, :, None]
+        d_min = k_min[:, None, :] - q_max[:, :, None]
+        if lo is not None:
+            may, full = may & (d_max >= lo), full & (d_min >= lo)
+        if hi is not None:
+            may, full = may & (d_min <= hi), full & (d_max <= hi)
+    if spec.mask.segments:
+        qs_min, qs_max = _ranges(block.q_seg, cq, nq)
+        ks_min, ks_max = _ranges(block.kv_seg, ck, nk)
+        may = may & (ks_max[:, None, :] >= qs_min[:, :, None]) \
+            & (qs_max[:, :, None] >= ks_min[:, None, :])
+        one = (qs_min == qs_max)[:, :, None] & (ks_min == ks_max)[:, None, :]
+        full = full & one & (qs_min[:, :, None] == ks_min[:, None, :])
+    if spec.mask.dense:
+        m = _pad(_pad(block.mask, 2, cq * nq), 3, ck * nk)
+        m = m.reshape(m.shape[0], m.shape[1], nq, cq, nk, ck)
+        may = may & jnp.any(m, axis=(1, 3, 5))
+        full = full & jnp.all(m, axis=(1, 3, 5))
+    # Padded keys must be masked, so the last key chunk is never FULL when it is padded.
+    complete = np.arange(nk) * ck + ck <= block.k.shape[1]
+    full = full & complete
+    return jnp.where(jnp.any(may, axis=0),
+                     jnp.where(jnp.all(full, axis=0), FULL, PARTIAL), EMPTY).astype(jnp.int32)
+
+
+def executed_fraction(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
+    """Scalar: the fraction of the ``Tq × Tkv`` score matrix the kernel computes (pairs
+    that are not ``EMPTY``, padding included)."""
+    (cq, _), (ck, _) = _grid(block, target)
+    computed = jnp.sum(chunk_kinds(block, spec, target) != EMPTY)
+    return computed * (cq * ck) / (block.q.shape[1] * block.k.shape[1])
+
+
+def _rows(x, g: int):
+    """A per-head tile ``[Bx, H|1, cq, ck]`` → ``[Bx, Hkv|1, G·cq, ck]`` (the folded
+    query rows: query head ``hkv·G + g`` is row block ``g`` of KV head ``hkv``)."""
+    bx, hx, cq, ck = x.shape
+    if hx == 1:
+        return jnp.broadcast_to(x[:, :, None], (bx, 1, g, cq, ck)).reshape(bx, 1, g * cq, ck)
+    return x.reshape(bx, hx // g, g * cq, ck)
+
+
+def _sum_to(x, shape):
+    """Sum the dims of ``x`` that ``shape`` broadcasts (size 1) back down to ``shape``."""
+    axes = tuple(i for i, (xs, s) in enumerate(zip(x.shape, shape)) if s == 1 and xs != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """One kernel call's operands padded to the chunk grid, heads folded into rows."""
+
+    block: Block          # q_pos/kv_pos/seg/mask/bias padded to the grid
+    spec: AttentionSpec
+    q: object             # [B, Hkv, G, Tq', D]
+    k: object             # [B, Hkv, Tkv', D]
+    v: object             # [B, Hkv, Tkv', Dv]
+    cq: int
+    nq: int
+    ck: int
+    nk: int
+    tkv: int
+    kinds: object
+
+    @classmethod
+    def build(cls, block: Block, spec: AttentionSpec, target: int) -> "_Problem":
+        (cq, nq), (ck, nk) = _grid(block, target)
+        kinds = chunk_kinds(block, spec, target)
+        b, tq, h, d = block.q.shape
+        hkv = block.k.shape[2]
+        tqp, tkp = cq * nq, ck * nk
+        q = _pad(block.q, 1, tqp, 0).reshape(b, tqp, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)
+        k = _pad(block.k, 1, tkp, 0).transpose(0, 2, 1, 3)
+        v = _pad(block.v, 1, tkp, 0).transpose(0, 2, 1, 3)
+        pad_rows = lambda x: _pad(_pad(x, 2, tqp), 3, tkp)  # noqa: E731
+        padded = block.replace(
+            q_pos=_pad(block.q_pos, 1, tqp), kv_pos=_pad(block.kv_pos, 1, tkp),
+            q_seg=_pad(block.q_seg, 1, tqp), kv_seg=_pad(block.kv_seg, 1, tkp),
+            mask=None if block.mask is None else pad_rows(block.mask),
+            bias=None if block.bias is None else pad_rows(block.bias))
+        return cls(padded, spec, q, k, v, cq, nq, ck, nk, block.k.shape[1], kinds)
+
+    @property
+    def groups(self) -> int:
+        return self.q.shape[2]
+
+    def q_rows(self, i):
+        """Query chunk ``i`` as ``[B, Hkv, G·cq, D]``."""
+        b, hkv, g, _, d = self.q.shape
+        return lax.dynamic_slice_in_dim(self.q, i * self.cq, self.cq, axis=3).reshape(
+            b, hkv, g * self.cq, d)
+
+    def kv(self, j):
+        """Key chunk ``j``: ``(k [B, Hkv, ck, D], v [B, Hkv, ck, Dv])``."""
+        cut = lambda x: lax.dynamic_slice_in_dim(x, j * self.ck, self.ck, axis=2)  # noqa: E731
+        return cut(self.k), cut(self.v)
+
+    def _tile(self, x, i, j):
+        bx, hx = x.shape[:2]
+        return lax.dynamic_slice(x, (0, 0, i * self.cq, j * self.ck), (bx, hx, self.cq, self.ck))
+
+    def logits(self, qc, kc, i, j):
+        """Float32 ``(s, tanh)`` of pair ``(i, j)``: scaled, soft-capped (``tanh`` is the
+        soft-cap's ``tanh`` for the backward, else ``None``) and biased; not masked."""
+        spec = self.spec
+        s = jnp.einsum("bhqd,bhkd->bhqk", qc, kc, preferred_element_type=F32).astype(F32)
+        s = s * F32(spec.scale)
+        tanh = None
+        if spec.softcap is not None:
+            cap = F32(spec.softcap)
+            tanh = jnp.tanh(s / cap)
+            s = tanh * cap
+        if self.block.bias is not None:
+            s = s + _rows(self._tile(self.block.bias, i, j), self.groups).astype(F32)
+        return s, tanh
+
+    def visible(self, i, j):
+        """Bool ``[B|1, Hkv|1, G·cq, ck]``: the mask of pair ``(i, j)`` (padded keys off)."""
+        blk, cq, ck = self.block, self.cq, self.ck
+        qcut = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
+            x, i * cq, cq, axis=1)
+        kcut = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
+            x, j * ck, ck, axis=1)
+        dense = None if blk.mask is None else self._tile(blk.mask, i, j)
+        ok = visible(self.spec.mask, qcut(blk.q_pos), kcut(blk.kv_pos), qcut(blk.q_seg),
+                     kcut(blk.kv_seg), dense)
+        ok = _rows(ok, self.groups)
+        if self.ck * self.nk != self.tkv:
+            ok = ok & (j * ck + jnp.arange(ck) < self.tkv)
+        return ok
+
+    def unfold(self, x):
+        """Stacked per-query-chunk rows ``[nq, B, Hkv, G·cq, …]`` → ``[B, Tq', H, …]``."""
+        nq, b, hkv = x.shape[:3]
+        rest = x.shape[4:]
+        g = self.groups
+        x = x.reshape(nq, b, hkv, g, self.cq, *rest)
+        x = jnp.moveaxis(x, (1, 0, 4), (0, 1, 2))  # [B, nq, cq, Hkv, G, …]
+        return x.reshape(b, nq * self.cq, hkv * g, *rest)
+
+    def fold(self, x):
+        """``[B, Tq, H, …]`` (padded with zeros) → per chunk rows ``[nq, B, Hkv, G·cq, …]``."""
+        b, _, h = x.shape[:3]
+        rest = x.shape[3:]
+        hkv = self.q.shape[1]
+        x = _pad(x, 1, self.cq * self.nq, 0).reshape(b, self.nq, self.cq, hkv, h // hkv, *rest)
+        x = jnp.moveaxis(x, (0, 1, 2), (1, 0, 4))  # [nq, B, Hkv, G, cq, …]
+        return x.reshape(self.nq, b, hkv, h // hkv * self.cq, *rest)
+
+
+@dataclass(frozen=True)
+class ChunkedKernel:
+    """Flash-style local step in plain JAX; see the module doc. ``chunk`` is the target
+    chunk length for queries and keys (:func:`chunk_size`)."""
+
+    chunk: int = DEFAULT_CHUNK
+    name: str = "xla"
+
+    def forward(self, block: Block, spec: AttentionSpec):
+        """``(o, lse)`` of the queries of ``block`` against its keys (kernel contract)."""
+        pb = _Problem.build(block, spec, self.chunk)
+        b, hkv, g, _, _ = pb.q.shape
+        dv = pb.v.shape[-1]
+
+        def q_chunk(_, i):
+            qc = pb.q_rows(i)
+            m0 = jnp.full_like(qc, -jnp.inf, dtype=F32, shape=(b, hkv, g * pb.cq))
+            state = (m0, jnp.zeros_like(m0), jnp.zeros_like(m0, shape=(*m0.shape, dv)),
+                     jnp.zeros_like(m0, dtype=bool))
+
+            def update(state, s, vc):
+                m, l, acc, seen = state
+                m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+                # A row that has seen no key yet keeps m = -inf; shift it by 0 instead.
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+                alpha = jnp.exp(m - m_safe)
+                p = jnp.exp(s - m_safe[..., None])
+                pv = jnp.einsum("bhqk,bhkd->bhqd", p, vc.astype(F32), preferred_element_type=F32)
+                return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv, seen
+
+            def full(j, state):
+                kc, vc = pb.kv(j)
+                s, _ = pb.logits(qc, kc, i, j)
+                m, l, acc, seen = update(state, s, vc)
+                return m, l, acc, seen | True
+
+            def partial(j, state):
+                kc, vc = pb.kv(j)
+                s, _ = pb.logits(qc, kc, i, j)
+                ok = pb.visible(i, j)
+                m, l, acc, seen = update(state, jnp.where(ok, s, -jnp.inf), vc)
+                return m, l, acc, seen | jnp.any(ok, axis=-1)
+
+            def step(j, state):
+                return lax.switch(pb.kinds[i, j], (lambda j, s: s, full, partial), j, state)
+
+            m, l, acc, seen = lax.fori_loop(0, pb.nk, step, state)
+            o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+            lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
+            return None, (o, lse)
+
+        _, (o, lse) = lax.scan(q_chunk, None, jnp.arange(pb.nq))
+        tq = block.q.shape[1]
+        o = pb.unfold(o)[:, :tq]
+        lse = jnp.swapaxes(pb.unfold(lse[..., None])[:, :tq, :, 0], 1, 2)
+        return o, lse
+
+    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None):
+        """``(dq, dk, dv, dbias)`` (kernel contract). ``delta``, when given, is
+        :func:`row_delta` of the merged output (then ``o`` and ``dlse`` are not read)."""
+        pb = _Problem.build(block, spec, self.chunk)
+        if delta is None:
+            delta = row_delta(o, do, dlse)
+        # Padded query rows: lse = +inf makes their probabilities 0, do = 0 their dV terms.
+        lse_rows = pb.fold(_pad(jnp.swapaxes(lse.astype(F32), 1, 2), 1, pb.cq * pb.nq,
+                                jnp.inf)[..., None])[..., 0]
+        delta_rows = pb.fold(jnp.swapaxes(delta, 1, 2)[..., None])[..., 0]
+        do_rows = pb.fold(do.astype(F32))
+        b, hkv, g, _, d = pb.q.shape
+        bias = pb.block.bias
+        scale = F32(spec.scale)
+
+        def pair(i, j, kc, vc, masked):
+            qc = pb.q_rows(i)
+            s, tanh = pb.logits(qc, kc, i, j)
+            p = jnp.exp(s - lse_rows[i][..., None])
+            if masked:
+                p = jnp.where(pb.visible(i, j), p, 0.0)
+            do_i = do_rows[i]
+            g_v = jnp.einsum("bhqk,bhqd->bhkd", p, do_i, preferred_element_type=F32)
+            dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, vc.astype(F32), preferred_element_type=F32)
+            ds = p * (dp - delta_rows[i][..., None])
+            g_b = None
+            if bias is not None:
+                g_b = _sum_to(ds.reshape(b, hkv * g, pb.cq, pb.ck),
+                              (*bias.shape[:2], pb.cq, pb.ck))
+            if tanh is not None:
+                ds = ds * (1.0 - tanh * tanh)
+            ds = ds * scale
+            g_q = jnp.einsum("bhqk,bhkd->bhqd", ds, kc.astype(F32), preferred_element_type=F32)
+            g_k = jnp.einsum("bhqk,bhqd->bhkd", ds, qc.astype(F32), preferred_element_type=F32)
+            return g_q, g_k, g_v, g_b
+
+        def k_chunk(dq, j):
+            kc, vc = pb.kv(j)
+            zq = jnp.zeros_like(dq[0])
+            zk = jnp.zeros_like(kc, dtype=F32)
+            zv = jnp.zeros_like(vc, dtype=F32)
+            zb = None if bias is None else jnp.zeros_like(
+                bias, dtype=F32, shape=(*bias.shape[:2], pb.cq, pb.ck))
+            dbias_col = None if bias is None else jnp.zeros_like(zb, shape=(pb.nq, *zb.shape))
+            branches = (lambda i: (zq, zk, zv, zb),
+                        lambda i: pair(i, j, kc, vc, False),
+                        lambda i: pair(i, j, kc, vc, True))
+
+            def step(i, state):
+                dq, dk, dv, dbias_col = state
+                g_q, g_k, g_v, g_b = lax.switch(pb.kinds[i, j], branches, i)
+                dq = lax.dynamic_update_index_in_dim(dq, dq[i] + g_q, i, axis=0)
+                if dbias_col is not None:
+                    dbias_col = lax.dynamic_update_index_in_dim(dbias_col, g_b, i, axis=0)
+                return dq, dk + g_k, dv + g_v, dbias_col
+
+            dq, dk, dv, dbias_col = lax.fori_loop(0, pb.nq, step, (dq, zk, zv, dbias_col))
+            return dq, (dk, dv, dbias_col)
+
+        dq0 = jnp.zeros_like(do_rows, dtype=F32, shape=(pb.nq, b, hkv, g * pb.cq, d))
+        dq, (dk, dv, dbias) = lax.scan(k_chunk, dq0, jnp.arange(pb.nk))
+        tq, tkv = block.q.shape[1], block.k.shape[1]
+        dq = pb.unfold(dq)[:, :tq]
+        # [nk, B, Hkv, ck, D] → [B, Tkv, Hkv, D]
+        keys = lambda x: jnp.moveaxis(x, (0, 3), (1, 2)).reshape(  # noqa: E731
+            b, pb.nk * pb.ck, hkv, x.shape[-1])[:, :tkv]
+        dk, dv = keys(dk), keys(dv)
+        if bias is not None:
+            # [nk, nq, Bb, Hb, cq, ck] → [Bb, Hb, Tq, Tkv]
+            bb, hb = bias.shape[:2]
+            dbias = jnp.transpose(dbias, (2, 3, 1, 4, 0, 5)).reshape(
+                bb, hb, pb.nq * pb.cq, pb.nk * pb.ck)[:, :, :tq, :tkv]
+        return dq, dk, dv, dbias
+
+
+register_kernel(ChunkedKernel())
