@@ -42,6 +42,7 @@ from jax import lax
 from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
 from cptransform.lowering.block import Block
+from cptransform.lowering.kernels import skipped_backward, skipped_forward
 from cptransform.lowering.schedule import Schedule, divides_sequence, \
     fill_empty_rows_sharded, register_schedule
 from cptransform.op.attention_reference import merge
@@ -115,7 +116,7 @@ def _forward(block: Block, spec, axes, kernel):
     tile_q = tq // nq
 
     def skip(tile):
-        return (_zeros(tile.q, (b, tile_q, h, dv)), _zeros(tile.q, (b, h, tile_q), -jnp.inf))
+        return skipped_forward(tile, spec)
 
     def step(i, acc, keys):
         acc = list(acc)
@@ -165,10 +166,8 @@ def _ring_bwd(spec, axes, kernel, residuals, cotangents):
     def compute(tile, o_a, lse_a, do_a, dlse_a):
         return kernel.backward(tile, o_a, lse_a, do_a, spec, dlse=dlse_a)
 
-    def skip(tile, *_):
-        return (_zeros(tile.q, tile.q.shape), _zeros(tile.q, tile.k.shape),
-                _zeros(tile.q, tile.v.shape),
-                None if tile.bias is None else _zeros(tile.q, tile.bias.shape))
+    def skip(tile, o_a, lse_a, do_a, dlse_a):
+        return skipped_backward(tile, lse_a, do_a, spec)
 
     def step(i, state, keys):
         dq, dk, dv, dbias = state
