@@ -125,9 +125,11 @@ def fill_empty_rows(spec: AttentionSpec, o, lse, v_mean):
     b, tq, h, dv = o.shape
     hkv = v_mean.shape[2]
     mean = jnp.repeat(v_mean, h // hkv, axis=2)
-    if spec.mask.empty_rows == "nan":
-        mean = mean * jnp.nan
     empty = jnp.swapaxes(empty_rows_of(lse), 1, 2)[..., None]
+    if spec.mask.empty_rows == "nan":
+        # NaN only in the empty rows: a NaN factor on every row would turn the zero
+        # cotangent that ``where`` sends the other rows into NaN (0·NaN) in dV.
+        mean = mean * jnp.where(empty, jnp.nan, 1.0)
     return jnp.where(empty, mean, o)
 
 
