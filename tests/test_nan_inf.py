@@ -157,6 +157,18 @@ def test_neg_inf_fill_masked_row_is_nan(rng, schedule):
     assert not np.isnan(want[0, :5]).any()
 
 
+@pytest.mark.parametrize("schedule", ["ring-zigzag", "allgather"])
+def test_neg_inf_fill_without_empty_rows_is_finite(rng, schedule):
+    """A causal ``-inf`` fill with no fully masked row: finite output and gradients (the
+    NaN of ``empty_rows="nan"`` must not leak into other rows' gradients)."""
+    p = params(rng)
+    x, extra, valid = inputs(rng)
+    compare(attention_out, (p, x, extra, valid), schedule, fill=-jnp.inf)
+    grads = jax.grad(context_parallel(lambda *a: loss(*a, fill=-jnp.inf), cp=4))(
+        p, x, extra, valid)
+    assert all(np.isfinite(g).all() for g in grads.values())
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_finite_fill_masked_row_is_finite(rng, schedule):
     """A finite fill (``-1e9``): a fully masked row is the mean of V, finite as before."""
