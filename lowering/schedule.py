@@ -19,7 +19,7 @@ and receives:
   ``(ulysses_axis, ring_axis)``);
 * ``kernel``: a :class:`~cptransform.lowering.kernels.Kernel` for the local step;
 
-and returns ``o [B, Tq_loc, H, Dv]`` in ``q.dtype``, with ``empty_rows="uniform"`` honoured
+and returns ``o [B, Tq_loc, H, Dv]`` in ``q.dtype``, with ``empty_rows`` honoured
 (see :func:`fill_empty_rows_sharded`).
 """
 from __future__ import annotations
@@ -98,13 +98,14 @@ MESH_AXES_HINT = {
 
 
 def fill_empty_rows_sharded(spec: AttentionSpec, o, lse, v, axes, kv_len: int):
-    """``empty_rows="uniform"`` for a schedule whose V is sharded over ``axes``.
+    """``spec.mask.empty_rows`` for a schedule whose V is sharded over ``axes``.
 
-    Rows with ``lse == -inf`` take the mean of V over all ``kv_len`` keys (a psum of the
-    local sums); with ``empty_rows="zero"`` ``o`` is returned unchanged. Pass ``axes=()``
-    when ``v`` already holds every key.
+    Empty rows (:func:`~cptransform.op.attention_reference.empty_rows_of`) take the mean of
+    V over all ``kv_len`` keys (a psum of the local sums) for ``"uniform"``, NaN times it for
+    ``"nan"``; with ``"zero"`` ``o`` is returned unchanged. Pass ``axes=()`` when ``v``
+    already holds every key.
     """
-    if spec.mask.empty_rows != "uniform":
+    if spec.mask.empty_rows == "zero":
         return o
     total = jnp.sum(v.astype(jnp.float32), axis=1, keepdims=True)
     if axes:

@@ -123,7 +123,7 @@ def test_spelling(fn, rng):
 def test_uniform_vs_zero(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     assert specs(check(scale_after_mask, q, k, v))[0].mask.empty_rows == "uniform"
-    assert specs(check(additive_neg_inf, q, k, v))[0].mask.empty_rows == "zero"
+    assert specs(check(additive_neg_inf, q, k, v))[0].mask.empty_rows == "nan"
     assert specs(check(arithmetic_mask, q, k, v))[0].mask.empty_rows == "uniform"
 
 

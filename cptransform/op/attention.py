@@ -153,7 +153,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
       softcap: ``c`` for ``c * tanh(logits / c)``.
       positions: ``[batch, seq]`` token positions (or a ``(q_pos, kv_pos)`` pair) for
         causal/window masks; default ``arange(seq)``.
-      empty_rows: what a query that sees no key returns, ``"zero"`` or ``"uniform"``.
+      empty_rows: what a query that sees no key returns, ``"zero"``, ``"uniform"`` (mean
+        of V) or ``"nan"`` (see :class:`MaskSpec`).
     """
     if layout is None:
         layout = {4: "BTHD", 3: "THD"}.get(jnp.ndim(q))

@@ -55,48 +55,81 @@ def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
 
     ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``, ``v [B,Tkv,Hkv,Dv]``; positions and segment ids
     ``[B|1, T]``; ``mask``/``bias`` ``[B|1, H|1, Tq, Tkv]`` or ``None``. ``o`` is float32
-    ``[B,Tq,H,Dv]`` normalised within this block; ``lse`` is float32 ``[B,H,Tq]`` and
-    ``-inf`` for rows that see no key here (their ``o`` is 0). ``spec.mask.empty_rows`` is
-    not applied: that is a property of the whole row, see :func:`fill_empty_rows`.
+    ``[B,Tq,H,Dv]`` normalised within this block; ``lse`` is float32 ``[B,H,Tq]``.
+    ``spec.mask.empty_rows`` is not applied: that is a property of the whole row, see
+    :func:`fill_empty_rows`.
+
+    Non-finite values behave as in the dense single-device softmax (DESIGN §6):
+
+    * a row with no visible key here has ``lse = -inf`` (so does a row whose visible logits
+      are all ``-inf``: it receives no probability mass either); its ``o`` is ``0·ΣV``;
+    * a NaN or ``+inf`` visible logit makes the row's ``o`` and ``lse`` NaN;
+    * a masked probability is an exact 0 and ``0·NaN = NaN``: a NaN or Inf in V (even at a
+      key nobody sees) makes that (batch, head, feature) column of ``o`` NaN in every row.
     """
     s = logits(spec, q, k, bias)
     ok = visible(spec.mask, q_pos, kv_pos, q_seg, kv_seg, mask)
     s = jnp.where(ok, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
-    m_safe = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    # Only the no-mass case (-inf) is shifted by 0; a NaN or +inf maximum stays and turns
+    # the row into NaN, as ``exp(x - max(x))`` does on one device.
+    m_safe = lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
     p = jnp.where(ok, jnp.exp(s - m_safe), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    l_safe = jnp.where(l > 0, l, 1.0)
+    # ``l == 0`` exactly when the row got no mass; a NaN ``l`` must not count as empty.
+    l_safe = jnp.where(l == 0, 1.0, l)
     b, tkv, hkv, dv = v.shape
     h = q.shape[2]
     pg = (p / l_safe).reshape(b, hkv, h // hkv, q.shape[1], tkv)
     o = jnp.einsum("bhgqk,bkhd->bqhgd", pg, v.astype(jnp.float32),
                    preferred_element_type=jnp.float32).reshape(b, q.shape[1], h, dv)
-    lse = jnp.where(l[..., 0] > 0, jnp.log(l_safe[..., 0]) + m_safe[..., 0], -jnp.inf)
+    lse = jnp.where(l[..., 0] == 0, -jnp.inf, jnp.log(l_safe[..., 0]) + m_safe[..., 0])
     return o, lse
 
 
+def empty_rows_of(lse):
+    """Boolean, like ``lse``: the rows that received no probability mass.
+
+    The one test of row emptiness every schedule and kernel uses. Kernels set ``lse`` to
+    exactly ``-inf`` only for a row with no visible key (decided from the mask) or whose
+    visible logits are all ``-inf``; a NaN ``lse`` is a NaN row, never an empty one.
+    """
+    return lse == -jnp.inf
+
+
 def merge(o1, lse1, o2, lse2):
-    """Exactly combine two partial results over disjoint key sets (float32, -inf safe)."""
+    """Exactly combine two partial results over disjoint key sets (float32).
+
+    ``-inf`` safe: two empty partials give ``lse = -inf`` and ``o = 0·o1 + 0·o2`` (finite
+    unless a partial carries a NaN, which then propagates as ``0·NaN`` does on one device).
+    NaN propagating: a NaN (or ``+inf``) ``lse`` makes the merged row NaN; it is never
+    weighted 0.
+    """
     lse = jnp.logaddexp(lse1, lse2)
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    w1 = jnp.where(jnp.isfinite(lse1), jnp.exp(lse1 - lse_safe), 0.0)
-    w2 = jnp.where(jnp.isfinite(lse2), jnp.exp(lse2 - lse_safe), 0.0)
+    lse_safe = jnp.where(empty_rows_of(lse), 0.0, lse)
+    w1 = jnp.exp(lse1 - lse_safe)
+    w2 = jnp.exp(lse2 - lse_safe)
     t = lambda w: jnp.swapaxes(w, 1, 2)[..., None]  # noqa: E731  [B,H,Tq] -> [B,Tq,H,1]
     return t(w1) * o1 + t(w2) * o2, lse
 
 
 def fill_empty_rows(spec: AttentionSpec, o, lse, v_mean):
-    """Apply ``empty_rows="uniform"``: rows with ``lse == -inf`` take ``v_mean``.
+    """Apply ``spec.mask.empty_rows`` to the rows :func:`empty_rows_of` names.
 
-    ``v_mean`` is ``[B, 1, Hkv, Dv]`` float32, the mean of V over *all* keys.
+    ``"zero"`` keeps ``o`` (0, up to NaN from V); ``"uniform"`` gives ``v_mean``, the mean of
+    V over *all* keys (``[B, 1, Hkv, Dv]`` float32); ``"nan"`` gives ``NaN·v_mean``: NaN,
+    and, like softmax over an all ``-inf`` row on one device, a NaN gradient for every V.
     """
-    if spec.mask.empty_rows != "uniform":
+    if spec.mask.empty_rows == "zero":
         return o
     b, tq, h, dv = o.shape
     hkv = v_mean.shape[2]
     mean = jnp.repeat(v_mean, h // hkv, axis=2)
-    empty = jnp.swapaxes(~jnp.isfinite(lse), 1, 2)[..., None]
+    empty = jnp.swapaxes(empty_rows_of(lse), 1, 2)[..., None]
+    if spec.mask.empty_rows == "nan":
+        # NaN only in the empty rows: a NaN factor on every row would turn the zero
+        # cotangent that ``where`` sends the other rows into NaN (0·NaN) in dV.
+        mean = mean * jnp.where(empty, jnp.nan, 1.0)
     return jnp.where(empty, mean, o)
 
 

@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-EmptyRows = Literal["zero", "uniform"]
+EmptyRows = Literal["zero", "uniform", "nan"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,9 @@ class MaskSpec:
     ``empty_rows`` says what a query with no visible key returns: ``"zero"`` (zero output,
     zero gradient; what :func:`cptransform.attention` does) or ``"uniform"`` (the mean of V
     over all keys: what softmax over logits filled with a finite minimum gives, as in
-    ``jax.nn.dot_product_attention`` and flax).
+    ``jax.nn.dot_product_attention`` and flax) or ``"nan"`` (NaN, with a NaN gradient for
+    every V: what softmax over logits filled with ``-inf`` gives). A row is empty when it
+    receives no probability mass: no visible key, or only ``-inf`` visible logits.
     """
 
     causal: bool = False
@@ -92,8 +94,9 @@ class MaskSpec:
     empty_rows: EmptyRows = "zero"
 
     def __post_init__(self):
-        if self.empty_rows not in ("zero", "uniform"):
-            raise ValueError(f"empty_rows must be 'zero' or 'uniform', got {self.empty_rows!r}")
+        if self.empty_rows not in ("zero", "uniform", "nan"):
+            raise ValueError(f"empty_rows must be 'zero', 'uniform' or 'nan', got "
+                             f"{self.empty_rows!r}")
         if self.window is not None:
             left, right = self.window
             for side in (left, right):
@@ -133,8 +136,8 @@ class MaskSpec:
             parts.append("dense")
         if self.bias:
             parts.append("bias")
-        if self.empty_rows == "uniform":
-            parts.append("empty=uniform")
+        if self.empty_rows != "zero":
+            parts.append(f"empty={self.empty_rows}")
         return " ".join(parts) if parts else "full"
 
     def replace(self, **changes) -> "MaskSpec":

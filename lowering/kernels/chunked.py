@@ -5,7 +5,9 @@ chunk, key chunk) pair is classified once per call (:func:`chunk_kinds`) from po
 ranges (min/max per chunk against the mask band), segment-id ranges and the dense-mask
 tile (``any``/``all``):
 
-* ``EMPTY`` pairs are skipped (``lax.switch`` runs a branch that does no FLOPs);
+* ``EMPTY`` pairs are skipped (``lax.switch`` runs a branch with no matmul: it only adds
+  the ``0·V`` a dense softmax would, so a NaN or Inf in V still reaches every row, see
+  :func:`~cptransform.lowering.kernels.skipped_forward`);
 * ``FULL`` pairs compute without building a mask;
 * ``PARTIAL`` pairs build the mask of the pair (:func:`visible`) and apply it.
 
@@ -22,9 +24,10 @@ so every product is a plain batched matmul over ``(B, Hkv)``.
 
 Lengths that the chunk does not divide are padded: padded keys are masked (their pairs are
 never ``FULL``), padded queries are dropped from the result and carry ``lse = +inf`` in the
-backward so they contribute nothing. A row is empty (``lse = -inf``, ``o = 0``) exactly when
-its mask excludes every key; that is tracked from the mask, never read off ``l`` or
-``lse``, so NaN and Inf in the inputs propagate as in :func:`attention_reference.attend`.
+backward so they contribute nothing. A row is empty (``lse = -inf``, ``o = Σ 0·V``) exactly
+when its mask excludes every key; that is tracked from the mask, never read off ``l`` or
+``lse``, so NaN and Inf in the inputs propagate as in :func:`attention_reference.attend`
+(the contract in :mod:`cptransform.lowering.kernels`).
 """
 from __future__ import annotations
 
@@ -150,6 +153,11 @@ def _rows(x, g: int):
     return x.reshape(bx, hx // g, g * cq, ck)
 
 
+def _zero_times(x):
+    """``0·x`` in float32: 0, or NaN where ``x`` is NaN or ±Inf."""
+    return x.astype(F32) * 0.0
+
+
 def _sum_to(x, shape):
     """Sum the dims of ``x`` that ``shape`` broadcasts (size 1) back down to ``shape``."""
     axes = tuple(i for i, (xs, s) in enumerate(zip(x.shape, shape)) if s == 1 and xs != 1)
@@ -213,8 +221,11 @@ class _Problem:
         """Float32 ``(s, tanh)`` of pair ``(i, j)``: scaled, soft-capped (``tanh`` is the
         soft-cap's ``tanh`` for the backward, else ``None``) and biased; not masked."""
         spec = self.spec
-        s = jnp.einsum("bhqd,bhkd->bhqk", qc, kc, preferred_element_type=F32).astype(F32)
-        s = s * F32(spec.scale)
+        # The scale goes on q, not on the product: XLA contracts ``product * scale - max``
+        # into an FMA, which rounds the logit differently from the max it is compared with;
+        # at huge logits (~1e29) that one-ulp gap is exp(±4e22) instead of 1.
+        qs = qc.astype(F32) * F32(spec.scale)
+        s = jnp.einsum("bhqd,bhkd->bhqk", qs, kc.astype(F32), preferred_element_type=F32)
         tanh = None
         if spec.softcap is not None:
             cap = F32(spec.softcap)
@@ -301,11 +312,17 @@ class ChunkedKernel:
                 m, l, acc, seen = update(state, jnp.where(ok, s, -jnp.inf), vc)
                 return m, l, acc, seen | jnp.any(ok, axis=-1)
 
+            def skip(j, state):
+                m, l, acc, seen = state
+                _, vc = pb.kv(j)
+                return m, l, acc + jnp.sum(_zero_times(vc), axis=2, keepdims=True), seen
+
             def step(j, state):
-                return lax.switch(pb.kinds[i, j], (lambda j, s: s, full, partial), j, state)
+                return lax.switch(pb.kinds[i, j], (skip, full, partial), j, state)
 
             m, l, acc, seen = lax.fori_loop(0, pb.nk, step, state)
-            o = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
+            # An empty row keeps acc = Σ 0·V (0, or NaN where V holds NaN/Inf).
+            o = acc / jnp.where(l == 0, 1.0, l)[..., None]
             lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
             return None, (o, lse)
 
@@ -325,6 +342,7 @@ class ChunkedKernel:
         lse_rows = pb.fold(_pad(jnp.swapaxes(lse.astype(F32), 1, 2), 1, pb.cq * pb.nq,
                                 jnp.inf)[..., None])[..., 0]
         delta_rows = pb.fold(jnp.swapaxes(delta, 1, 2)[..., None])[..., 0]
+        nan_rows = jnp.where(jnp.isnan(lse_rows), jnp.nan, 0.0).astype(F32)
         do_rows = pb.fold(do.astype(F32))
         b, hkv, g, _, d = pb.q.shape
         bias = pb.block.bias
@@ -333,13 +351,20 @@ class ChunkedKernel:
         def pair(i, j, kc, vc, masked):
             qc = pb.q_rows(i)
             s, tanh = pb.logits(qc, kc, i, j)
-            p = jnp.exp(s - lse_rows[i][..., None])
+            # A NaN row has NaN probabilities at masked keys too (as a dense softmax).
+            # s ≤ lse; a recomputed logit can still round a few ulps above it at huge
+            # magnitudes, where exp would overflow (minimum keeps NaN).
+            p = jnp.exp(jnp.minimum(s - lse_rows[i][..., None], 0.0))
             if masked:
-                p = jnp.where(pb.visible(i, j), p, 0.0)
+                ok = pb.visible(i, j)
+                p = jnp.where(ok, p, 0.0)
+            p = p + nan_rows[i][..., None]
             do_i = do_rows[i]
             g_v = jnp.einsum("bhqk,bhqd->bhkd", p, do_i, preferred_element_type=F32)
             dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, vc.astype(F32), preferred_element_type=F32)
             ds = p * (dp - delta_rows[i][..., None])
+            if masked:  # a masked logit's gradient is an exact 0
+                ds = jnp.where(ok, ds, 0.0)
             g_b = None
             if bias is not None:
                 g_b = _sum_to(ds.reshape(b, hkv * g, pb.cq, pb.ck),
@@ -359,7 +384,17 @@ class ChunkedKernel:
             zb = None if bias is None else jnp.zeros_like(
                 bias, dtype=F32, shape=(*bias.shape[:2], pb.cq, pb.ck))
             dbias_col = None if bias is None else jnp.zeros_like(zb, shape=(pb.nq, *zb.shape))
-            branches = (lambda i: (zq, zk, zv, zb),
+            def skip(i):
+                # What the pair gives with zero probabilities and zero logit gradients: only
+                # 0·K, 0·Q and 0·dO (NaN rows: NaN) sums, no matmul.
+                qc = pb.q_rows(i)
+                g_q = zq + jnp.sum(_zero_times(kc), axis=2, keepdims=True)
+                g_k = zk + jnp.sum(_zero_times(qc), axis=2, keepdims=True)
+                g_v = zv + jnp.sum(nan_rows[i][..., None] + _zero_times(do_rows[i]), axis=2,
+                                   keepdims=True)
+                return g_q, g_k, g_v, zb
+
+            branches = (skip,
                         lambda i: pair(i, j, kc, vc, False),
                         lambda i: pair(i, j, kc, vc, True))
 

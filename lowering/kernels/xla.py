@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from cptransform.op.attention_reference import attend, logits, visible
+from cptransform.op.attention_reference import attend, empty_rows_of, logits, visible
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 
@@ -52,11 +52,12 @@ class XlaKernel:
             s = raw
         if bias is not None:
             s = s + bias.astype(f32)
-        row_ok = jnp.isfinite(lse)[..., None]
         ok = visible(spec.mask, block.q_pos, block.kv_pos, block.q_seg, block.kv_seg,
-                     block.mask) & row_ok
-        lse_safe = jnp.where(row_ok, lse[..., None], 0.0)
-        p = jnp.where(ok, jnp.exp(jnp.where(ok, s - lse_safe, -jnp.inf)), 0.0)
+                     block.mask)
+        # Empty rows (lse = -inf) get p = 0; a NaN row keeps its NaN lse, so its p is NaN
+        # at every key, masked ones too, as exp(x - max(x)) is on one device.
+        lse_safe = jnp.where(empty_rows_of(lse), 0.0, lse)[..., None]
+        p = jnp.where(ok, jnp.exp(jnp.where(ok, s, -jnp.inf) - lse_safe), 0.0) + 0.0 * lse_safe
 
         do32 = do.astype(f32)
         delta = jnp.swapaxes(jnp.sum(do32 * o.astype(f32), axis=-1), 1, 2)  # [B, H, Tq]
@@ -67,7 +68,9 @@ class XlaKernel:
                         preferred_element_type=f32)
         dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, v.astype(f32),
                         preferred_element_type=f32).reshape(b, h, tq, tkv)
-        ds = p * (dp - delta[..., None])
+        # A masked logit's gradient is an exact 0 (the fill does not depend on it), even
+        # where dp or delta is NaN.
+        ds = jnp.where(ok, p * (dp - delta[..., None]), 0.0)
         dbias = None if bias is None else _sum_to(ds, bias.shape)
         if spec.softcap is not None:
             ds = ds * (1.0 - tanh * tanh)

@@ -10,7 +10,8 @@ either of ``e`` (``p = e / sum``, then ``p @ v``) or of the value product
   additive bias, or a mask (``where``/``select_n`` with a fill value, a multiply by a 0/1
   mask, an additive mask). Masked entries are then simulated on a few sample values: the
   result must not depend on the scores, and must be ``-inf`` everywhere
-  (``empty_rows="zero"``) or one finite very negative value everywhere
+  (``empty_rows="nan"``: a fully masked row is NaN, as the original's softmax gives) or one
+  finite very negative value everywhere
   (``empty_rows="uniform"``: a fully masked row averages V, as the original does);
 * forward from the probabilities to the ``p·v`` ``dot_general``, through casts and
   transposes only, with no other reader of the probabilities.

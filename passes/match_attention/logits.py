@@ -66,7 +66,8 @@ _EFFECT: dict[StepKind, Callable] = {
 
 
 def empty_rows(steps: Sequence[Step]) -> tuple[str, list[Pred]]:
-    """How masked logits end up, and the distinct visibility predicates.
+    """How masked logits end up (the ``MaskSpec.empty_rows`` they give: ``"nan"`` for a
+    ``-inf`` fill, ``"uniform"`` for a finite one), and the distinct visibility predicates.
 
     Each subset of mask predicates that hides an entry is simulated on sample scores and
     biases (float32, as the program computes): the hidden value must not depend on them,
@@ -97,7 +98,8 @@ def empty_rows(steps: Sequence[Step]) -> tuple[str, list[Pred]]:
                                    "(mask applied before a soft-cap or bias?)")
             hidden_values |= outs
     if hidden_values == {-math.inf}:
-        return "zero", preds
+        # softmax over a row of -inf is NaN on one device: the rewrite must say so.
+        return "nan", preds
     if len(hidden_values) == 1:
         (fill,) = hidden_values
         if fill <= FINITE_FILL_LIMIT:
