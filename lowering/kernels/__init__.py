@@ -22,6 +22,8 @@ import importlib
 import pkgutil
 from typing import Protocol
 
+import jax
+
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 
@@ -41,6 +43,9 @@ class Kernel(Protocol):
 #: Local-step kernels by name (filled by the modules of this package; see :func:`kernels`).
 KERNELS: dict[str, Kernel] = {}
 
+#: Backends whose ``"auto"`` kernel is Pallas.
+_PALLAS_BACKENDS = ("tpu", "gpu", "cuda", "rocm")
+
 
 def register_kernel(kernel: Kernel) -> Kernel:
     """Register ``kernel`` under ``kernel.name``; returns it."""
@@ -57,15 +62,12 @@ def kernels() -> dict[str, Kernel]:
 
 
 def get_kernel(name: str) -> Kernel:
-    """The kernel called ``name``; ``"auto"`` picks Pallas when registered, else XLA."""
+    """The kernel called ``name``; ``"auto"`` picks Pallas on TPU and GPU and XLA elsewhere
+    (on CPU Pallas only interprets: correct, but far slower than XLA), by
+    ``jax.default_backend()`` when the program is lowered."""
     known = kernels()
     if name == "auto":
-        return known.get("pallas", known["xla"])
+        return known["pallas" if jax.default_backend() in _PALLAS_BACKENDS else "xla"]
     if name in known:
         return known[name]
-    if name == "pallas":
-        raise NotImplementedError(
-            "kernel='pallas' is not implemented yet (it arrives with the [kernels] issue); "
-            "use kernel='xla' or kernel='auto'")
-    raise ValueError(f"unknown kernel {name!r}; use one of "
-                     f"{', '.join(sorted({*known, 'auto', 'pallas'}))}")
+    raise ValueError(f"unknown kernel {name!r}; use one of {', '.join(sorted({*known, 'auto'}))}")
