@@ -138,6 +138,8 @@ def test_block_table_segments_dense_window_and_padding():
                                              [[SKIP, SKIP], [FULL, PARTIAL]]])
     full = block_table(MaskSpec(), pos, pos[:, :6], None, None, None, 4, 4)
     np.testing.assert_array_equal(full[0, 0], [[FULL, PARTIAL], [FULL, PARTIAL]])
+    ragged_q = block_table(MaskSpec(), pos[:, :6], pos, None, None, None, 4, 4)
+    np.testing.assert_array_equal(ragged_q[0, 0], [[FULL, FULL], [PARTIAL, PARTIAL]])
 
 
 def test_auto_is_xla_on_cpu_and_pallas_is_registered():

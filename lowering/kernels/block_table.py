@@ -70,8 +70,7 @@ def block_table(mask: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, dense, block_q: in
         may = may & jnp.any(tiles, axis=(3, 5))
         # Padding is False, so `all` over a padded tile is False: right, it is not full.
         every = every & jnp.all(tiles, axis=(3, 5))
-    ragged = jnp.zeros((nq, nk), dtype=bool)
-    ragged = ragged.at[-1, :].set(tq % block_q != 0).at[:, -1].set(
-        ragged[:, -1] | (tkv % block_kv != 0))
-    every = every & ~ragged
+    ragged_q = (jnp.arange(nq) == nq - 1) & (tq % block_q != 0)
+    ragged_kv = (jnp.arange(nk) == nk - 1) & (tkv % block_kv != 0)
+    every = every & ~(ragged_q[:, None] | ragged_kv[None, :])
     return jnp.where(may, jnp.where(every, FULL, PARTIAL), SKIP).astype(jnp.int32)
