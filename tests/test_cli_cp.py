@@ -35,6 +35,19 @@ def test_opt_with_cp_lowers_and_prints_the_gradient_program():
     assert grad.count("all_to_all[") >= 8  # forward q, k, v, o and their transposes
 
 
+def test_grad_program_shows_the_pallas_dq_and_dkv_kernels():
+    """--kernel pallas --grad: the backward holds the Q-major dQ and the KV-major dK/dV
+    pallas_calls (named, with their grids), besides the forward's."""
+    out = cli("opt", "examples/llama.py:make", "--cp", "4", "--schedule", "ulysses",
+              "--kernel", "pallas", "--grad")
+    assert out.returncode == 0, out.stderr
+    grad = out.stdout.split("# ----- IR of jax.grad (w.r.t. argument 0) -----")[1]
+    calls = grad.split("pallas_call[")[1:]
+    names = {call.split("name=")[1].split()[0] for call in calls}
+    assert {"cp_attention_fwd", "cp_attention_dq", "cp_attention_dkv"} <= names
+    assert all("grid_mapping=GridMapping(grid=(" in call for call in calls)
+
+
 def test_bad_schedule_is_one_line():
     out = cli("opt", "examples/llama.py:make", "--cp", "8", "--schedule", "ulysses")
     assert out.returncode == 2

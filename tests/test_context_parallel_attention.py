@@ -126,11 +126,6 @@ def test_unknown_options_list_the_known_ones(small, option, value, message):
         _run(small, **{option: value})
 
 
-def test_pallas_kernel_is_not_implemented_yet(small):
-    with pytest.raises(NotImplementedError, match="kernel='pallas' is not implemented yet"):
-        _run(small, kernel="pallas")
-
-
 @pytest.mark.parametrize("seq,layout,message", [
     (18, "contiguous", r"sequence length 18 is not divisible by cp = 4"),
     (12, "zigzag", r"sequence length 12 is not divisible by 2·cp = 8 .*pad the sequence"),

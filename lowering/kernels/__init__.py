@@ -31,6 +31,7 @@ import importlib
 import pkgutil
 from typing import Protocol
 
+import jax
 import jax.numpy as jnp
 
 from cptransform.op.attention_reference import empty_rows_of
@@ -101,6 +102,9 @@ def skipped_backward(block: Block, lse, do, spec: AttentionSpec):
 #: Local-step kernels by name (filled by the modules of this package; see :func:`kernels`).
 KERNELS: dict[str, Kernel] = {}
 
+#: Backends whose ``"auto"`` kernel is Pallas.
+_PALLAS_BACKENDS = ("tpu", "gpu", "cuda", "rocm")
+
 
 def register_kernel(kernel: Kernel) -> Kernel:
     """Register ``kernel`` under ``kernel.name``; returns it."""
@@ -117,15 +121,12 @@ def kernels() -> dict[str, Kernel]:
 
 
 def get_kernel(name: str) -> Kernel:
-    """The kernel called ``name``; ``"auto"`` picks Pallas when registered, else XLA."""
+    """The kernel called ``name``; ``"auto"`` picks Pallas on TPU and GPU and XLA elsewhere
+    (on CPU Pallas only interprets: correct, but far slower than XLA), by
+    ``jax.default_backend()`` when the program is lowered."""
     known = kernels()
     if name == "auto":
-        return known.get("pallas", known["xla"])
+        return known["pallas" if jax.default_backend() in _PALLAS_BACKENDS else "xla"]
     if name in known:
         return known[name]
-    if name == "pallas":
-        raise NotImplementedError(
-            "kernel='pallas' is not implemented yet (it arrives with the [kernels] issue); "
-            "use kernel='xla' or kernel='auto'")
-    raise ValueError(f"unknown kernel {name!r}; use one of "
-                     f"{', '.join(sorted({*known, 'auto', 'pallas'}))}")
+    raise ValueError(f"unknown kernel {name!r}; use one of {', '.join(sorted({*known, 'auto'}))}")

@@ -1,0 +1,175 @@
+"""Local-step kernel throughput: the Pallas kernel next to cuDNN and XLA attention.
+
+Forward and forward+backward TFLOP/s at B=1, H=16, D=128, bf16, S ∈ {8K, 32K}, for a causal
+mask, no mask, and a random block-sparse mask (128 × 128 blocks, 10% of them visible), for
+
+* ``pallas``: this package's ``"pallas"`` kernel (the GPU variant on a GPU), forward then
+  backward from the forward's ``o``/``lse`` (what a schedule runs);
+* ``cudnn`` / ``xla``: ``jax.nn.dot_product_attention(implementation=...)``, ``jax.grad`` for
+  the backward (the block-sparse mask goes in as a dense boolean mask).
+
+FLOPs count only the visible fraction of the score matrix (causal ½, block-sparse the drawn
+density): forward ``4·B·H·S²·D·fraction``, backward 2.5× that (the flash-attention
+convention). Every implementation's forward output is checked against XLA's before it is timed (the
+script exits 1 on a mismatch).
+Reference points on an H200: cuDNN forward 490–590 TFLOP/s, fwd+bwd 420–550.
+
+    python bench/kernels.py                      # on the GPU
+    python bench/kernels.py --interpret --small  # on CPU: tiny shapes, Pallas interpreted
+
+Prints a table and writes ``bench/results/kernels-<device>-<date>.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec  # noqa: E402
+from cptransform.lowering.block import Block  # noqa: E402
+from cptransform.lowering.kernels.pallas import PallasKernel  # noqa: E402
+
+BTHD = Layout.parse("BTHD")
+MASKS = ("causal", "full", "block_sparse")
+
+
+def block_sparse_mask(seq: int, block: int, density: float, seed: int = 0):
+    """Bool ``[1, 1, S, S]``: whole ``block × block`` tiles visible with probability
+    ``density`` (the diagonal always, so no query row is empty); and the drawn density."""
+    nb = seq // block
+    tiles = np.random.default_rng(seed).random((nb, nb)) < density
+    np.fill_diagonal(tiles, True)
+    dense = np.kron(tiles, np.ones((block, block), bool))
+    return jnp.asarray(dense)[None, None], float(tiles.mean())
+
+
+def problem(seq: int, heads: int, dim: int, mask: str, block: int, dtype):
+    """``(q, k, v, dense_mask | None, fraction of the score matrix visible)``."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (1, seq, heads, dim), dtype) for key in keys)
+    if mask == "block_sparse":
+        dense, fraction = block_sparse_mask(seq, block, 0.10)
+        return q, k, v, dense, fraction
+    return q, k, v, None, 0.5 if mask == "causal" else 1.0
+
+
+def pallas_fns(kernel: PallasKernel, mask: str, seq: int, scale: float):
+    """``(forward, forward+backward)`` of the Pallas kernel on ``(q, k, v, dense)``."""
+    spec = AttentionSpec(BTHD, BTHD, BTHD, scale=scale, positions=True,
+                         mask=MaskSpec(causal=mask == "causal", dense=mask == "block_sparse"))
+    pos = jnp.arange(seq, dtype=jnp.int32)[None]
+
+    def block(q, k, v, dense):
+        return Block(q, k, v, pos, pos, mask=dense)
+
+    def fwd(q, k, v, dense):
+        return kernel.forward(block(q, k, v, dense), spec)[0]
+
+    def fwd_bwd(q, k, v, dense):
+        b = block(q, k, v, dense)
+        o, lse = kernel.forward(b, spec)
+        return kernel.backward(b, o, lse, o, spec)[:3]  # dO = O: any cotangent will do
+
+    return fwd, fwd_bwd
+
+
+def nn_fns(implementation: str, mask: str, scale: float):
+    """``(forward, forward+backward)`` of ``jax.nn.dot_product_attention``."""
+    def fwd(q, k, v, dense):
+        return jax.nn.dot_product_attention(q, k, v, mask=dense, scale=scale,
+                                            is_causal=mask == "causal",
+                                            implementation=implementation)
+
+    def fwd_bwd(q, k, v, dense):
+        loss = lambda q, k, v: jnp.sum(fwd(q, k, v, dense).astype(jnp.float32))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    return fwd, fwd_bwd
+
+
+def timed(fn, args, iters: int) -> float:
+    """Median seconds of ``fn(*args)`` (compiled and warmed up first)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--interpret", action="store_true",
+                        help="run the Pallas kernel in interpret mode (CPU)")
+    parser.add_argument("--small", action="store_true",
+                        help="tiny shapes (S=256, H=2, D=32, 64-blocks) for a CPU check")
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    seqs, heads, dim, block = ((256,), 2, 32, 64) if args.small else ((8192, 32768), 16, 128, 128)
+    iters = args.iters or (1 if args.small else 10)
+    kernel = PallasKernel(block_q=block, block_kv=block,
+                          interpret=True if args.interpret else None)
+    device = jax.devices()[0].device_kind.replace(" ", "_")
+    impls = ["xla", "pallas"] + ([] if jax.default_backend() == "cpu" else ["cudnn"])
+    rows, failures = [], []
+    for seq in seqs:
+        for mask in MASKS:
+            q, k, v, dense, fraction = problem(seq, heads, dim, mask, block, jnp.bfloat16)
+            flops = 4 * heads * seq * seq * dim * fraction
+            scale = dim ** -0.5
+            want = None
+            for impl in impls:
+                fns = pallas_fns(kernel, mask, seq, scale) if impl == "pallas" else \
+                    nn_fns(impl, mask, scale)
+                fwd, fwd_bwd = (jax.jit(f) for f in fns)
+                row = dict(impl=impl, seq=seq, mask=mask, fraction=fraction)
+                try:
+                    out = np.asarray(fwd(q, k, v, dense), np.float32)
+                except Exception as err:  # cuDNN refuses some shapes/masks: report, go on
+                    rows.append(dict(row, error=f"{type(err).__name__}: {str(err)[:200]}"))
+                    continue
+                want = out if want is None else want  # the first, XLA, is the reference
+                err = float(np.max(np.abs(out - want)))
+                row["max_abs_err_vs_xla"] = err
+                if err > 5e-2:
+                    failures.append(f"{impl} {mask} S={seq}: max |error| {err:.3g}")
+                t_f = timed(fwd, (q, k, v, dense), iters)
+                t_fb = timed(fwd_bwd, (q, k, v, dense), iters)
+                row.update(fwd_ms=t_f * 1e3, fwd_bwd_ms=t_fb * 1e3,
+                           fwd_tflops=flops / t_f / 1e12, fwd_bwd_tflops=3.5 * flops / t_fb / 1e12)
+                rows.append(row)
+    print(f"{'impl':8} {'S':>6} {'mask':13} {'fwd ms':>9} {'fwd TF/s':>9} "
+          f"{'f+b ms':>9} {'f+b TF/s':>9}  err")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['impl']:8} {r['seq']:6} {r['mask']:13} {r['error']}")
+            continue
+        print(f"{r['impl']:8} {r['seq']:6} {r['mask']:13} {r['fwd_ms']:9.3f} "
+              f"{r['fwd_tflops']:9.2f} {r['fwd_bwd_ms']:9.3f} {r['fwd_bwd_tflops']:9.2f}  "
+              f"{r['max_abs_err_vs_xla']:.1e}")
+    date = datetime.date.today().isoformat()
+    out = Path(args.out or ROOT / "bench" / "results" / f"kernels-{device}-{date}.json")
+    out.write_text(json.dumps(dict(device=device, backend=jax.default_backend(),
+                                   jax=jax.__version__, heads=heads, dim=dim, block=block,
+                                   interpret=args.interpret, rows=rows), indent=1))
+    print(f"wrote {out}")
+    for failure in failures:
+        print("MISMATCH:", failure)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The ``"pallas"`` kernel: one registered object that runs the TPU-style or the GPU-style
+Pallas kernels (:mod:`.pallas_tpu`, :mod:`.pallas_gpu`) by ``jax.default_backend()``.
+
+On CPU there is no Pallas backend: the variant comes from ``variant=`` or the environment
+variable ``CPTRANSFORM_PALLAS_VARIANT`` (``tpu``, the default, or ``gpu``) and runs in
+interpret mode (``pltpu.InterpretParams()``; slow, for tests). Both variants share the block table
+(:mod:`.block_table`), the operand layout (:mod:`.pallas_operands`) and the tile math
+(:mod:`.pallas_tiles`), and implement the :class:`~cptransform.lowering.kernels.Kernel`
+protocol exactly as the XLA kernel does.
+"""
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
+
+from cptransform.op.attention_spec import AttentionSpec
+from cptransform.lowering.block import Block
+from cptransform.lowering.kernels import pallas_gpu, pallas_tpu, register_kernel
+from cptransform.lowering.kernels.pallas_operands import heads_major, prepare, tokens_major
+
+VARIANTS = {"tpu": pallas_tpu, "gpu": pallas_gpu}
+_BACKEND_VARIANT = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
+
+
+def _sum_to(x, shape):
+    """Sum the dims of ``x`` that ``shape`` broadcasts (size 1) back down to ``shape``."""
+    axes = tuple(i for i, (xs, s) in enumerate(zip(x.shape, shape)) if s == 1 and xs != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+class PallasKernel:
+    """Pallas local-step kernels (see the module doc).
+
+    Args:
+      variant: ``"tpu"`` or ``"gpu"``; ``None`` follows the backend (on CPU:
+        ``$CPTRANSFORM_PALLAS_VARIANT``, default ``tpu``).
+      block_q, block_kv: tile sizes; ``None`` is ``min(T, 128)`` (the GPU variant rounds up
+        to a power of two, at least 16, as Triton needs). Lengths are padded to a multiple.
+      interpret: run in interpret mode; ``None`` means exactly when the backend is CPU.
+    """
+
+    name = "pallas"
+
+    def __init__(self, variant: str | None = None, block_q: int | None = None,
+                 block_kv: int | None = None, interpret: bool | None = None):
+        if variant is not None and variant not in VARIANTS:
+            raise ValueError(f"unknown Pallas variant {variant!r}; use 'tpu' or 'gpu'")
+        self.variant, self.block_q, self.block_kv = variant, block_q, block_kv
+        self.interpret = interpret
+
+    def _setup(self):
+        """``(variant name, module, interpret argument)`` for the current backend."""
+        backend = jax.default_backend()
+        variant = self.variant or _BACKEND_VARIANT.get(backend) or os.environ.get(
+            "CPTRANSFORM_PALLAS_VARIANT", "tpu")
+        if variant not in VARIANTS:
+            raise ValueError(f"CPTRANSFORM_PALLAS_VARIANT={variant!r}; use 'tpu' or 'gpu'")
+        interpret = backend == "cpu" if self.interpret is None else self.interpret
+        if interpret:
+            # The TPU interpreter for both variants: the generic one (interpret=True) fails
+            # JAX's varying-axes check on in-kernel dynamic slices inside shard_map.
+            interpret = pltpu.InterpretParams()
+        return variant, VARIANTS[variant], interpret
+
+    def _block(self, given: int | None, length: int, variant: str) -> int:
+        size = given or min(length, 128)
+        if variant == "gpu":
+            size = max(16, 1 << (size - 1).bit_length())
+        return size
+
+    def _operands(self, block: Block, spec: AttentionSpec, variant: str):
+        return prepare(block, spec, self._block(self.block_q, block.q.shape[1], variant),
+                       self._block(self.block_kv, block.k.shape[1], variant))
+
+    def forward(self, block: Block, spec: AttentionSpec):
+        """``(o [B, Tq, H, Dv] f32, lse [B, H, Tq] f32)`` of ``block``; see the protocol."""
+        variant, module, interpret = self._setup()
+        ops = self._operands(block, spec, variant)
+        o, lse = module.forward(ops, spec, interpret)
+        return tokens_major(o, ops.tq), lse[:, :, :ops.tq]
+
+    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None):
+        """``(dq, dk, dv, dbias)`` float32 from the merged ``o``/``lse``; see the protocol."""
+        variant, module, interpret = self._setup()
+        ops = self._operands(block, spec, variant)
+        tqp = ops.q.shape[2]
+        # delta = rowsum(dO∘O) - dlse: one [B, H, Tq] vector, cheaper here than per tile.
+        delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1), 1, 2)
+        if dlse is not None:
+            delta = delta - dlse.astype(jnp.float32)
+        pad = ((0, 0), (0, 0), (0, tqp - ops.tq))
+        # Padded rows: lse 0 keeps exp(s - lse) finite there (the mask zeroes them anyway).
+        lse_p = jnp.pad(lse.astype(jnp.float32), pad)
+        delta_p = jnp.pad(delta, pad)
+        do_p = heads_major(do.astype(block.v.dtype), tqp)
+        dq, dbias = module.backward_dq(ops, spec, do_p, lse_p, delta_p, interpret)
+        dk, dv = module.backward_dkv(ops, spec, do_p, lse_p, delta_p, interpret)
+        if dbias is not None:
+            dbias = _sum_to(dbias[:, :, :ops.tq, :ops.tkv], block.bias.shape)
+        return (tokens_major(dq, ops.tq), tokens_major(dk, ops.tkv),
+                tokens_major(dv, ops.tkv), dbias)
+
+
+register_kernel(PallasKernel())
