@@ -69,6 +69,32 @@ def reshape_dim_map(in_shape: tuple, out_shape: tuple) -> dict[int, int]:
     return mapping
 
 
+def reshape_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list | None:
+    """A reshape as ``(input dims, output dims)`` groups holding the same elements in
+    row-major order (size-1 dims left out): ``[(0,), (0,)]`` keeps a dim, ``((1, 2), (1,))``
+    merges two, ``((1,), (1, 2))`` splits one. None when a dim is empty."""
+    ins = [i for i, n in enumerate(in_shape) if n != 1]
+    outs = [j for j, n in enumerate(out_shape) if n != 1]
+    if 0 in in_shape or 0 in out_shape:
+        return None
+    groups, a, b = [], 0, 0
+    while a < len(ins) and b < len(outs):
+        gi, go = [ins[a]], [outs[b]]
+        pi, po = in_shape[ins[a]], out_shape[outs[b]]
+        a, b = a + 1, b + 1
+        while pi != po:
+            if pi < po:
+                gi.append(ins[a])
+                pi *= in_shape[ins[a]]
+                a += 1
+            else:
+                go.append(outs[b])
+                po *= out_shape[outs[b]]
+                b += 1
+        groups.append((tuple(gi), tuple(go)))
+    return groups
+
+
 def unit_reshape_dims(src_shape: Sequence[int], out_shape: Sequence[int],
                       dims: tuple, *, forward: bool = False) -> tuple | None:
     """Labels across a reshape that only adds or drops size-1 dims (None for any other).

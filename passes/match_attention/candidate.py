@@ -21,7 +21,7 @@ from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.passes.match_attention.logits import empty_rows, visible_form
 from cptransform.passes.match_attention.qk_product import QKProduct
 from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
-from cptransform.passes.match_attention.value_product import ValueProduct
+from cptransform.passes.match_attention.value_product import Split, ValueProduct
 from cptransform.passes.match_attention.walk import strip_scale, unrepeat
 
 #: Labels of the feature dims of q, k and v (the q·k dims are labelled by integers).
@@ -118,6 +118,9 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     scale, softcap, biases = visible_form(qk.steps, q_scale * k_scale)
     rows, preds = empty_rows(qk.steps)
     parts = _mask_parts(qk, preds, batch, stats)
+    sides = [d.source for d in parts.dense] + [b for b, _ in biases] + list(parts.segments or ())
+    if any(set(side.dims) & set(qk.merged) for side in sides):
+        raise NotAttention("a mask or bias varies along dims merged by a reshape of the logits")
     q_seq = parts.q_dim
     if q_seq is None:
         same = [lab for lab in qk.q_free if qk.sizes[lab] == qk.sizes[qk.kv]]
@@ -156,6 +159,24 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         biases=tuple(biases), empty_rows=rows, band=parts.band,
         segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
         groups=hq // hk, mask_kinds=parts.kinds)
+
+
+def _resolve(p_dims: tuple, qk: QKProduct) -> tuple:
+    """The q·k label of each dim of the probabilities operand. A dim the chain merged must
+    come back split into the same parts (sizes, order): ``[B,T,K·G,S]`` as ``[B,T,K,G,S]``."""
+    out = []
+    for d in p_dims:
+        if isinstance(d, Split):
+            parts = qk.merged.get(qk.labels[d.dim], ())
+            if tuple(qk.sizes[lab] for lab in parts) != d.sizes:
+                raise NotAttention("the probabilities are reshaped to a different grouping "
+                                   "than the logits")
+            out.append(parts[d.index])
+        elif d is not None and qk.labels[d] in qk.merged:
+            raise NotAttention("the value product reads dims merged by a reshape of the logits")
+        else:
+            out.append(None if d is None else qk.labels[d])
+    return tuple(out)
 
 
 def _mask_parts(qk: QKProduct, preds: list, batch: list, stats: RuleStats) -> MaskParts:
