@@ -91,11 +91,14 @@ class Candidate:
         canonical = Layout(tuple(range(nbl)), nbl, nbl + 1, nbl + 2)
         mqa = Layout(tuple(range(nbl)), nbl, None, nbl + 1)
         k_layout = canonical if self.kv_head is not None else mqa
-        band = self.band
+        lo, hi = self.band or (None, None)
+        # A band reaching past the diagonal on both sides is a two-sided window
+        # (``|i - j| <= w``); one bounded above at or before it is causal (with an offset).
+        two_sided = lo is not None and hi is not None and hi > 0
         mask = MaskSpec(
-            causal=band is not None and band[1] is not None,
-            causal_offset=band[1] if band is not None and band[1] is not None else 0,
-            window=(-band[0], None) if band is not None and band[0] is not None else None,
+            causal=hi is not None and not two_sided,
+            causal_offset=hi if hi is not None and not two_sided else 0,
+            window=(-lo, hi if two_sided else None) if lo is not None else None,
             segments=bool(self.segments) or bool(self.q_pads or self.kv_pads),
             dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows)
         return AttentionSpec(q=canonical, k=k_layout, v=k_layout, scale=float(self.scale),
@@ -105,7 +108,7 @@ class Candidate:
 def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
                     stats: RuleStats) -> Candidate:
     """Put the two products together (or refuse, with the first reason found)."""
-    p_dims = tuple(None if d is None else qk.labels[d] for d in pv.p_dims)
+    p_dims = _resolve(pv.p_dims, qk)
     shared = list(range(qk.n_batch))
     # The kv-heads dim: the last shared dim in K's order that is not K's leading dim
     # (by convention the batch); others are batch. Any choice is exact.
