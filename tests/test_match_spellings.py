@@ -91,7 +91,7 @@ def test_gemma_grouped_query_reshapes(fn, band, softcap, rng):
     (spec,) = specs(module)
     assert spec.groups == G and spec.mask.band() == band and spec.mask.empty_rows == "uniform"
     assert spec.softcap == softcap and not spec.mask.dense
-    assert spec.scale == 1.0  # Gemma scales q before its reshape: the factor stays in q
+    assert spec.scale == pytest.approx(1.0)  # Gemma scales q before its reshape: kept in q
     assert_grads_close(fn, module, args)
 
 
@@ -148,6 +148,28 @@ def test_abs_window_forms(compare, window, rng):
 
     (spec,) = specs(check(fn, q, k, v, analytic=True))
     assert spec.mask.window == window and not spec.mask.causal
+
+
+def test_matmul_with_unit_batch(rng):
+    """``jnp.matmul`` squeezes a size-1 batch for the product and broadcasts it back."""
+    q, k, v = (randn(rng, 1, N, T, H) for _ in range(3))
+    fn = lambda q, k, v: jax.nn.softmax(q @ jnp.swapaxes(k, -1, -2)) @ v  # noqa: E731
+    check(fn, q, k, v)
+
+
+def test_grouped_query_reshape_with_one_kv_head(rng):
+    """``[B, 1, G, T, S]`` logits merged to ``[B, G, T, S]``: the size-1 KV-heads dim is a
+    part of the merge, and the split of the probabilities must give it back."""
+    q, k, v = randn(rng, B, T, G, H), randn(rng, B, T, 1, H), randn(rng, B, T, 1, H)
+
+    def fn(q, k, v):
+        s = jnp.einsum("bqkgd,bskd->bkgqs", q.reshape(B, T, 1, G, H), k)
+        p = jax.nn.softmax(s.reshape(B, G, T, T), axis=-1)
+        o = jnp.einsum("bkgqs,bskd->bqkgd", p.reshape(B, 1, G, T, T), v)
+        return o.reshape(B, T, G, H)
+
+    (spec,) = specs(check(fn, q, k, v))
+    assert spec.groups == G
 
 
 # -- near misses -------------------------------------------------------------------------------

@@ -70,28 +70,34 @@ def reshape_dim_map(in_shape: tuple, out_shape: tuple) -> dict[int, int]:
 
 
 def reshape_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list | None:
-    """A reshape as ``(input dims, output dims)`` groups holding the same elements in
-    row-major order (size-1 dims left out): ``[(0,), (0,)]`` keeps a dim, ``((1, 2), (1,))``
-    merges two, ``((1,), (1, 2))`` splits one. None when a dim is empty."""
-    ins = [i for i, n in enumerate(in_shape) if n != 1]
-    outs = [j for j, n in enumerate(out_shape) if n != 1]
+    """A reshape as ``(input dims, output dims)`` groups holding the same elements, in
+    row-major order: ``((0,), (0,))`` keeps a dim, ``((1, 2), (1,))`` merges two,
+    ``((1,), (1, 2))`` splits one. A size-1 dim joins the group after it (``[1, 6] ->
+    [6]`` is one merge) unless both sides have one there; size-1 dims past the end are
+    dropped ``((i,), ())`` or added ``((), (j,))``. None when a dim is empty."""
     if 0 in in_shape or 0 in out_shape:
         return None
     groups, a, b = [], 0, 0
-    while a < len(ins) and b < len(outs):
-        gi, go = [ins[a]], [outs[b]]
-        pi, po = in_shape[ins[a]], out_shape[outs[b]]
+    while a < len(in_shape) and b < len(out_shape):
+        if in_shape[a] == out_shape[b] == 1:
+            groups.append(((a,), (b,)))
+            a, b = a + 1, b + 1
+            continue
+        gi, go = [a], [b]
+        pi, po = in_shape[a], out_shape[b]
         a, b = a + 1, b + 1
         while pi != po:
             if pi < po:
-                gi.append(ins[a])
-                pi *= in_shape[ins[a]]
+                gi.append(a)
+                pi *= in_shape[a]
                 a += 1
             else:
-                go.append(outs[b])
-                po *= out_shape[outs[b]]
+                go.append(b)
+                po *= out_shape[b]
                 b += 1
         groups.append((tuple(gi), tuple(go)))
+    groups += [((i,), ()) for i in range(a, len(in_shape))]
+    groups += [((), (j,)) for j in range(b, len(out_shape))]
     return groups
 
 

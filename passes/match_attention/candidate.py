@@ -170,11 +170,16 @@ def _resolve(p_dims: tuple, qk: QKProduct) -> tuple:
     out = []
     for d in p_dims:
         if isinstance(d, Split):
-            parts = qk.merged.get(qk.labels[d.dim], ())
-            if tuple(qk.sizes[lab] for lab in parts) != d.sizes:
+            label = qk.labels[d.dim]
+            parts = qk.merged.get(label)
+            if parts is not None and tuple(qk.sizes[lab] for lab in parts) == d.sizes:
+                out.append(parts[d.index])
+            elif parts is None and sum(n != 1 for n in d.sizes) == 1:
+                # Only size-1 dims added around a dim the chain did not merge.
+                out.append(label if d.sizes[d.index] != 1 else None)
+            else:
                 raise NotAttention("the probabilities are reshaped to a different grouping "
                                    "than the logits")
-            out.append(parts[d.index])
         elif d is not None and qk.labels[d] in qk.merged:
             raise NotAttention("the value product reads dims merged by a reshape of the logits")
         else:

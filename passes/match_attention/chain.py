@@ -177,12 +177,31 @@ def _read_reshape(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[St
     in_shape = compat.aval_of(eqn.invars[main]).shape
     out_shape = compat.aval_of(eqn.outvars[0]).shape
     groups = reshape_groups(in_shape, out_shape)
-    if groups is None or any(len(outs) > 1 for _, outs in groups) or \
-            any(n == 1 and lab is not None for n, lab in zip(in_shape, labels)):
+    if groups is None or any(sum(out_shape[o] != 1 for o in outs) > 1 or
+                             not outs and labels[ins[0]] is not None for ins, outs in groups):
         raise NotAttention("the logits are reshaped (dims split, or a q·k dim dropped)")
     new: list = [None] * len(out_shape)
-    for ins, (out,) in groups:
-        new[out] = labels[ins[0]] if len(ins) == 1 else r.merge(tuple(labels[i] for i in ins))
+    for ins, outs in groups:
+        parts = tuple(labels[i] for i in ins if labels[i] is not None)
+        if outs and parts:
+            # The merged dim is the group's non-unit output dim (a size-1 one if none is).
+            out = max(outs, key=lambda o: out_shape[o])
+            new[out] = parts[0] if len(parts) == 1 else r.merge(parts)
+    return [Step(StepKind.LAYOUT, labels=tuple(new))]
+
+
+def _read_broadcast(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step]:
+    """A broadcast that only adds size-1 dims (``jnp.matmul`` squeezes size-1 batch dims
+    for the product and puts them back after it)."""
+    src_shape = compat.aval_of(eqn.invars[0]).shape
+    out_shape = compat.aval_of(eqn.outvars[0]).shape
+    placed = eqn.params["broadcast_dimensions"]
+    if any(src_shape[i] != out_shape[o] for i, o in enumerate(placed)) or \
+            any(n != 1 for o, n in enumerate(out_shape) if o not in placed):
+        raise NotAttention("the logits are broadcast along a new dim")
+    new: list = [None] * len(out_shape)
+    for i, o in enumerate(placed):
+        new[o] = labels[i]
     return [Step(StepKind.LAYOUT, labels=tuple(new))]
 
 
@@ -247,6 +266,7 @@ CHAIN: dict[str, Reader] = {
     "transpose": _read_transpose,                               # head/seq permutations
     "reshape": _read_reshape,                                   # size-1 dims, merges
     "squeeze": _read_reshape,
+    "broadcast_in_dim": _read_broadcast,                        # size-1 dims added
     "neg": lambda r, e, main, labels: [Step(StepKind.SCALE, -1.0)],   # -x
     "tanh": lambda r, e, main, labels: [Step(StepKind.TANH)],         # c * tanh(x / c)
     "select_n": _read_select,                                   # where(mask, x, fill)

@@ -25,7 +25,8 @@ _PERMUTES = moving(Moves.PERMUTE)
 
 @dataclass(frozen=True)
 class Split:
-    """Part ``index`` of softmax-input dim ``dim`` split into dims of ``sizes``."""
+    """Part ``index`` of softmax-input dim ``dim`` split into dims of ``sizes`` (some may
+    be size-1 dims added next to it)."""
 
     dim: int
     index: int
@@ -118,11 +119,14 @@ def _split_dims(in_shape: tuple, out_shape: tuple, dims: tuple) -> tuple:
     """The labels after a reshape of the probabilities that adds or drops size-1 dims or
     splits a dim (a merge would mix a softmax dim with another: refused)."""
     groups = reshape_groups(in_shape, out_shape)
-    if groups is None or any(len(ins) > 1 for ins, _ in groups):
+    if groups is None or any(sum(in_shape[i] != 1 for i in ins) > 1 for ins, _ in groups):
         raise NotAttention("the probabilities are reshaped before the value product "
                            "(dims merged)")
     new: list = [None] * len(out_shape)
-    for (i,), outs in groups:
+    for ins, outs in groups:
+        if not ins or not outs:
+            continue  # a size-1 dim added or dropped
+        i = max(ins, key=lambda d: in_shape[d])
         if len(outs) > 1 and (dims[i] is None or isinstance(dims[i], Split)):
             raise NotAttention("the probabilities are reshaped before the value product "
                                "(a dim split twice)")
