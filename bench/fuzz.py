@@ -7,8 +7,9 @@ against the undecorated single-device program (loss and every gradient).
 
 Classes are taken round-robin (every class gets about N / #classes cases), including the
 ones ``tests/fuzz_programs.KNOWN_BROKEN`` lists (the CI fuzzer skips those). Prints a table
-by class: cases, passed, refused (clearly), wrong numbers, crashed (unclear), and one
-reproduction line per failing class; ``--json`` gets every outcome, written after each case
+by class: cases, passed, unmatched (right numbers, but no attention found: ran unsharded),
+refused (clearly), wrong numbers, crashed (unclear), then the unmatched cases by spelling
+with their refusal reasons, and one reproduction line per failing class; ``--json`` gets every outcome, written after each case
 so a run stopped by ``--minutes`` keeps what it did.
 """
 from __future__ import annotations
@@ -33,7 +34,7 @@ import numpy as np  # noqa: E402
 
 import fuzz_programs as fp  # noqa: E402
 
-STATUSES = ("passed", "refused", "wrong", "crashed")
+STATUSES = ("passed", "unmatched", "refused", "wrong", "crashed")
 
 
 def summarize(records):
@@ -49,21 +50,39 @@ def summarize(records):
     return table
 
 
-def print_table(table, out=sys.stdout):
-    head = f"{'class':18s} {'cases':>5s} {'passed':>6s} {'refused':>7s} {'wrong':>5s} " \
-           f"{'crashed':>7s}  known-broken"
+def unmatched_reasons(records):
+    """``{(class, spelling, gqa style): {reason: count}}`` of the unmatched cases."""
+    out: dict = {}
+    for r in records:
+        if r["status"] == "unmatched":
+            # Drop the source location: the same spelling is one line wherever it sits.
+            reason = r["detail"].split("refused: ", 1)[-1]
+            key = (r["cls"], r["spelling"], r.get("gqa_style", ""))
+            out.setdefault(key, {}).setdefault(reason, 0)
+            out[key][reason] += 1
+    return out
+
+
+def print_table(table, out=sys.stdout, records=()):
+    cols = ("cases",) + STATUSES
+    head = f"{'class':18s} " + " ".join(f"{c:>9s}" for c in cols) + "  known-broken"
     print(head, file=out)
     print("-" * len(head), file=out)
     for cls in fp.ALL_CLASSES:
         if cls not in table:
             continue
         r = table[cls]
-        print(f"{cls:18s} {r['cases']:5d} {r['passed']:6d} {r['refused']:7d} {r['wrong']:5d} "
-              f"{r['crashed']:7d}  {'yes' if r['known_broken'] else ''}", file=out)
-    total = {s: sum(r[s] for r in table.values()) for s in ("cases",) + STATUSES}
+        print(f"{cls:18s} " + " ".join(f"{r[c]:9d}" for c in cols) +
+              f"  {'yes' if r['known_broken'] else ''}", file=out)
+    total = {s: sum(r[s] for r in table.values()) for s in cols}
     print("-" * len(head), file=out)
-    print(f"{'total':18s} {total['cases']:5d} {total['passed']:6d} {total['refused']:7d} "
-          f"{total['wrong']:5d} {total['crashed']:7d}", file=out)
+    print(f"{'total':18s} " + " ".join(f"{total[c]:9d}" for c in cols), file=out)
+    reasons = unmatched_reasons(records)
+    if reasons:
+        print("\nUnmatched (ran unsharded) by class, spelling, GQA style:", file=out)
+    for (cls, spelling, style), why in sorted(reasons.items()):
+        for reason, n in sorted(why.items(), key=lambda kv: -kv[1]):
+            print(f"  {cls:18s} {spelling:7s} {style:8s} {n:3d}  {reason[:160]}", file=out)
     failing = [c for c in fp.ALL_CLASSES if c in table and table[c]["example"]]
     if failing:
         print("\nOne reproduction per failing class:", file=out)
@@ -110,7 +129,7 @@ def main(argv=None):
                         "seconds": round(time.time() - t, 2), "case": repr(case),
                         "repro": case.repro(), "schedule": case.schedule,
                         "load_balance": case.load_balance, "cp": case.cp, "mask": case.mask,
-                        "spelling": case.spelling})
+                        "spelling": case.spelling, "gqa_style": case.gqa_style})
         print(f"[{i:4d}] {cls:18s} {out.status:8s} {time.time() - t:5.1f}s "
               f"{out.detail[:120]}", flush=True)
         if args.json and (i % 5 == 4 or i == args.cases - 1):
@@ -119,7 +138,7 @@ def main(argv=None):
             jax.clear_caches()
     table = summarize(records)
     print()
-    print_table(table)
+    print_table(table, records=records)
     if args.json:
         _write(args, records, start)
     return 0

@@ -10,6 +10,8 @@ runs ``jax.value_and_grad`` of the undecorated and the ``@context_parallel`` fun
 
 - ``passed``: loss and every gradient equal (fp32: ``rtol=1e-5`` plus ``atol=1e-5 * max|ref|``;
   bf16 attention: ``2e-2``), NaN where the reference is NaN;
+- ``unmatched``: the numbers are equal, but only because no attention was found and the
+  function ran unsharded (it warned ``UnshardedWarning``): a spelling the matcher misses;
 - ``refused``: a ``CPTransformError`` or ``NotImplementedError`` with a message;
 - ``wrong``: different numbers (a silent wrong answer);
 - ``crashed``: any other exception (an unclear crash).
@@ -17,13 +19,15 @@ runs ``jax.value_and_grad`` of the undecorated and the ``@context_parallel`` fun
 Reproduce a case with ``python -m bench.fuzz --repro "FuzzCase(...)"`` or
 ``run_case(FuzzCase(...))``.
 
-Only the public API is used: ``context_parallel`` and ``cptransform.ir.errors``.
+Only the public API is used: ``context_parallel`` (and its ``UnshardedWarning``) and
+``cptransform.ir.errors``.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from cptransform import context_parallel
+from cptransform.api.context_parallel import UnshardedWarning
 from cptransform.ir.errors import CPTransformError
 
 # ----------------------------------------------------------------------------------------
@@ -543,7 +548,7 @@ def build(case: FuzzCase):
 
 @dataclass
 class Outcome:
-    status: str          # passed refused wrong crashed
+    status: str          # passed unmatched refused wrong crashed
     detail: str = ""
 
     def __str__(self):
@@ -598,7 +603,9 @@ def run_case(case: FuzzCase) -> Outcome:
     try:
         f = context_parallel(loss, cp=case.cp, schedule=case.schedule,
                              load_balance=case.load_balance)
-        got = jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, inputs))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UnshardedWarning)
+            got = jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, inputs))
     except (CPTransformError, NotImplementedError) as exc:
         if str(exc).strip():
             return Outcome("refused", _last_line(exc))
@@ -610,4 +617,13 @@ def run_case(case: FuzzCase) -> Outcome:
     diff = compare(case, got, ref)
     if diff is not None:
         return Outcome("wrong", diff)
+    unsharded = [w for w in caught if issubclass(w.category, UnshardedWarning)]
+    if unsharded:
+        return Outcome("unmatched", _refusals(str(unsharded[0].message)))
     return Outcome("passed")
+
+
+def _refusals(message: str) -> str:
+    """The refused softmaxes of an ``UnshardedWarning`` (its indented lines), on one line."""
+    lines = [line.strip() for line in message.splitlines() if line.startswith("  ")]
+    return "; ".join(lines) or " ".join(message.split())[:300]

@@ -1,11 +1,14 @@
 """Differential fuzzer (CI budget): random small programs around attention must give the
 same loss and gradients under ``@context_parallel`` as undecorated, or a clear refusal.
+A case whose attention was not matched (it ran unsharded, with the right numbers) passes
+but is reported as a ``FuzzUnmatched`` warning.
 
 The generator is ``tests/fuzz_programs.py``; classes in ``KNOWN_BROKEN`` (a silent wrong
 answer or an unclear crash today) are skipped here and still run by ``bench/fuzz.py``.
 A failure prints the drawn ``FuzzCase`` and the command that reproduces it.
 """
 import os
+import warnings
 
 import jax
 import numpy as np
@@ -30,6 +33,10 @@ def test_known_broken_names_real_classes():
     assert issubclass(CPTransformError, ValueError)
 
 
+class FuzzUnmatched(UserWarning):
+    """A fuzz case whose attention was not matched (listed in pytest's warnings summary)."""
+
+
 #: Examples per class (set FUZZ_EXAMPLES=20 for a longer local run; bench/fuzz.py for 1000s).
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1"))
 
@@ -50,7 +57,14 @@ def test_fuzz_matches_single_device(cls, seed):
     case = draw_case(numpy_chooser(rng), cls, seed)
     note(repr(case))
     outcome = run_case(case)
-    assert outcome.status in ("passed", "refused"), f"{outcome}\nreproduce: {case.repro()}"
+    assert outcome.status in ("passed", "unmatched", "refused"), \
+        f"{outcome}\nreproduce: {case.repro()}"
+    if outcome.status == "unmatched":
+        # Right numbers, but unsharded: reported, not failed (a matcher gap, not a bug).
+        note(f"unmatched: {outcome.detail}")
+        warnings.warn(f"fuzz {cls}: no attention matched, ran unsharded: {outcome.detail}\n"
+                      f"reproduce: {case.repro()}", FuzzUnmatched)
+
 
 
 @pytest.mark.parametrize("cls", sorted(KNOWN_BROKEN) or [None])

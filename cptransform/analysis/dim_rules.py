@@ -69,6 +69,38 @@ def reshape_dim_map(in_shape: tuple, out_shape: tuple) -> dict[int, int]:
     return mapping
 
 
+def reshape_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list | None:
+    """A reshape as ``(input dims, output dims)`` groups holding the same elements, in
+    row-major order: ``((0,), (0,))`` keeps a dim, ``((1, 2), (1,))`` merges two,
+    ``((1,), (1, 2))`` splits one. A size-1 dim joins the group after it (``[1, 6] ->
+    [6]`` is one merge) unless both sides have one there; size-1 dims past the end are
+    dropped ``((i,), ())`` or added ``((), (j,))``. None when a dim is empty."""
+    if 0 in in_shape or 0 in out_shape:
+        return None
+    groups, a, b = [], 0, 0
+    while a < len(in_shape) and b < len(out_shape):
+        if in_shape[a] == out_shape[b] == 1:
+            groups.append(((a,), (b,)))
+            a, b = a + 1, b + 1
+            continue
+        gi, go = [a], [b]
+        pi, po = in_shape[a], out_shape[b]
+        a, b = a + 1, b + 1
+        while pi != po:
+            if pi < po:
+                gi.append(a)
+                pi *= in_shape[a]
+                a += 1
+            else:
+                go.append(b)
+                po *= out_shape[b]
+                b += 1
+        groups.append((tuple(gi), tuple(go)))
+    groups += [((i,), ()) for i in range(a, len(in_shape))]
+    groups += [((), (j,)) for j in range(b, len(out_shape))]
+    return groups
+
+
 def unit_reshape_dims(src_shape: Sequence[int], out_shape: Sequence[int],
                       dims: tuple, *, forward: bool = False) -> tuple | None:
     """Labels across a reshape that only adds or drops size-1 dims (None for any other).

@@ -6,7 +6,8 @@ the value's dims tied to a top dim (or to none, for a size-1 dim that is broadca
 
 * :class:`Affine`: an integer index expression ``sum(c_d * index_d) + const`` (an ``iota``
   is ``index_d``; adds, subtracts and constant multiples keep it affine; a constant 1-d
-  arange-like array is one too);
+  arange-like array is one too); :class:`AbsAffine` is its absolute value, which a compare
+  with a constant turns into two half-planes (``|i - j| <= w``);
 * :class:`Scalar`: a constant broadcast everywhere;
 * predicates: :class:`Band` (``index_b - index_a`` in a set of intervals: compares of
   affine expressions turn into half-planes, and/or/not combine them), :class:`Const`,
@@ -30,9 +31,9 @@ import numpy as np
 
 from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.intervals import complement, normalize
-from cptransform.analysis.mask_values import (Affine, Band, Const, Dense, DimMap, Indicator,
-                                              Opaque, Pred, Scalar, Segments, p_and, p_not,
-                                              p_or)
+from cptransform.analysis.mask_values import (AbsAffine, Affine, Band, Const, Dense, DimMap,
+                                              Indicator, Opaque, Pred, Scalar, Segments,
+                                              p_and, p_not, p_or)
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
@@ -122,6 +123,9 @@ class MaskAnalyzer:
             return self._arith(name, *(self.analyze(a, dims) for a in ins), atom, here)
         if name == "neg":
             return self._arith("mul", self.analyze(ins[0], dims), Scalar(-1), atom, here)
+        if name == "abs":
+            inner = self.analyze(ins[0], dims)
+            return AbsAffine(inner) if isinstance(inner, Affine) else here
         if name in _NP_COMPARE:
             return self._compare(name, self.analyze(ins[0], dims), self.analyze(ins[1], dims),
                                  atom, here)
@@ -216,6 +220,10 @@ class MaskAnalyzer:
         la, lb = affine(a), affine(b)
         if la is not None and lb is not None:
             return _band(op, la.plus(lb, -1), here)
+        for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
+            c = affine(y)
+            if isinstance(x, AbsAffine) and c is not None and not c.coeffs:
+                return _abs_band(o, x.inner, c.const, here)
         if isinstance(a, Scalar) and isinstance(b, Scalar):
             return Const(value=bool(_NP_COMPARE[op](a.value, b.value)), origin=here)
         for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
@@ -293,6 +301,19 @@ def _is_int(value: Any) -> bool:
         return float(value) == int(value)
     except (TypeError, ValueError, OverflowError):
         return False
+
+
+def _abs_band(op: str, x: Affine, c: int, origin: Opaque) -> Pred:
+    """The predicate ``|x| op c`` for an affine ``x``: ``|x| <= c`` is ``x <= c and
+    -x <= c``, ``|x| >= c`` is ``x >= c or -x >= c``, ``|x| == c`` is ``x == c or
+    x == -c`` (so each side stays a band when ``x`` is a difference of two indices)."""
+    upper = _band(op, x.plus(Affine((), c), -1), origin)           # x op c
+    lower = _band(op, x.times(-1).plus(Affine((), c), -1), origin)  # -x op c
+    if not (isinstance(upper, Band) and isinstance(lower, Band)):
+        return Dense(source=origin, origin=origin)
+    if op in ("le", "lt", "ne"):
+        return p_and(upper, lower, origin)
+    return p_or(upper, lower, origin)
 
 
 def _band(op: str, diff: Affine, origin: Opaque) -> Pred:

@@ -84,10 +84,13 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
             dense.extend(as_dense(b, b.origin) for b in bands)
         else:
             lo, hi = band
-            if hi is not None:
-                kinds.append("causal" if hi == 0 else f"causal({hi:+d})")
-            if lo is not None:
-                kinds.append(f"window({-lo})")
+            if lo is not None and hi is not None and hi > 0:
+                kinds.append(f"window({-lo},{hi})")
+            else:
+                if hi is not None:
+                    kinds.append("causal" if hi == 0 else f"causal({hi:+d})")
+                if lo is not None:
+                    kinds.append(f"window({-lo})")
     if segs:
         kinds.append("segments")
     if dense:

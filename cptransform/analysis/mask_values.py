@@ -47,6 +47,14 @@ class Affine:
 
 
 @dataclass(frozen=True)
+class AbsAffine:
+    """``|inner|`` of an index expression: only compared with a constant it is a band on
+    both sides (``|i - j| <= w``); anything else about it is opaque."""
+
+    inner: Affine
+
+
+@dataclass(frozen=True)
 class Scalar:
     """A constant, the same everywhere."""
 

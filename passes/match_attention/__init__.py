@@ -3,7 +3,8 @@
 Matching is anchored on the softmax core, the part every spelling shares:
 ``e = exp(x - c)`` with ``c`` constant along one axis, ``sum(e, axis)``, and the division,
 either of ``e`` (``p = e / sum``, then ``p @ v``) or of the value product
-(``(e @ v) / sum``). From there it walks
+(``(e @ v) / sum``), or the log of the sum subtracted inside a second exp
+(``p = exp(x - logsumexp(x))``, ``exp(log_softmax(x))``). From there it walks
 
 * back from ``x`` through elementwise and layout equations to the ``q·k`` ``dot_general``
   (the *logits chain*), reading each step as a scale, a soft-cap ``m·tanh(s·x)``, an
@@ -13,8 +14,10 @@ either of ``e`` (``p = e / sum``, then ``p @ v``) or of the value product
   (``empty_rows="nan"``: a fully masked row is NaN, as the original's softmax gives) or one
   finite very negative value everywhere
   (``empty_rows="uniform"``: a fully masked row averages V, as the original does);
-* forward from the probabilities to the ``p·v`` ``dot_general``, through casts and
-  transposes only, with no other reader of the probabilities.
+* forward from the probabilities to the ``p·v`` ``dot_general``, through casts,
+  transposes and reshapes only, with no other reader of the probabilities. A dim the
+  logits chain merged (GQA logits ``[B, T, K, G, S]`` viewed as ``[B, T, K·G, S]``) must
+  come back split into the same parts before the value product.
 
 Dims are tracked by *labels* (the dims of the ``q·k`` product: shared batch dims, the
 query's free dims, the key position), so any layout (BTHD, BHTD, no batch, heads under
@@ -25,9 +28,10 @@ operand. Anything that does not fit is left alone and reported with its reason.
 
 The modules, in the order a match uses them: ``anchor`` (the softmax core), ``chain``
 (the logits chain, a table of readers keyed by primitive), ``qk_product``,
-``value_product``, ``logits`` (visible form and empty rows), ``candidate`` (the frozen
-record of a match and its spec), ``emit`` (the replacement), ``matcher`` (one jaxpr),
-``stats`` (refusals and per-rule counts), ``walk`` (use-def helpers).
+``value_product``, ``log_normalized`` (the log-sum-exp spellings), ``logits`` (visible
+form and empty rows), ``candidate`` (the frozen record of a match and its spec), ``emit``
+(the replacement), ``matcher`` (one jaxpr), ``stats`` (refusals and per-rule counts),
+``walk`` (use-def helpers).
 """
 from __future__ import annotations
 

@@ -19,10 +19,16 @@ _ROW_MAX = one_of(
     Pat("max", (Pat.scalar(where=lambda v: v == -np.inf), Pat("reduce_max", name="row_max")),
         commutative=True),
     Pat("reduce_max", name="row_max"))
-#: ``exp(x - c)`` with ``c`` a (stop-gradient, broadcast) row max, or ``exp(x)``.
+#: ``where(isfinite(m), m, 0)``: logsumexp's row max, with all-``-inf`` rows shifted by 0.
+_GUARDED_MAX = Pat(
+    "select_n", (Pat("is_finite", (Pat.any("guarded"),)),
+                 Pat.scalar(where=lambda v: v == 0).through(WRAPPERS),
+                 _ROW_MAX.through(WRAPPERS | _PERMUTES)),
+    name="guard", where=lambda g, a, caps: g.producer(a).invars[2] is caps["guarded"])
+#: ``exp(x - c)`` with ``c`` a (stop-gradient, broadcast, guarded) row max, or ``exp(x)``.
 SOFTMAX_EXP = one_of(
-    Pat("exp", (Pat("sub", (Pat.any("logits"), _ROW_MAX.through(WRAPPERS | _PERMUTES))),),
-        name="exp"),
+    Pat("exp", (Pat("sub", (Pat.any("logits"), one_of(_ROW_MAX, _GUARDED_MAX)
+                            .through(WRAPPERS | _PERMUTES))),), name="exp"),
     Pat("exp", (Pat.any("logits"),), name="exp"))
 
 
@@ -55,8 +61,16 @@ def find_softmax(graph: Graph, sum_eqn: Any) -> Softmax:
         # Any stabiliser constant along the softmax axis leaves softmax unchanged.
         sub = graph.producer(caps["exp.eqn"].invars[0])
         nd = len(compat.aval_of(x).shape)
-        dims = follow_back(graph, sub.invars[1], tuple(range(nd)), caps["row_max"],
-                           WRAPPERS | _PERMUTES | {"max"})
+        through = WRAPPERS | _PERMUTES | {"max"}
+        dims = tuple(range(nd))
+        if "guard" in caps:
+            # The guard is elementwise: its operand has the dims of its result.
+            dims = follow_back(graph, sub.invars[1], dims, caps["guard"], through)
+            src = caps["guarded"]
+        else:
+            src = sub.invars[1]
+        if dims is not None:
+            dims = follow_back(graph, src, dims, caps["row_max"], through)
         if dims is None or axes[0] in dims:
             raise NotAttention("the subtracted row maximum is not constant along the "
                                "softmax axis")

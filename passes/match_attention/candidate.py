@@ -21,7 +21,7 @@ from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.passes.match_attention.logits import empty_rows, visible_form
 from cptransform.passes.match_attention.qk_product import QKProduct
 from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
-from cptransform.passes.match_attention.value_product import ValueProduct
+from cptransform.passes.match_attention.value_product import Split, ValueProduct
 from cptransform.passes.match_attention.walk import strip_scale, unrepeat
 
 #: Labels of the feature dims of q, k and v (the q·k dims are labelled by integers).
@@ -91,11 +91,14 @@ class Candidate:
         canonical = Layout(tuple(range(nbl)), nbl, nbl + 1, nbl + 2)
         mqa = Layout(tuple(range(nbl)), nbl, None, nbl + 1)
         k_layout = canonical if self.kv_head is not None else mqa
-        band = self.band
+        lo, hi = self.band or (None, None)
+        # A band reaching past the diagonal on both sides is a two-sided window
+        # (``|i - j| <= w``); one bounded above at or before it is causal (with an offset).
+        two_sided = lo is not None and hi is not None and hi > 0
         mask = MaskSpec(
-            causal=band is not None and band[1] is not None,
-            causal_offset=band[1] if band is not None and band[1] is not None else 0,
-            window=(-band[0], None) if band is not None and band[0] is not None else None,
+            causal=hi is not None and not two_sided,
+            causal_offset=hi if hi is not None and not two_sided else 0,
+            window=(-lo, hi if two_sided else None) if lo is not None else None,
             segments=bool(self.segments) or bool(self.q_pads or self.kv_pads),
             dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows)
         return AttentionSpec(q=canonical, k=k_layout, v=k_layout, scale=float(self.scale),
@@ -105,7 +108,7 @@ class Candidate:
 def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
                     stats: RuleStats) -> Candidate:
     """Put the two products together (or refuse, with the first reason found)."""
-    p_dims = tuple(None if d is None else qk.labels[d] for d in pv.p_dims)
+    p_dims = _resolve(pv.p_dims, qk)
     shared = list(range(qk.n_batch))
     # The kv-heads dim: the last shared dim in K's order that is not K's leading dim
     # (by convention the batch); others are batch. Any choice is exact.
@@ -118,6 +121,9 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     scale, softcap, biases = visible_form(qk.steps, q_scale * k_scale)
     rows, preds = empty_rows(qk.steps)
     parts = _mask_parts(qk, preds, batch, stats)
+    sides = [d.source for d in parts.dense] + [b for b, _ in biases] + list(parts.segments or ())
+    if any(set(side.dims) & set(qk.merged) for side in sides):
+        raise NotAttention("a mask or bias varies along dims merged by a reshape of the logits")
     q_seq = parts.q_dim
     if q_seq is None:
         same = [lab for lab in qk.q_free if qk.sizes[lab] == qk.sizes[qk.kv]]
@@ -156,6 +162,29 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         biases=tuple(biases), empty_rows=rows, band=parts.band,
         segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
         groups=hq // hk, mask_kinds=parts.kinds)
+
+
+def _resolve(p_dims: tuple, qk: QKProduct) -> tuple:
+    """The q·k label of each dim of the probabilities operand. A dim the chain merged must
+    come back split into the same parts (sizes, order): ``[B,T,K·G,S]`` as ``[B,T,K,G,S]``."""
+    out = []
+    for d in p_dims:
+        if isinstance(d, Split):
+            label = qk.labels[d.dim]
+            parts = qk.merged.get(label)
+            if parts is not None and tuple(qk.sizes[lab] for lab in parts) == d.sizes:
+                out.append(parts[d.index])
+            elif parts is None and sum(n != 1 for n in d.sizes) == 1:
+                # Only size-1 dims added around a dim the chain did not merge.
+                out.append(label if d.sizes[d.index] != 1 else None)
+            else:
+                raise NotAttention("the probabilities are reshaped to a different grouping "
+                                   "than the logits")
+        elif d is not None and qk.labels[d] in qk.merged:
+            raise NotAttention("the value product reads dims merged by a reshape of the logits")
+        else:
+            out.append(None if d is None else qk.labels[d])
+    return tuple(out)
 
 
 def _mask_parts(qk: QKProduct, preds: list, batch: list, stats: RuleStats) -> MaskParts:

@@ -5,6 +5,8 @@ The walk goes back from the softmax input through the primitives of :data:`CHAIN
 operand; the others are *sides*: a mask, a bias, a constant). Reading then goes forward:
 each primitive's reader turns one equation into steps (:class:`Step`: a scale, a soft-cap,
 a bias, a mask) and tracks which q·k dim each dim of the logits is (its *label*).
+A reshape that merges dims (grouped-query logits ``[B, T, K, G, S]`` viewed as
+``[B, T, K·G, S]``) gives the merged dim a fresh label standing for its parts, in order.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cptransform.analysis.dim_rules import unit_reshape_dims
+from cptransform.analysis.dim_rules import reshape_groups
 from cptransform.analysis.mask_analysis import MaskAnalyzer
 from cptransform.analysis.mask_values import Indicator, Opaque, Pred, Scalar, p_not
 from cptransform.analysis.primitives import Family, names_of
@@ -61,6 +63,9 @@ class ChainReader:
         self.masks = masks
         self.stats = stats
         self._reaches: dict = {}
+        #: The merged labels of the chain being read: label -> its parts, outermost first.
+        self.merged: dict = {}
+        self._fresh = 0
 
     def walk(self, x: Any) -> list:
         """``[(qk, None), (eqn, main), ...]``: the q·k dot_general, then the chain equations
@@ -91,10 +96,11 @@ class ChainReader:
         eqns.reverse()
         return [(self.g.producer(atom), None)] + eqns
 
-    def read(self, chain: list, labels: tuple) -> tuple[list[Step], tuple]:
-        """The steps of a walked chain (q·k output dims labelled ``labels``) and the labels
-        of the softmax input's dims."""
+    def read(self, chain: list, labels: tuple) -> tuple[list[Step], tuple, dict]:
+        """The steps of a walked chain (q·k output dims labelled ``labels``), the labels
+        of the softmax input's dims, and the labels of merged dims with their parts."""
         steps: list[Step] = []
+        self.merged, self._fresh = {}, len(labels)
         for eqn, main in chain[1:]:
             name = eqn.primitive.name
             with self.stats.attempt(f"chain:{name}"):
@@ -103,7 +109,15 @@ class ChainReader:
                 if step.labels is not None:
                     labels = step.labels
             steps.extend(read)
-        return steps, labels
+        return steps, labels, dict(self.merged)
+
+    def merge(self, parts: tuple) -> int:
+        """A fresh label for a dim merging ``parts`` (merged labels among them flattened)."""
+        flat = tuple(p for part in parts for p in self.merged.get(part, (part,)))
+        label = self._fresh
+        self._fresh += 1
+        self.merged[label] = flat
+        return label
 
     def _reaches_dot(self, atom: Any) -> bool:
         """Whether ``atom`` comes from a dot_general through chain equations only."""
@@ -158,12 +172,37 @@ def _read_transpose(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[
 
 
 def _read_reshape(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step]:
-    new = unit_reshape_dims(compat.aval_of(eqn.invars[main]).shape,
-                            compat.aval_of(eqn.outvars[0]).shape, labels, forward=True)
-    if new is None or {x for x in new if x is not None} != \
-            {x for x in labels if x is not None}:
-        raise NotAttention("the logits are reshaped (dims merged or split)")
-    return [Step(StepKind.LAYOUT, labels=new)]
+    """Size-1 dims added or dropped, or adjacent dims merged (each merge a fresh label);
+    a split would need a label for part of a dim, so it is refused."""
+    in_shape = compat.aval_of(eqn.invars[main]).shape
+    out_shape = compat.aval_of(eqn.outvars[0]).shape
+    groups = reshape_groups(in_shape, out_shape)
+    if groups is None or any(sum(out_shape[o] != 1 for o in outs) > 1 or
+                             not outs and labels[ins[0]] is not None for ins, outs in groups):
+        raise NotAttention("the logits are reshaped (dims split, or a q·k dim dropped)")
+    new: list = [None] * len(out_shape)
+    for ins, outs in groups:
+        parts = tuple(labels[i] for i in ins if labels[i] is not None)
+        if outs and parts:
+            # The merged dim is the group's non-unit output dim (a size-1 one if none is).
+            out = max(outs, key=lambda o: out_shape[o])
+            new[out] = parts[0] if len(parts) == 1 else r.merge(parts)
+    return [Step(StepKind.LAYOUT, labels=tuple(new))]
+
+
+def _read_broadcast(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step]:
+    """A broadcast that only adds size-1 dims (``jnp.matmul`` squeezes size-1 batch dims
+    for the product and puts them back after it)."""
+    src_shape = compat.aval_of(eqn.invars[0]).shape
+    out_shape = compat.aval_of(eqn.outvars[0]).shape
+    placed = eqn.params["broadcast_dimensions"]
+    if any(src_shape[i] != out_shape[o] for i, o in enumerate(placed)) or \
+            any(n != 1 for o, n in enumerate(out_shape) if o not in placed):
+        raise NotAttention("the logits are broadcast along a new dim")
+    new: list = [None] * len(out_shape)
+    for i, o in enumerate(placed):
+        new[o] = labels[i]
+    return [Step(StepKind.LAYOUT, labels=tuple(new))]
 
 
 def _read_select(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step]:
@@ -225,8 +264,9 @@ CHAIN: dict[str, Reader] = {
     "copy": _read_cast,
     "copy_p": _read_cast,
     "transpose": _read_transpose,                               # head/seq permutations
-    "reshape": _read_reshape,                                   # size-1 dims only
+    "reshape": _read_reshape,                                   # size-1 dims, merges
     "squeeze": _read_reshape,
+    "broadcast_in_dim": _read_broadcast,                        # size-1 dims added
     "neg": lambda r, e, main, labels: [Step(StepKind.SCALE, -1.0)],   # -x
     "tanh": lambda r, e, main, labels: [Step(StepKind.TANH)],         # c * tanh(x / c)
     "select_n": _read_select,                                   # where(mask, x, fill)

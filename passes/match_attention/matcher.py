@@ -10,6 +10,7 @@ from cptransform.passes.match_attention.anchor import Softmax, find_softmax, is_
 from cptransform.passes.match_attention.candidate import Candidate, build_candidate
 from cptransform.passes.match_attention.chain import ChainReader
 from cptransform.passes.match_attention.emit import replacement
+from cptransform.passes.match_attention.log_normalized import log_normalized
 from cptransform.passes.match_attention.qk_product import read_qk_product
 from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
 from cptransform.passes.match_attention.value_product import deferred, normalized
@@ -60,10 +61,14 @@ class Matcher:
         e, sum_eqn = softmax.e, softmax.sum_eqn
         ident = tuple(range(len(compat.aval_of(e).shape)))
         users = [u for u in g.users(e) if u is not sum_eqn]
-        if g.is_output(e) or len(users) != 1:
+        if g.is_output(e) or len(users) > 1:
             raise NotAttention("the exponentials are read elsewhere")
-        user = users[0]
-        if user.primitive.name == "div" and user.invars[0] is e and \
+        user = users[0] if users else None
+        if user is None:
+            rule = Rule.LOG_NORMALIZED
+            with self.stats.attempt(rule):
+                product = normalized(g, log_normalized(g, softmax), ident)
+        elif user.primitive.name == "div" and user.invars[0] is e and \
                 is_normalizer(g, user.invars[1], softmax, ident):
             rule = Rule.NORMALIZED
             with self.stats.attempt(rule):

@@ -2,8 +2,9 @@
 the key, and a label for every dim.
 
 The labels are the dims of the product's output: its batch dims ``0..nb-1`` (shared by q
-and k), then the free dims of each operand. The key operand is the one owning the softmax
-axis; it must have exactly one free dim (its sequence position).
+and k), then the free dims of each operand, then the labels of dims the chain merged. The
+key operand is the one owning the softmax axis; it must have exactly one free dim (its
+sequence position).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ class QKProduct:
     ``n_batch``: the number of shared batch dims (labels ``0..n_batch-1``); ``q_free``:
     the labels of q's free dims; ``kv``: the label of k's sequence dim; ``q_dims``/
     ``k_dims``: label -> operand dim; ``sizes``: label -> size; ``steps``: the chain read
-    forward; ``labels``: the label of each dim of the softmax input.
+    forward; ``labels``: the label of each dim of the softmax input; ``merged``: label ->
+    its parts (outermost first) for dims the chain merged.
     """
 
     q: Any
@@ -38,6 +40,7 @@ class QKProduct:
     sizes: dict
     steps: tuple[Step, ...]
     labels: tuple
+    merged: dict
 
 
 def read_qk_product(reader: ChainReader, chain: list, axis: int) -> QKProduct:
@@ -52,10 +55,12 @@ def read_qk_product(reader: ChainReader, chain: list, axis: int) -> QKProduct:
     l_free = [d for d in range(nl) if d not in lc and d not in lb]
     r_free = [d for d in range(nr) if d not in rc and d not in rb]
     nb = len(lb)
-    steps, labels = reader.read(chain, tuple(range(nb + len(l_free) + len(r_free))))
+    steps, labels, merged = reader.read(chain, tuple(range(nb + len(l_free) + len(r_free))))
     kv_label = labels[axis]
     if kv_label is None:
         raise NotAttention("the softmax axis is not a dim of the q·k product")
+    if kv_label in merged:
+        raise NotAttention("the softmax axis merges several dims of the q·k product")
     if kv_label >= nb + len(l_free):
         if len(r_free) != 1:
             raise NotAttention("the key operand has several free dims")
@@ -79,4 +84,4 @@ def read_qk_product(reader: ChainReader, chain: list, axis: int) -> QKProduct:
     sizes = {lab: q_shape[d] for lab, d in q_dims.items()}
     sizes[kv_label] = compat.aval_of(k_var).shape[k_seq]
     return QKProduct(q_var, k_var, qc, kc, nb, q_free_labels, kv_label, q_dims, k_dims,
-                     sizes, tuple(steps), labels)
+                     sizes, tuple(steps), labels, merged)

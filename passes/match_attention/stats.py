@@ -24,6 +24,7 @@ class Rule(enum.Enum):
     SOFTMAX = "softmax"                               # exp(x - max), summed over one axis
     NORMALIZED = "normalized-probabilities"           # (e / sum) @ v
     DEFERRED = "deferred-normalization"               # (e @ v) / sum
+    LOG_NORMALIZED = "log-normalized"                 # exp(x - logsumexp(x)) @ v
     LOGITS_CHAIN = "logits-chain"                     # back from x to the q·k product
     VALUE_PRODUCT = "value-product"                   # the p·v product and the candidate
     MASK = "mask"                                     # mask classification

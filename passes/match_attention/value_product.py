@@ -1,15 +1,17 @@
 """Forward from the probabilities to the ``p·v`` product, and where the attention ends.
 
-The probabilities may only be cast, transposed or reshaped by size-1 dims on the way, and
-nothing else may read them. Where the normalisation is deferred (``(e @ v) / sum``), the
-division after the product is the attention's output.
+The probabilities may only be cast, transposed, reshaped by size-1 dims or have a dim split
+on the way (grouped-query attention viewing ``[B, T, K·G, S]`` as ``[B, T, K, G, S]``: each
+part is a :class:`Split`, resolved against the logits' merged dims once both products are
+read), and nothing else may read them. Where the normalisation is deferred
+(``(e @ v) / sum``), the division after the product is the attention's output.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from cptransform.analysis.dim_rules import unit_reshape_dims
+from cptransform.analysis.dim_rules import reshape_groups
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
@@ -22,11 +24,21 @@ _PERMUTES = moving(Moves.PERMUTE)
 
 
 @dataclass(frozen=True)
+class Split:
+    """Part ``index`` of softmax-input dim ``dim`` split into dims of ``sizes`` (some may
+    be size-1 dims added next to it)."""
+
+    dim: int
+    index: int
+    sizes: tuple
+
+
+@dataclass(frozen=True)
 class ValueProduct:
     """The ``p·v`` dot_general of one attention and the output it produces.
 
-    ``p``: the probabilities operand of ``eqn``; ``p_dims``: which softmax-input dim each
-    of its dims is; ``root``: the equation the attention replaces (the product, or the
+    ``p``: the probabilities operand of ``eqn``; ``p_dims``: which softmax-input dim (or
+    :class:`Split` part of one) each of its dims is; ``root``: the equation the attention replaces (the product, or the
     division after it); ``out``: that equation's output.
     """
 
@@ -95,16 +107,33 @@ def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None):
         elif name in _PERMUTES:
             dims = tuple(dims[i] for i in user.params["permutation"])
         elif name in UNIT_RESHAPES:
-            new = unit_reshape_dims(compat.aval_of(p).shape,
-                                    compat.aval_of(user.outvars[0]).shape, dims,
-                                    forward=True)
-            if new is None:
-                raise NotAttention("the probabilities are reshaped before the value product")
-            dims = new
+            dims = _split_dims(compat.aval_of(p).shape, compat.aval_of(user.outvars[0]).shape,
+                               dims)
         else:
             raise NotAttention(f"the probabilities go through {name} before the value "
                                "product (dropout or another use), not plain attention")
         p = user.outvars[0]
+
+
+def _split_dims(in_shape: tuple, out_shape: tuple, dims: tuple) -> tuple:
+    """The labels after a reshape of the probabilities that adds or drops size-1 dims or
+    splits a dim (a merge would mix a softmax dim with another: refused)."""
+    groups = reshape_groups(in_shape, out_shape)
+    if groups is None or any(sum(in_shape[i] != 1 for i in ins) > 1 for ins, _ in groups):
+        raise NotAttention("the probabilities are reshaped before the value product "
+                           "(dims merged)")
+    new: list = [None] * len(out_shape)
+    for ins, outs in groups:
+        if not ins or not outs:
+            continue  # a size-1 dim added or dropped
+        i = max(ins, key=lambda d: in_shape[d])
+        if len(outs) > 1 and (dims[i] is None or isinstance(dims[i], Split)):
+            raise NotAttention("the probabilities are reshaped before the value product "
+                               "(a dim split twice)")
+        sizes = tuple(out_shape[o] for o in outs)
+        for j, o in enumerate(outs):
+            new[o] = dims[i] if len(outs) == 1 else Split(dims[i], j, sizes)
+    return tuple(new)
 
 
 def _out_dims(product: ValueProduct) -> tuple:

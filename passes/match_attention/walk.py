@@ -30,31 +30,40 @@ def follow_back(graph: Graph, atom: Any, dims: tuple, target: Any,
         eqn = graph.producer(atom)
         if eqn is None or eqn.primitive.name not in through:
             return None
-        name = eqn.primitive.name
-        ins = [a for a in eqn.invars if not compat.is_literal(a)]
-        if len(ins) != 1:
+        back = step_back(eqn, atom, dims)
+        if back is None:
             return None
-        src = ins[0]
-        out_shape = compat.aval_of(atom).shape
-        src_shape = compat.aval_of(src).shape
-        if name == "broadcast_in_dim":
-            dims = tuple(dims[o] if src_shape[i] == out_shape[o] else None
-                         for i, o in enumerate(eqn.params["broadcast_dimensions"]))
-        elif name == "transpose":
-            new = [None] * len(dims)
-            for j, p in enumerate(eqn.params["permutation"]):
-                new[p] = dims[j]
-            dims = tuple(new)
-        elif name in UNIT_RESHAPES:
-            dims = unit_reshape_dims(src_shape, out_shape, dims)
-            if dims is None:
-                return None
-        elif name == "max":
-            lit = [a for a in eqn.invars if compat.is_literal(a)]
-            if len(lit) != 1 or compat.literal_value(lit[0]) != -np.inf:
-                return None
-        atom = src
+        atom, dims = back
     return dims
+
+
+def step_back(eqn: Any, atom: Any, dims: tuple) -> tuple[Any, tuple] | None:
+    """``(operand, its labels)`` of a one-operand move/cast/broadcast ``eqn`` (or
+    ``max(-inf, x)``) whose result ``atom`` is labelled ``dims``; None for anything else."""
+    name = eqn.primitive.name
+    ins = [a for a in eqn.invars if not compat.is_literal(a)]
+    if len(ins) != 1:
+        return None
+    src = ins[0]
+    out_shape = compat.aval_of(atom).shape
+    src_shape = compat.aval_of(src).shape
+    if name == "broadcast_in_dim":
+        dims = tuple(dims[o] if src_shape[i] == out_shape[o] else None
+                     for i, o in enumerate(eqn.params["broadcast_dimensions"]))
+    elif name == "transpose":
+        new = [None] * len(dims)
+        for j, p in enumerate(eqn.params["permutation"]):
+            new[p] = dims[j]
+        dims = tuple(new)
+    elif name in UNIT_RESHAPES:
+        dims = unit_reshape_dims(src_shape, out_shape, dims)
+        if dims is None:
+            return None
+    elif name == "max":
+        lit = [a for a in eqn.invars if compat.is_literal(a)]
+        if len(lit) != 1 or compat.literal_value(lit[0]) != -np.inf:
+            return None
+    return src, dims
 
 
 def scalar_value(graph: Graph, atom: Any) -> float | None:
