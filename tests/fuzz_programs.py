@@ -71,10 +71,6 @@ ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES
 #: ``tests/test_fuzz.py`` skips them; ``bench/fuzz.py`` runs them. Fix the bug, delete the
 #: entry, and the CI fuzzer covers the class.
 KNOWN_BROKEN: dict[str, str] = {
-    "nan_weight": "silent wrong answer: a NaN in the query projection (NaN scores) gives a "
-                  "finite loss under ring/allgather (single device: NaN); NaN in wo is fine",
-    "masked_rows": "silent wrong answer: fully masked rows with a -inf where-fill are NaN on "
-                   "one device (softmax of all -inf) and finite under context_parallel",
 }
 
 SPELLINGS = ("jnn", "einsum", "matmul")
