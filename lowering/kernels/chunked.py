@@ -34,7 +34,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from cptransform.lowering.block import Block
@@ -130,7 +129,8 @@ def chunk_kinds(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
         may = may & jnp.any(m, axis=(1, 3, 5))
         full = full & jnp.all(m, axis=(1, 3, 5))
     # Padded keys must be masked, so the last key chunk is never FULL when it is padded.
-    complete = np.arange(nk) * ck + ck <= block.k.shape[1]
+    # (An iota, not a NumPy constant: a body that gains constants cannot stay under remat.)
+    complete = jnp.arange(nk) * ck + ck <= block.k.shape[1]
     full = full & complete
     return jnp.where(jnp.any(may, axis=0),
                      jnp.where(jnp.all(full, axis=0), FULL, PARTIAL), EMPTY).astype(jnp.int32)

@@ -18,7 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
-from cptransform.lowering.kernels import pallas_gpu, pallas_tpu, register_kernel
+from cptransform.lowering.kernels import pallas_gpu, pallas_tpu, register_kernel, row_delta
 from cptransform.lowering.kernels.pallas_operands import heads_major, prepare, tokens_major
 
 VARIANTS = {"tpu": pallas_tpu, "gpu": pallas_gpu}
@@ -82,15 +82,14 @@ class PallasKernel:
         o, lse = module.forward(ops, spec, interpret)
         return tokens_major(o, ops.tq), lse[:, :, :ops.tq]
 
-    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None):
-        """``(dq, dk, dv, dbias)`` float32 from the merged ``o``/``lse``; see the protocol."""
+    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None):
+        """``(dq, dk, dv, dbias)`` float32 from the merged ``o``/``lse``; see the protocol
+        (``delta``, when given, is :func:`row_delta` of them, computed once by the caller)."""
         variant, module, interpret = self._setup()
         ops = self._operands(block, spec, variant)
         tqp = ops.q.shape[2]
-        # delta = rowsum(dO∘O) - dlse: one [B, H, Tq] vector, cheaper here than per tile.
-        delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), -1), 1, 2)
-        if dlse is not None:
-            delta = delta - dlse.astype(jnp.float32)
+        if delta is None:  # one [B, H, Tq] vector, cheaper here than per tile
+            delta = row_delta(o, do, dlse)
         pad = ((0, 0), (0, 0), (0, tqp - ops.tq))
         # Padded rows: lse 0 keeps exp(s - lse) finite there (the mask zeroes them anyway).
         lse_p = jnp.pad(lse.astype(jnp.float32), pad)
