@@ -6,8 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cptransform import context_parallel
-from cptransform.api.context_parallel import UnshardedWarning
+from cptransform import UnshardedWarning, context_parallel
 from cptransform.ir.errors import ContextParallelError, SeqAxisError
 
 RTOL = 1e-5
