@@ -22,8 +22,9 @@ Non-finite values (DESIGN §6) follow the dense single-device computation: an em
 one with ``lse == -inf`` exactly (:func:`~cptransform.op.attention_reference.empty_rows_of`,
 never ``isfinite``), a NaN ``lse`` is a NaN row, a masked probability is an exact 0 (so
 ``0·NaN`` in V still reaches the output) and a masked logit's gradient is an exact 0. A
-schedule that skips a block no query can see uses :func:`skipped_forward` and
-:func:`skipped_backward`, which return what a kernel would for that block.
+kernel that skips a block no query can see still adds what the dense computation would:
+``o += Σ 0·V`` (forward), ``dq += Σ 0·K``, ``dk += Σ 0·Q``, ``dv += Σ (0·lse + 0·dO)``
+(backward; NaN rows give NaN), with :func:`zero_times`.
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-from cptransform.op.attention_reference import empty_rows_of
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 
@@ -57,46 +57,16 @@ def row_delta(o, do, dlse=None):
     return delta if dlse is None else delta - dlse.astype(jnp.float32)
 
 
-def _nan_of(x):
-    """``0·x`` in float32: 0, or NaN where ``x`` is NaN or ±Inf."""
+def zero_times(x):
+    """``0·x`` in float32: 0, or NaN where ``x`` is NaN or ±Inf (what a skipped block adds:
+    a dense softmax multiplies exact-zero probabilities with V, see the module doc)."""
     return x.astype(jnp.float32) * 0.0
 
 
-def _sum_rows(x, groups: int):
-    """``x [B, T, H, F]`` summed over the sequence (dim 1) and the query-head groups:
-    ``[B, 1, H/groups, F]``."""
-    b, t, h, f = x.shape
-    return jnp.sum(x.reshape(b, t, h // groups, groups, f), axis=(1, 3))[:, None]
-
-
-def skipped_forward(block: Block, spec: AttentionSpec):
-    """``(o, lse)`` of a block in which no query sees any key, without computing it.
-
-    ``lse = -inf``; ``o = Σ 0·V`` per (batch, head, feature): 0, or NaN where V holds a NaN
-    or Inf, as ``P·V`` with exact-zero probabilities gives on one device.
-    """
-    b, tq, h, _ = block.q.shape
-    o = jnp.repeat(_sum_rows(_nan_of(block.v), 1), h // block.v.shape[2], axis=2)
-    lse = jnp.full_like(block.q, -jnp.inf, dtype=jnp.float32, shape=(b, h, tq))
-    return jnp.broadcast_to(o, (b, tq, h, o.shape[3])), lse
-
-
-def skipped_backward(block: Block, lse, do, spec: AttentionSpec):
-    """``(dq, dk, dv, dbias)`` of a block in which no query sees any key (``lse``, ``do``
-    as in :meth:`Kernel.backward`), without computing it: what the kernel gives with zero
-    logit gradients and zero probabilities (NaN ones in a NaN row), i.e. ``dq = Σ 0·K``,
-    ``dk = Σ 0·Q``, ``dv = Σ (0·lse + 0·dO)`` and ``dbias = 0``, all float32."""
-    q, k, v = block.q, block.k, block.v
-    b, tq, h, d = q.shape
-    _, tkv, hkv, dv_dim = v.shape
-    groups = h // hkv
-    dq = jnp.repeat(_sum_rows(_nan_of(k), 1), groups, axis=2)
-    dk = _sum_rows(_nan_of(q), groups)
-    row = jnp.swapaxes(jnp.where(empty_rows_of(lse), 0.0, lse), 1, 2)[..., None]  # [B,Tq,H,1]
-    dv = _sum_rows(_nan_of(row) + _nan_of(do), groups)
-    dbias = None if block.bias is None else jnp.zeros_like(block.bias, dtype=jnp.float32)
-    return (jnp.broadcast_to(dq, (b, tq, h, d)), jnp.broadcast_to(dk, (b, tkv, hkv, d)),
-            jnp.broadcast_to(dv, (b, tkv, hkv, dv_dim)), dbias)
+def sum_to(x, shape):
+    """Sum the dims of ``x`` that ``shape`` broadcasts (size 1) back down to ``shape``."""
+    axes = tuple(i for i, (xs, s) in enumerate(zip(x.shape, shape)) if s == 1 and xs != 1)
+    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 #: Local-step kernels by name (filled by the modules of this package; see :func:`kernels`).

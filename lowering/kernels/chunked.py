@@ -7,7 +7,7 @@ tile (``any``/``all``):
 
 * ``EMPTY`` pairs are skipped (``lax.switch`` runs a branch with no matmul: it only adds
   the ``0·V`` a dense softmax would, so a NaN or Inf in V still reaches every row, see
-  :func:`~cptransform.lowering.kernels.skipped_forward`);
+  :mod:`cptransform.lowering.kernels`);
 * ``FULL`` pairs compute without building a mask;
 * ``PARTIAL`` pairs build the mask of the pair (:func:`visible`) and apply it.
 
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cptransform.lowering.block import Block
-from cptransform.lowering.kernels import register_kernel, row_delta
+from cptransform.lowering.kernels import register_kernel, row_delta, sum_to, zero_times
 from cptransform.op.attention_reference import visible
 from cptransform.op.attention_spec import AttentionSpec
 
@@ -151,17 +151,6 @@ def _rows(x, g: int):
     if hx == 1:
         return jnp.broadcast_to(x[:, :, None], (bx, 1, g, cq, ck)).reshape(bx, 1, g * cq, ck)
     return x.reshape(bx, hx // g, g * cq, ck)
-
-
-def _zero_times(x):
-    """``0·x`` in float32: 0, or NaN where ``x`` is NaN or ±Inf."""
-    return x.astype(F32) * 0.0
-
-
-def _sum_to(x, shape):
-    """Sum the dims of ``x`` that ``shape`` broadcasts (size 1) back down to ``shape``."""
-    axes = tuple(i for i, (xs, s) in enumerate(zip(x.shape, shape)) if s == 1 and xs != 1)
-    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 @dataclass(frozen=True)
@@ -315,7 +304,7 @@ class ChunkedKernel:
             def skip(j, state):
                 m, l, acc, seen = state
                 _, vc = pb.kv(j)
-                return m, l, acc + jnp.sum(_zero_times(vc), axis=2, keepdims=True), seen
+                return m, l, acc + jnp.sum(zero_times(vc), axis=2, keepdims=True), seen
 
             def step(j, state):
                 return lax.switch(pb.kinds[i, j], (skip, full, partial), j, state)
@@ -367,7 +356,7 @@ class ChunkedKernel:
                 ds = jnp.where(ok, ds, 0.0)
             g_b = None
             if bias is not None:
-                g_b = _sum_to(ds.reshape(b, hkv * g, pb.cq, pb.ck),
+                g_b = sum_to(ds.reshape(b, hkv * g, pb.cq, pb.ck),
                               (*bias.shape[:2], pb.cq, pb.ck))
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
@@ -388,9 +377,9 @@ class ChunkedKernel:
                 # What the pair gives with zero probabilities and zero logit gradients: only
                 # 0·K, 0·Q and 0·dO (NaN rows: NaN) sums, no matmul.
                 qc = pb.q_rows(i)
-                g_q = zq + jnp.sum(_zero_times(kc), axis=2, keepdims=True)
-                g_k = zk + jnp.sum(_zero_times(qc), axis=2, keepdims=True)
-                g_v = zv + jnp.sum(nan_rows[i][..., None] + _zero_times(do_rows[i]), axis=2,
+                g_q = zq + jnp.sum(zero_times(kc), axis=2, keepdims=True)
+                g_k = zk + jnp.sum(zero_times(qc), axis=2, keepdims=True)
+                g_v = zv + jnp.sum(nan_rows[i][..., None] + zero_times(do_rows[i]), axis=2,
                                    keepdims=True)
                 return g_q, g_k, g_v, zb
 

@@ -18,17 +18,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
-from cptransform.lowering.kernels import pallas_gpu, pallas_tpu, register_kernel, row_delta
+from cptransform.lowering.kernels import pallas_gpu, pallas_tpu, register_kernel, row_delta, \
+    sum_to
 from cptransform.lowering.kernels.pallas_operands import heads_major, prepare, tokens_major
 
 VARIANTS = {"tpu": pallas_tpu, "gpu": pallas_gpu}
 _BACKEND_VARIANT = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
-
-
-def _sum_to(x, shape):
-    """Sum the dims of ``x`` that ``shape`` broadcasts (size 1) back down to ``shape``."""
-    axes = tuple(i for i, (xs, s) in enumerate(zip(x.shape, shape)) if s == 1 and xs != 1)
-    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 class PallasKernel:
@@ -98,7 +93,7 @@ class PallasKernel:
         dq, dbias = module.backward_dq(ops, spec, do_p, lse_p, delta_p, interpret)
         dk, dv = module.backward_dkv(ops, spec, do_p, lse_p, delta_p, interpret)
         if dbias is not None:
-            dbias = _sum_to(dbias[:, :, :ops.tq, :ops.tkv], block.bias.shape)
+            dbias = sum_to(dbias[:, :, :ops.tq, :ops.tkv], block.bias.shape)
         return (tokens_major(dq, ops.tq), tokens_major(dk, ops.tkv),
                 tokens_major(dv, ops.tkv), dbias)
 

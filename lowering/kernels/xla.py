@@ -10,18 +10,13 @@ import jax.numpy as jnp
 from cptransform.op.attention_reference import attend, empty_rows_of, logits, visible
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
+from cptransform.lowering.kernels import sum_to
 
 
 def _grouped(x, hkv):
     """``[B, H, Tq, Tkv]`` → ``[B, Hkv, G, Tq, Tkv]`` (query head h reads KV head h // G)."""
     b, h, tq, tkv = x.shape
     return x.reshape(b, hkv, h // hkv, tq, tkv)
-
-
-def _sum_to(x, shape):
-    """Sum the dims of ``x`` that ``shape`` broadcasts (size 1) back down to ``shape``."""
-    axes = tuple(i for i, (xs, s) in enumerate(zip(x.shape, shape)) if s == 1 and xs != 1)
-    return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 class XlaKernel:
@@ -71,7 +66,7 @@ class XlaKernel:
         # A masked logit's gradient is an exact 0 (the fill does not depend on it), even
         # where dp or delta is NaN.
         ds = jnp.where(ok, p * (dp - delta[..., None]), 0.0)
-        dbias = None if bias is None else _sum_to(ds, bias.shape)
+        dbias = None if bias is None else sum_to(ds, bias.shape)
         if spec.softcap is not None:
             ds = ds * (1.0 - tanh * tanh)
         ds = ds * f32(spec.scale)
