@@ -91,11 +91,13 @@ class PlanContextParallel(Pass):
         plans = tuple(self.plan_one(i, e, cp, ulysses) for i, e in enumerate(eqns))
         layout = self.choose_layout(eqns, facts.seq_axes.seq_len, cp)
 
+        # The re-trace walks these same equation objects (inside bodies too): the plan is
+        # found by the equation's identity, never by the order of visits.
+        schedule_of = {id(e): p.schedule for e, p in zip(eqns, plans)}
+
         def decide(eqn, invals):
-            spec = eqn.params["spec"]
-            schedule = self.plan_one(0, eqn, cp, ulysses).schedule
-            return [attention_p.bind(*invals, spec=spec.replace(schedule=schedule,
-                                                                  layout=layout))]
+            spec = eqn.params["spec"].replace(schedule=schedule_of[id(eqn)], layout=layout)
+            return [attention_p.bind(*invals, spec=spec)]
 
         new = Rewriter(rules={attention_p.name: decide}).run(module.jaxpr) if eqns \
             else module.jaxpr
