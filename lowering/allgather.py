@@ -99,7 +99,7 @@ def allgather_memory(shape: AttentionShape) -> int:
     return (shard_bytes(shape) + kv_bytes(shape, s, shape.kv_heads, shape.dtype_bytes)
             + query_state_bytes(shape, local, shape.heads)
             + kv_bytes(shape, s, shape.kv_heads, shape.grad_bytes)
-            + tile_bytes(shape, shape.heads))
+            + tile_bytes(shape, shape.heads, local, s))
 
 
 ALLGATHER = register_schedule(Schedule("allgather", mesh_axes=1, run=allgather,

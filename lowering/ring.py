@@ -225,7 +225,7 @@ def ring_memory(shape: AttentionShape) -> int:
     return (shard_bytes(shape) + 2 * kv_bytes(shape, local, shape.kv_heads, shape.dtype_bytes)
             + query_state_bytes(shape, local, shape.heads)
             + 2 * kv_bytes(shape, local, shape.kv_heads, shape.grad_bytes)
-            + tile_bytes(shape, shape.heads))
+            + tile_bytes(shape, shape.heads, local, local))
 
 
 RING = register_schedule(Schedule("ring", mesh_axes=1, run=ring, volume=ring_volume,

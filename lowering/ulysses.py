@@ -174,7 +174,7 @@ def ulysses_memory(shape: AttentionShape) -> int:
     gathered = shape.batch * s * heads * (shape.head_dim + shape.dv) * shape.dtype_bytes
     return (shard_bytes(shape) + gathered + kv_bytes(shape, s, kv, shape.dtype_bytes)
             + query_state_bytes(shape, s, heads) + kv_bytes(shape, s, kv, shape.grad_bytes)
-            + tile_bytes(shape, heads))
+            + tile_bytes(shape, heads, s, s))
 
 
 def ulysses_feasible(shape: AttentionShape) -> str | None:

@@ -11,7 +11,7 @@ of the model.
 from __future__ import annotations
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.block_work import DEFAULT_CHUNK
+from cptransform.analysis.block_work import DEFAULT_CHUNK, kernel_grid
 
 F32 = 4
 
@@ -35,6 +35,9 @@ def query_state_bytes(shape: AttentionShape, tokens: int, heads: int) -> int:
     return shape.batch * tokens * heads * (shape.dv + 1 + shape.head_dim) * F32
 
 
-def tile_bytes(shape: AttentionShape, heads: int, chunk: int = DEFAULT_CHUNK) -> int:
-    """One tile of float32 scores and probabilities over ``heads`` heads."""
-    return 2 * shape.batch * heads * chunk * chunk * F32
+def tile_bytes(shape: AttentionShape, heads: int, q_tokens: int, k_tokens: int,
+               target: int = DEFAULT_CHUNK) -> int:
+    """One tile of float32 scores and probabilities over ``heads`` heads, for a kernel call
+    on ``q_tokens`` queries and ``k_tokens`` keys (its chunks: :func:`kernel_grid`)."""
+    (cq, _), (ck, _) = kernel_grid(q_tokens, k_tokens, target)
+    return 2 * shape.batch * heads * cq * ck * F32
