@@ -24,7 +24,8 @@ Sources (vendor spec sheets):
   FlashAttention-3 about 75% of H100 peak (Shah et al. 2024); 0.5 is used throughout.
 * ``cpu-sim``: 8 XLA host devices simulated on the 2 cores of this machine, fit by
   ``python bench/planner.py --calibrate`` to the forward times of ``bench/results/peers.json``
-  (every simulated device shares the cores, so its FLOP/s is the machine's divided by 8).
+  (every simulated device shares the cores, so its FLOP/s is the machine's divided by 8,
+  and the time follows the mean device's work: ``shared_compute``).
 """
 from __future__ import annotations
 
@@ -55,6 +56,16 @@ class Hardware:
     memory_bytes: int
     links: tuple[LinkClass, ...]
     efficiency: float = 0.5
+    # Simulated devices sharing one host's cores, which also do the transfers: compute
+    # follows the mean device and no transfer overlaps compute.
+    shared_compute: bool = False
+
+    def compute_s(self, slowest_flops: float, balance: float, dtype_bytes: int) -> float:
+        """Seconds of compute: the slowest device's FLOPs, or with ``shared_compute`` the
+        mean device's (the host runs every simulated device's work on the same cores, so
+        an imbalance costs nothing there)."""
+        flops = slowest_flops / balance if self.shared_compute else slowest_flops
+        return flops / self.flops_per_s(dtype_bytes)
 
     def flops_per_s(self, dtype_bytes: int) -> float:
         """Matrix FLOP/s an attention kernel reaches on elements of ``dtype_bytes``."""
@@ -94,10 +105,11 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     _gpu("h100", 989, 495, 80, 900, 400),
     _gpu("h200", 989, 495, 141, 900, 400),
     # Fit to the forward times of bench/results/peers.json (see the module doc), per
-    # simulated device; the "bandwidth" absorbs the per-byte work around a transfer (copies,
-    # merges), far below a memcpy, and the step latency comes out near zero.
-    Hardware("cpu-sim", {2: 1.91e10, 4: 1.91e10}, 8 * GiB,
-             (LinkClass("memcpy", 9.5e7, 4.2e-6),), efficiency=1.0),
+    # simulated device, with compute priced on the mean device (they share the cores). The
+    # "bandwidth" absorbs the per-byte work around a transfer (copies, merges), far below a
+    # memcpy; a per-step latency fitted negative on that data, so there is none.
+    Hardware("cpu-sim", {2: 1.32e10, 4: 1.32e10}, 8 * GiB,
+             (LinkClass("memcpy", 1.22e8, 0.0),), efficiency=1.0, shared_compute=True),
 )}
 
 #: ``jax.Device.device_kind`` prefixes (lower case) → hardware row.

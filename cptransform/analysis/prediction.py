@@ -9,7 +9,8 @@ with ``c`` the compute of the slowest device (executed FLOPs after block skippin
 hardware's attention FLOP/s for the dtype), ``m`` the bytes of the ``overlapped`` transfers
 (sent one step ahead) and ``exposed`` those of the others, each over the bandwidth of the
 link class its mesh axis spans (:meth:`Hardware.link`), and ``latency`` one link latency
-per waited-for payload collective and per step. A step's transfer hides behind its compute
+per waited-for payload collective and per step. On simulated devices
+(``Hardware.shared_compute``) the host's cores do the transfers too: nothing overlaps. A step's transfer hides behind its compute
 when ``c/n ≥ m/(n-1)``: since compute per step grows with the square of the block length
 and the transfer linearly, that is a block of at least ``overlap_tokens`` tokens (the
 design's ``c ≥ F/B``, scaled by ``h_kv/h``, the dtype and the fraction of the block the mask
@@ -76,7 +77,7 @@ def _pass_time(transfers: list[Transfer], compute: float, steps: int, hardware: 
     hidden = sum(seconds(t) for t in transfers if t.overlapped)
     latency = sum(hardware.link(spans[t.axis]).latency_s for t in transfers
                   if t.payload and not t.overlapped)
-    if steps > 1:
+    if steps > 1 and not hardware.shared_compute:
         latency += (steps - 1) * max((hardware.link(spans[t.axis]).latency_s
                                       for t in transfers if t.overlapped), default=0.0)
         step = compute / steps
@@ -92,14 +93,15 @@ def predict(name: str, volume: CommVolume, work: Work, memory_bytes: int, steps:
             spans: tuple[int, ...]) -> Prediction:
     """The :class:`Prediction` of schedule ``name`` from its volume, work, memory and steps
     (``spans[i]``: how many consecutive devices the groups of its mesh axis ``i`` span)."""
-    rate = hardware.flops_per_s(dtype_bytes)
-    fwd_compute, bwd_compute = work.forward_flops / rate, work.backward_flops / rate
+    fwd_compute = hardware.compute_s(work.forward_flops, work.balance, dtype_bytes)
+    bwd_compute = hardware.compute_s(work.backward_flops, work.balance, dtype_bytes)
     forward = [t for t in volume.transfers if not t.backward]
     backward = [t for t in volume.transfers if t.backward]
     fwd_s, ratio = _pass_time(forward, fwd_compute, steps, hardware, spans)
     bwd_s, _ = _pass_time(backward, bwd_compute, steps, hardware, spans)
     block = seq_len // steps
-    overlapping = steps > 1 and any(t.overlapped for t in forward)
+    overlapping = steps > 1 and any(t.overlapped for t in forward) \
+        and not hardware.shared_compute
     total = fwd_s + bwd_s
     return Prediction(name, total, fwd_s, fwd_compute + bwd_compute,
                       total - fwd_compute - bwd_compute, memory_bytes, work.flops,
