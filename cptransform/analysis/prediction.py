@@ -54,13 +54,17 @@ class Prediction:
         line = (f"{self.schedule}: {_seconds(self.time_s)} fwd+bwd (forward "
                 f"{_seconds(self.forward_s)}; compute {_seconds(self.compute_s)}, "
                 f"exposed communication {_seconds(self.comm_s)}), memory "
-                f"{self.memory_bytes / 2**20:.1f} MiB, {self.flops / 1e9:.3g} GFLOP "
-                f"(balance {self.balance:.2f}x), {self.bytes / 2**20:.1f} MiB moved")
+                f"{_bytes(self.memory_bytes)}, {self.flops / 1e9:.3g} GFLOP "
+                f"(balance {self.balance:.2f}x), {_bytes(self.bytes)} moved")
         if self.overlap_tokens is not None:
             holds = "hidden" if self.block_tokens >= self.overlap_tokens else "not hidden"
             line += (f"; transfers {holds} (block {self.block_tokens} tokens, needs ≥ "
                      f"{self.overlap_tokens:.0f})")
         return line
+
+
+def _bytes(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n >= 2**20 else f"{n / 2**10:.1f} KiB"
 
 
 def _seconds(t: float) -> str:
