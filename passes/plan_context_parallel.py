@@ -115,6 +115,13 @@ def hybrid_mesh(mesh, axis: str, ulysses: int) -> Mesh:
     return Mesh(grid, HYBRID_AXES, axis_types=(AxisType.Auto,) * 2)
 
 
+def priced_layout(shape: AttentionShape) -> AttentionShape:
+    """``shape``, as contiguous when its layout cannot cut its length (reorder-sequence or
+    the schedule's own check refuses that with the fix; the prices stay defined)."""
+    parts = 2 * shape.cp if shape.layout == "zigzag" else shape.cp
+    return shape if shape.seq_len % parts == 0 else replace(shape, layout="contiguous")
+
+
 def _mib(n: int) -> str:
     return f"{n / MiB:.1f} MiB"
 
@@ -213,8 +220,8 @@ class PlanContextParallel(Pass):
         """The Ulysses degree of a hybrid built from one CP axis, and why: the divisor
         ``1 < U < cp`` of cp dividing every attention's KV heads (so none is repeated) with
         the least predicted total time among those that fit the memory limit."""
-        shapes = [attention_shape(e.params["spec"], *(x.aval for x in e.invars[:3]), cp=cp,
-                                  layout=layout) for e in eqns]
+        shapes = [priced_layout(attention_shape(e.params["spec"], *(x.aval for x in e.invars[:3]),
+                                                cp=cp, layout=layout)) for e in eqns]
         kv = math.gcd(*(s.kv_heads for s in shapes))
         hybrid = schedules()["hybrid"]
         degrees = [u for u in range(2, cp) if cp % u == 0 and kv % u == 0]
@@ -251,6 +258,7 @@ class PlanContextParallel(Pass):
         spec = eqn.params["spec"]
         shape = attention_shape(spec, *(x.aval for x in eqn.invars[:3]), cp=cp,
                                 ulysses=ulysses, layout=layout)
+        shape = priced_layout(shape)
         known = schedules()
         # Candidates run over as many mesh axes as the requested schedule, or under auto
         # as the mesh has CP axes.

@@ -18,6 +18,7 @@ from cptransform.lowering.kernels.chunked import executed_fraction
 from cptransform.lowering.schedule import schedules
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.op.layouts import SequenceLayout
+from cptransform.ir.errors import LayoutError
 from cptransform.passes.plan_context_parallel import PlanError
 
 MiB = 2 ** 20
@@ -174,7 +175,8 @@ def test_memory_limit_excludes_the_fastest():
     fitting = [p for p in free.predictions if p.memory_bytes <= limit]
     assert fitting, "the test needs a schedule under the limit"
     assert limited.schedule == fitting[0].schedule != fastest.schedule
-    assert f"{fastest.schedule}: needs" in limited.reason and "over the memory limit" in limited.reason
+    assert f"{fastest.schedule}: needs" in limited.reason
+    assert "over the memory limit" in limited.reason
     with pytest.raises(PlanError, match="over the memory limit.*raise memory_limit"):
         plans_of(one_attention, *args, memory_limit=1)
 
@@ -252,3 +254,9 @@ def test_explicit_hardware_and_percent_limit():
     (plan,) = plans_of(one_attention, *args, hardware="h100", memory_limit="50%")
     assert "on h100" in plan.reason
     assert all(p.memory_bytes <= H100.memory_bytes // 2 for p in plan.predictions[:1])
+
+
+def test_pricing_a_layout_that_cannot_cut_the_length_leaves_the_refusal_to_reorder():
+    q = jnp.ones((1, 72, 8, 16))
+    with pytest.raises(LayoutError, match="72 is not divisible by 2·cp = 16"):
+        context_parallel(one_attention, cp=8, load_balance="zigzag").module(q, q, q)

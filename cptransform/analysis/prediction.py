@@ -10,11 +10,11 @@ hardware's attention FLOP/s for the dtype), ``m`` the bytes of the ``overlapped`
 (sent one step ahead) and ``exposed`` those of the others, each over the bandwidth of the
 link class its mesh axis spans (:meth:`Hardware.link`), and ``latency`` one link latency
 per waited-for payload collective and per step. On simulated devices
-(``Hardware.shared_compute``) the host's cores do the transfers too: nothing overlaps. A step's transfer hides behind its compute
-when ``c/n ≥ m/(n-1)``: since compute per step grows with the square of the block length
-and the transfer linearly, that is a block of at least ``overlap_tokens`` tokens (the
-design's ``c ≥ F/B``, scaled by ``h_kv/h``, the dtype and the fraction of the block the mask
-leaves to compute).
+(``Hardware.shared_compute``) the host's cores do the transfers too: nothing overlaps.
+A step's transfer hides behind its compute when ``c/n ≥ m/(n-1)``: since compute per
+step grows with the square of the block length and the transfer linearly, that is a
+block of at least ``overlap_tokens`` tokens (the design's ``c ≥ F/B``, scaled by
+``h_kv/h``, the dtype and the fraction of the block the mask leaves to compute).
 """
 from __future__ import annotations
 
