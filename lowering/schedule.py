@@ -75,7 +75,7 @@ class Schedule:
     order: int = 0
     work: Callable[[AttentionShape], Work] = gathered_work
     memory: Callable[[AttentionShape], int] | None = None
-    steps: Callable[[AttentionShape], int] = lambda shape: 1
+    steps: Callable[[AttentionShape], int] = lambda shape: 1  # computes once
 
     def peak_memory(self, shape: AttentionShape) -> int:
         """Peak bytes per device of the local step (see ``memory``)."""

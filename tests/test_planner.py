@@ -13,9 +13,10 @@ from cptransform import ContextParallelOptionError, attention, context_parallel
 from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.analysis.block_work import executed_entries
 from cptransform.analysis.hardware import HARDWARE, hardware_for_device
+from cptransform.analysis.local_memory import query_state_bytes, shard_bytes
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels.chunked import executed_fraction
-from cptransform.lowering.schedule import schedules
+from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.op.layouts import SequenceLayout
 from cptransform.ir.errors import LayoutError
@@ -260,3 +261,18 @@ def test_pricing_a_layout_that_cannot_cut_the_length_leaves_the_refusal_to_reord
     q = jnp.ones((1, 72, 8, 16))
     with pytest.raises(LayoutError, match="72 is not divisible by 2·cp = 16"):
         context_parallel(one_attention, cp=8, load_balance="zigzag").module(q, q, q)
+
+
+def test_a_record_with_only_volume_and_feasible_is_priced():
+    """A schedule module that gives no work / memory / steps (written before them) is
+    priced with the defaults: all keys in one call, its received bytes held, one step."""
+    allgather = schedules()["allgather"]
+    bare = Schedule("bare", mesh_axes=1, run=allgather.run, volume=allgather.volume,
+                    feasible=allgather.feasible)
+    shape = AttentionShape(seq_len=4096, heads=8, kv_heads=2, head_dim=64, cp=8,
+                           band=(None, 0), layout="zigzag")
+    bare_p, allgather_p = bare.predict(shape, H100), allgather.predict(shape, H100)
+    assert (bare_p.time_s, bare_p.flops, bare_p.bytes) == \
+        (allgather_p.time_s, allgather_p.flops, allgather_p.bytes)
+    assert bare_p.memory_bytes == (shard_bytes(shape) + allgather.volume(shape).forward_total
+                                   + query_state_bytes(shape, 512, 8))
