@@ -66,8 +66,8 @@ def main() -> None:
 
     from cptransform.lowering.block import Block
     from cptransform.lowering.context_parallel_attention import context_parallel_attention
-    from cptransform.lowering.kernels.chunked import DEFAULT_CHUNK, EMPTY, chunk_kinds, \
-        chunk_size
+    from cptransform.analysis.block_work import DEFAULT_CHUNK, chunk_size
+    from cptransform.lowering.kernels.chunked import EMPTY, chunk_kinds
     from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
     from cptransform.op.layouts import SequenceLayout
 

@@ -23,7 +23,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.analysis.block_work import gathered_work
 from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
+from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
+    tile_bytes
 from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import Schedule, divides_sequence, register_schedule
 from cptransform.lowering.ulysses import gather_sequence
@@ -89,6 +92,17 @@ def allgather_volume(shape: AttentionShape) -> CommVolume:
     return CommVolume("allgather", tuple(transfers))
 
 
+def allgather_memory(shape: AttentionShape) -> int:
+    """Its shards, K and V of the whole sequence (kept as residuals), the float32 query
+    state, float32 dK/dV of every key before the reduce-scatter, and one score tile."""
+    s, local = shape.seq_len, shape.seq_len // shape.cp
+    return (shard_bytes(shape) + kv_bytes(shape, s, shape.kv_heads, shape.dtype_bytes)
+            + query_state_bytes(shape, local, shape.heads)
+            + kv_bytes(shape, s, shape.kv_heads, shape.grad_bytes)
+            + tile_bytes(shape, shape.heads, local, s))
+
+
 ALLGATHER = register_schedule(Schedule("allgather", mesh_axes=1, run=allgather,
                                        volume=allgather_volume, feasible=divides_sequence,
-                                       order=2))
+                                       order=2, work=gathered_work,
+                                       memory=allgather_memory))

@@ -19,9 +19,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.analysis.block_work import Work, rank_positions, work_of
 from cptransform.analysis.cost_model import CommVolume
+from cptransform.analysis.local_memory import shard_bytes
 from cptransform.lowering.block import Block
-from cptransform.lowering.ring import ring, ring_volume
+from cptransform.lowering.ring import ring, ring_memory, ring_volume
 from cptransform.lowering.schedule import Schedule, divides_sequence, register_schedule
 from cptransform.lowering.ulysses import kv_head_repeats, ulysses_around, ulysses_volume
 
@@ -42,9 +44,32 @@ def hybrid_volume(shape: AttentionShape) -> CommVolume:
     device holds after the all-to-all)."""
     u, r = shape.ulysses, shape.cp // shape.ulysses
     inner = ulysses_volume(replace(shape, seq_len=shape.seq_len // r, cp=u))
+    outer = ring_volume(_ring_shape(shape))
+    # The ring's rotations run over the second mesh axis (the ring axis).
+    return CommVolume("hybrid", inner.transfers
+                      + tuple(replace(t, axis=1) for t in outer.transfers))
+
+
+def _ring_shape(shape: AttentionShape) -> AttentionShape:
+    """What the ring across the ``R`` groups sees: ``H/U`` query heads and ``Hkv·f/U`` KV
+    heads (``f`` the repeat factor) on every device, ``R`` devices."""
+    u = shape.ulysses
     kv = shape.kv_heads * kv_head_repeats(shape.kv_heads, u)
-    outer = ring_volume(replace(shape, heads=shape.heads // u, kv_heads=kv // u, cp=r))
-    return CommVolume("hybrid", inner.transfers + outer.transfers)
+    return replace(shape, heads=shape.heads // u, kv_heads=kv // u, cp=shape.cp // u,
+                   ulysses=1)
+
+
+def hybrid_work(shape: AttentionShape) -> Work:
+    """Group ``r``'s ``U`` shards (layout order) for ``H/U`` heads against every group's,
+    one kernel call per ring step."""
+    u, r = shape.ulysses, shape.cp // shape.ulysses
+    groups = rank_positions(shape).reshape(r, -1)
+    return work_of(shape, [[(q, k) for k in groups] for q in groups], shape.heads // u)
+
+
+def hybrid_memory(shape: AttentionShape) -> int:
+    """Its shards, then the ring's memory on the head-sharded blocks of ``S/R`` tokens."""
+    return shard_bytes(shape) + ring_memory(_ring_shape(shape))
 
 
 def hybrid_feasible(shape: AttentionShape) -> str | None:
@@ -59,4 +84,6 @@ def hybrid_feasible(shape: AttentionShape) -> str | None:
 
 
 HYBRID = register_schedule(Schedule("hybrid", mesh_axes=2, run=hybrid, volume=hybrid_volume,
-                                    feasible=hybrid_feasible, order=3))
+                                    feasible=hybrid_feasible, overlaps=True, order=3,
+                                    work=hybrid_work, memory=hybrid_memory,
+                                    steps=lambda shape: shape.cp // shape.ulysses))

@@ -42,7 +42,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.analysis.block_work import Work, rank_positions, work_of
 from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
+from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
+    tile_bytes
 from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import Schedule, divides_sequence, \
     fill_empty_rows_sharded, register_schedule
@@ -188,24 +191,44 @@ def ring(block: Block, *, spec, axes, kernel):
 def ring_volume(shape: AttentionShape) -> CommVolume:
     """The ring over ``shape.cp`` devices: K, V and their positions / segment ids make
     ``cp-1`` hops forward; the backward rotates K, V (and metadata) again ``cp-1`` times and
-    the float32 dK/dV accumulators ``cp`` times, so that they arrive home."""
+    the float32 dK/dV accumulators ``cp`` times, so that they arrive home. Every rotation is
+    sent one step ahead of its compute (``overlapped``)."""
     cp = shape.cp
     rows = shape.batch * shape.seq_len // cp
     kv_elems = kv_elements(shape)
     hops = cp - 1
-    transfers = [Transfer(name, "collective_permute", hops * rows * e * shape.dtype_bytes)
+    hop = partial(Transfer, kind="collective_permute", overlapped=True)
+    transfers = [hop(name, bytes=hops * rows * e * shape.dtype_bytes)
                  for name, e in kv_elems.items()]
     meta = metadata(shape, ("kv",))
-    transfers += [Transfer(name, "collective_permute", hops * shape.seq_len // cp * b,
-                           payload=False) for name, b in meta]
-    transfers += [Transfer(name, "collective_permute", hops * rows * e * shape.dtype_bytes,
-                           backward=True) for name, e in kv_elems.items()]
-    transfers += [Transfer(name, "collective_permute", hops * shape.seq_len // cp * b,
-                           backward=True, payload=False) for name, b in meta]
-    transfers += [Transfer("d" + name, "collective_permute", cp * rows * e * shape.grad_bytes,
-                           backward=True) for name, e in kv_elems.items()]
+    transfers += [hop(name, bytes=hops * shape.seq_len // cp * b, payload=False)
+                  for name, b in meta]
+    transfers += [hop(name, bytes=hops * rows * e * shape.dtype_bytes, backward=True)
+                  for name, e in kv_elems.items()]
+    transfers += [hop(name, bytes=hops * shape.seq_len // cp * b, backward=True,
+                      payload=False) for name, b in meta]
+    transfers += [hop("d" + name, bytes=cp * rows * e * shape.grad_bytes, backward=True)
+                  for name, e in kv_elems.items()]
     return CommVolume("ring", tuple(transfers))
 
 
+def ring_work(shape: AttentionShape) -> Work:
+    """Rank ``r``'s local queries against every rank's KV block, one kernel call each."""
+    ranks = rank_positions(shape)
+    return work_of(shape, [[(q, k) for k in ranks] for q in ranks], shape.heads)
+
+
+def ring_memory(shape: AttentionShape) -> int:
+    """Its shards, the KV block computed on and the one arriving, the float32 query state,
+    the float32 dK/dV accumulators (held and in flight) and one score tile."""
+    local = shape.seq_len // shape.cp
+    return (shard_bytes(shape) + 2 * kv_bytes(shape, local, shape.kv_heads, shape.dtype_bytes)
+            + query_state_bytes(shape, local, shape.heads)
+            + 2 * kv_bytes(shape, local, shape.kv_heads, shape.grad_bytes)
+            + tile_bytes(shape, shape.heads, local, local))
+
+
 RING = register_schedule(Schedule("ring", mesh_axes=1, run=ring, volume=ring_volume,
-                                  feasible=divides_sequence, overlaps=True, order=0))
+                                  feasible=divides_sequence, overlaps=True, order=0,
+                                  work=ring_work, memory=ring_memory,
+                                  steps=lambda shape: shape.cp))

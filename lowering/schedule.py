@@ -33,7 +33,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.analysis.block_work import Work, gathered_work
 from cptransform.analysis.cost_model import CommVolume
+from cptransform.analysis.hardware import Hardware
+from cptransform.analysis.local_memory import query_state_bytes, shard_bytes
+from cptransform.analysis.prediction import Prediction, predict
 from cptransform.op.attention_reference import fill_empty_rows
 from cptransform.op.attention_spec import AttentionSpec
 
@@ -47,9 +51,19 @@ class Schedule:
     * ``run``: the local function run under ``shard_map`` (see the module doc);
     * ``volume(shape)``: its per-device :class:`CommVolume`, forward and backward;
     * ``feasible(shape)``: why it cannot run ``shape``, or ``None`` when it can;
-    * ``overlaps``: its transfers overlap the compute, so the planner prefers it when it
-      moves at most 10% more bytes than the cheapest schedule;
-    * ``order``: its place in listings (plans, ``explain``, CLI choices).
+    * ``overlaps``: its transfers overlap the compute (its ``volume`` marks which:
+      ``Transfer.overlapped``); the planner prefers it between schedules predicted within
+      1% of each other;
+    * ``order``: its place in listings (plans, ``explain``, CLI choices);
+    * ``work(shape)``: the :class:`~cptransform.analysis.block_work.Work` of its local
+      steps (executed FLOPs of the slowest device after block skipping, load balance);
+      default: local queries against all keys in one call;
+    * ``memory(shape)``: peak bytes per device of its local step (``None``: its shards,
+      everything its forward receives, and the float32 query state);
+    * ``steps(shape)``: how many compute steps its overlapped transfers are pipelined
+      over (1: it computes once, after its transfers).
+
+    :meth:`predict` prices it on a :class:`~cptransform.analysis.hardware.Hardware` row.
     """
 
     name: str
@@ -59,6 +73,27 @@ class Schedule:
     feasible: Callable[[AttentionShape], str | None]
     overlaps: bool = False
     order: int = 0
+    work: Callable[[AttentionShape], Work] = gathered_work
+    memory: Callable[[AttentionShape], int] | None = None
+    steps: Callable[[AttentionShape], int] = lambda shape: 1  # computes once
+
+    def peak_memory(self, shape: AttentionShape) -> int:
+        """Peak bytes per device of the local step (see ``memory``)."""
+        if self.memory is not None:
+            return self.memory(shape)
+        return (shard_bytes(shape) + self.volume(shape).forward_total
+                + query_state_bytes(shape, shape.seq_len // shape.cp, shape.heads))
+
+    def predict(self, shape: AttentionShape, hardware: Hardware,
+                spans: tuple[int, ...] | None = None) -> Prediction:
+        """Its :class:`Prediction` for ``shape`` on ``hardware``; ``spans[i]``: how many
+        consecutive devices a group of its mesh axis ``i`` spans (default: Ulysses groups
+        of consecutive devices, the ring across them)."""
+        if spans is None:
+            spans = (shape.ulysses, shape.cp) if self.mesh_axes == 2 else (shape.cp,)
+        return predict(self.name, self.volume(shape), self.work(shape),
+                       self.peak_memory(shape), self.steps(shape), shape.seq_len,
+                       shape.dtype_bytes, hardware, spans)
 
 
 #: Registered schedules by name; read them through :func:`schedules`.

@@ -31,7 +31,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.analysis.block_work import Work, rank_positions, work_of
 from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
+from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
+    tile_bytes
 from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import Schedule, divides_sequence, \
     fill_empty_rows_sharded, register_schedule
@@ -156,6 +159,24 @@ def ulysses_volume(shape: AttentionShape) -> CommVolume:
     return CommVolume("ulysses", tuple(transfers))
 
 
+def ulysses_work(shape: AttentionShape) -> Work:
+    """Every device: the whole sequence in layout order against itself, ``H/cp`` heads."""
+    everything = rank_positions(shape).reshape(-1)
+    return work_of(shape, [[(everything, everything)]], shape.heads // shape.cp)
+
+
+def ulysses_memory(shape: AttentionShape) -> int:
+    """Its shards, the head-sharded q, k, v, o (K/V heads repeated), their float32 state
+    and gradients, and one score tile over ``H/cp`` heads."""
+    n = shape.cp
+    heads, kv = shape.heads // n, shape.kv_heads * kv_head_repeats(shape.kv_heads, n) // n
+    s = shape.seq_len
+    gathered = shape.batch * s * heads * (shape.head_dim + shape.dv) * shape.dtype_bytes
+    return (shard_bytes(shape) + gathered + kv_bytes(shape, s, kv, shape.dtype_bytes)
+            + query_state_bytes(shape, s, heads) + kv_bytes(shape, s, kv, shape.grad_bytes)
+            + tile_bytes(shape, heads, s, s))
+
+
 def ulysses_feasible(shape: AttentionShape) -> str | None:
     """The sequence and the query heads must both split over ``shape.cp`` devices."""
     return divides_sequence(shape) or heads_problem(shape.heads, shape.cp)
@@ -163,4 +184,4 @@ def ulysses_feasible(shape: AttentionShape) -> str | None:
 
 ULYSSES = register_schedule(Schedule("ulysses", mesh_axes=1, run=ulysses,
                                      volume=ulysses_volume, feasible=ulysses_feasible,
-                                     order=1))
+                                     order=1, work=ulysses_work, memory=ulysses_memory))

@@ -1,22 +1,36 @@
 """Pass ``plan-context-parallel``: choose a schedule for each attention, and the layout.
 
-Reads each ``attention_p`` (heads, KV heads, head dims, sequence length, mask) and picks
-ring, Ulysses, all-gather or hybrid — the one asked for, or under ``auto`` the feasible one
-moving the fewest bytes per device (ties and near-ties go to a schedule that overlaps its
-transfers with compute: the ring). Volumes and feasibility come from each schedule's
-:class:`~cptransform.lowering.schedule.Schedule` record. It also picks the sequence layout
-for the whole program (``load_balance``; ``auto``: zigzag when an attention is causal).
-Both decisions are written onto each ``attention_p`` equation (``spec.schedule``,
-``spec.layout``), where ``lower-context-parallel`` reads them; the readable account, one
-:class:`AttentionPlan` per attention, goes to ``module.facts.plan`` for ``explain()``, and
-the layout to ``module.facts.layout`` for ``reorder-sequence``. The CP size comes from the
-mesh only.
+Reads each ``attention_p`` (heads, KV heads, head dims, sequence length, mask) and picks a
+registered schedule for it — the one asked for, or under ``auto`` the feasible one with the
+least predicted time (forward + backward) whose local step fits the memory limit. Each
+schedule's :class:`~cptransform.lowering.schedule.Schedule` record gives its volume,
+work (FLOPs after block skipping, under the layout), memory, steps and feasibility;
+:meth:`Schedule.predict` prices them on a row of the hardware table
+(:mod:`cptransform.analysis.hardware`), with the link class of each mesh axis read off the
+device ids its groups span. Every attention is planned on its own, so one program may mix
+schedules. ``schedule="hybrid"`` over a single CP axis picks the Ulysses degree (a divisor
+of cp dividing every attention's KV heads) with the least predicted total time and
+replaces the mesh by a two-axis one, Ulysses groups on consecutive devices.
+
+It also picks the sequence layout for the whole program (``load_balance``; ``auto``:
+zigzag when an attention is causal). Both decisions are written onto each ``attention_p``
+equation (``spec.schedule``, ``spec.layout``), where ``lower-context-parallel`` reads them;
+the readable account, one :class:`AttentionPlan` per attention, goes to
+``module.facts.plan`` for ``explain()``, and the layout to ``module.facts.layout`` for
+``reorder-sequence``. The CP size comes from the mesh only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from functools import partial
+
+from jax.sharding import AxisType, Mesh
 
 from cptransform.analysis.attention_shape import AttentionShape, attention_shape
+from cptransform.analysis.hardware import HARDWARE, Hardware, hardware_for_device, \
+    memory_limit_bytes, memory_limit_problem
+from cptransform.analysis.prediction import Prediction
 from cptransform.ir import compat
 from cptransform.ir.errors import PlanError
 from cptransform.ir.facts import Fact
@@ -32,10 +46,24 @@ from cptransform.op.layouts import SequenceLayout
 LOAD_BALANCES = {"auto": None, "zigzag": "zigzag", "striped": "striped",
                  "none": "contiguous"}
 
+#: Mesh axis names of the two-axis mesh built for ``schedule="hybrid"`` with only ``cp``.
+HYBRID_AXES = ("uly", "ring")
+
+#: Predicted times within this factor count as a tie, which goes to an overlapping schedule.
+TIE = 1.01
+
+MiB = 2 ** 20
+
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """The decision for one attention (``index`` = order in the program)."""
+    """The decision for one attention (``index`` = order in the program).
+
+    ``bytes_per_device``: forward bytes per device of each candidate schedule;
+    ``predictions``: the :class:`Prediction` of each candidate that was priced, fastest
+    first (empty when no hardware row applies); ``runner_up``: the next feasible one under
+    ``auto``.
+    """
 
     index: int
     source: str
@@ -44,9 +72,11 @@ class AttentionPlan:
     reason: str
     shape: AttentionShape
     bytes_per_device: dict
+    predictions: tuple[Prediction, ...] = ()
+    runner_up: str | None = None
 
     def describe(self) -> str:
-        mib = {k: f"{v / 2**20:.2f} MiB" for k, v in self.bytes_per_device.items()}
+        mib = {k: f"{v / MiB:.2f} MiB" for k, v in self.bytes_per_device.items()}
         return (f"attention #{self.index} at {self.source}: {self.schedule} ({self.reason}); "
                 f"mask {self.mask.describe()}; forward bytes/device {mib}")
 
@@ -64,19 +94,55 @@ def mesh_problem(schedule: Schedule, ulysses: int) -> str | None:
             f"{ulysses}); use a two-axis schedule or one mesh axis")
 
 
+def axis_spans(mesh, axes: tuple[str, ...]) -> tuple[int, ...]:
+    """For each CP axis: how many consecutive device ids one group along it spans (what
+    decides its link class)."""
+    spans = []
+    for axis in axes:
+        index = mesh.axis_names.index(axis)
+        line = mesh.devices[tuple(slice(None) if i == index else 0
+                                  for i in range(mesh.devices.ndim))]
+        ids = [d.id for d in line.reshape(-1)]
+        spans.append(max(ids) - min(ids) + 1)
+    return tuple(spans)
+
+
+def hybrid_mesh(mesh, axis: str, ulysses: int) -> Mesh:
+    """The devices of ``mesh``'s one CP ``axis`` as a ``(ulysses, cp / ulysses)`` mesh over
+    :data:`HYBRID_AXES`, each Ulysses group on consecutive devices (the fastest links)."""
+    devices = mesh.devices.reshape(-1)
+    grid = devices.reshape(len(devices) // ulysses, ulysses).T
+    return Mesh(grid, HYBRID_AXES, axis_types=(AxisType.Auto,) * 2)
+
+
+def priced_layout(shape: AttentionShape) -> AttentionShape:
+    """``shape``, as contiguous when its layout cannot cut its length (reorder-sequence or
+    the schedule's own check refuses that with the fix; the prices stay defined)."""
+    parts = 2 * shape.cp if shape.layout == "zigzag" else shape.cp
+    return shape if shape.seq_len % parts == 0 else replace(shape, layout="contiguous")
+
+
+def _mib(n: int) -> str:
+    return f"{n / MiB:.1f} MiB"
+
+
 @dataclass(frozen=True)
 class PlanContextParallel(Pass):
-    """Choose ring / Ulysses / all-gather / hybrid per attention, and the sequence layout."""
+    """Choose a schedule per attention (predicted time under a memory limit), the Ulysses
+    degree of a hybrid given only ``cp``, and the sequence layout."""
 
     name = "plan-context-parallel"
-    summary = ("choose a schedule per attention (cost model: bytes moved per device) and "
-               "the layout; written onto each attention")
+    summary = ("choose a schedule per attention (cost model: predicted time under a memory "
+               "limit) and the layout; written onto each attention")
     requires = (Fact.MESH, Fact.SEQ_AXES)
     ensures = (Fact.PLAN,)
     schedule: str = "auto"
     load_balance: str = "auto"
+    hardware: str | None = None
+    memory_limit: int | str | None = None
 
-    def run(self, module: Module) -> PassResult:
+    def check(self) -> None:
+        """One clear error for an unknown option value."""
         names = ("auto", *schedules())
         if self.schedule not in names:
             raise PlanError(f"unknown schedule {self.schedule!r}; use one of "
@@ -84,12 +150,45 @@ class PlanContextParallel(Pass):
         if self.load_balance not in LOAD_BALANCES:
             raise PlanError(f"unknown load_balance {self.load_balance!r}; use one of "
                             f"{', '.join(LOAD_BALANCES)}")
+        if self.hardware is not None and self.hardware not in HARDWARE:
+            raise PlanError(f"unknown hardware {self.hardware!r}; use one of "
+                            f"{', '.join(HARDWARE)}")
+        problem = memory_limit_problem(self.memory_limit)
+        if problem:
+            raise PlanError(problem)
+
+    def machine(self, mesh, required: bool) -> Hardware | None:
+        """The hardware row: the one named, else the one of the mesh's devices; ``None``
+        when the table has none and nothing needs it (``required``: raise)."""
+        if self.hardware is not None:
+            return HARDWARE[self.hardware]
+        device = mesh.devices.reshape(-1)[0]
+        name = hardware_for_device(device.platform, device.device_kind)
+        if name is None and required:
+            raise PlanError(f"no row of the hardware table for device kind "
+                            f"{device.device_kind!r}, so schedules cannot be priced; pass "
+                            f"hardware= one of {', '.join(HARDWARE)}, or a schedule by name")
+        return None if name is None else HARDWARE[name]
+
+    def run(self, module: Module) -> PassResult:
+        self.check()
         facts = module.facts
-        cp = facts.cp
-        ulysses = facts.mesh.shape[facts.cp_axes[0]] if len(facts.cp_axes) == 2 else 1
+        cp, mesh, axes = facts.cp, facts.mesh, tuple(facts.cp_axes)
         eqns = [e for e in iter_eqns(module.jaxpr) if e.primitive is attention_p]
-        plans = tuple(self.plan_one(i, e, cp, ulysses) for i, e in enumerate(eqns))
         layout = self.choose_layout(eqns, facts.seq_axes.seq_len, cp)
+        build_hybrid = self.schedule == "hybrid" and len(axes) == 1
+        hardware = self.machine(mesh, required=self.schedule == "auto" or build_hybrid)
+        limit = None if hardware is None else memory_limit_bytes(self.memory_limit, hardware)
+        log: tuple[str, ...] = ()
+        degree_note = None
+        if build_hybrid and eqns:
+            ulysses, degree_note = self.choose_degree(eqns, cp, layout, hardware, limit)
+            mesh, axes = hybrid_mesh(mesh, axes[0], ulysses), HYBRID_AXES
+            log += (degree_note,)
+        ulysses = mesh.shape[axes[0]] if len(axes) == 2 else 1
+        spans = axis_spans(mesh, axes)
+        plans = tuple(self.plan_one(i, e, cp, ulysses, layout, hardware, limit, spans,
+                                    degree_note) for i, e in enumerate(eqns))
 
         # The re-trace walks these same equation objects (inside bodies too): the plan is
         # found by the equation's identity, never by the order of visits.
@@ -103,9 +202,9 @@ class PlanContextParallel(Pass):
             else module.jaxpr
         sequence = None if layout == "contiguous" or facts.seq_axes.seq_len is None else \
             SequenceLayout(layout, facts.seq_axes.seq_len, cp)
-        log = tuple(p.describe() for p in plans) + (f"layout: {layout}",)
-        return PassResult(module.with_jaxpr(new, plan=plans, layout=sequence), bool(eqns),
-                          log)
+        log += tuple(p.describe() for p in plans) + (f"layout: {layout}",)
+        return PassResult(module.with_jaxpr(new, plan=plans, layout=sequence, mesh=mesh,
+                                            cp_axes=axes), bool(eqns), log)
 
     def choose_layout(self, eqns, seq_len: int | None, cp: int) -> str:
         """``load_balance`` as a layout name; ``auto``: zigzag when some attention is causal
@@ -116,11 +215,50 @@ class PlanContextParallel(Pass):
         causal = any(e.params["spec"].mask.band()[1] is not None for e in eqns)
         return "zigzag" if causal and seq_len and seq_len % (2 * cp) == 0 else "contiguous"
 
-    def plan_one(self, index: int, eqn, cp: int, ulysses: int) -> AttentionPlan:
+    def choose_degree(self, eqns, cp: int, layout: str, hardware: Hardware,
+                      limit: int) -> tuple[int, str]:
+        """The Ulysses degree of a hybrid built from one CP axis, and why: the divisor
+        ``1 < U < cp`` of cp dividing every attention's KV heads (so none is repeated) with
+        the least predicted total time among those that fit the memory limit."""
+        shapes = [priced_layout(attention_shape(e.params["spec"], *(x.aval for x in e.invars[:3]),
+                                                cp=cp, layout=layout)) for e in eqns]
+        kv = math.gcd(*(s.kv_heads for s in shapes))
+        hybrid = schedules()["hybrid"]
+        degrees = [u for u in range(2, cp) if cp % u == 0 and kv % u == 0]
+        if not degrees:
+            raise PlanError(
+                f"schedule='hybrid' with cp={cp}: no Ulysses degree 1 < U < {cp} divides both "
+                f"cp and the KV heads ({', '.join(str(s.kv_heads) for s in shapes)}); use "
+                "schedule='ring' or 'auto', or pass a two-axis mesh")
+        totals, fits = {}, {}
+        for u in degrees:
+            options = [replace(s, ulysses=u) for s in shapes]
+            problem = next((p for p in map(hybrid.feasible, options) if p), None)
+            if problem:
+                continue
+            predictions = [hybrid.predict(s, hardware) for s in options]
+            totals[u] = sum(p.time_s for p in predictions)
+            fits[u] = max(p.memory_bytes for p in predictions) <= limit
+        ranked = sorted((u for u in totals if fits[u]), key=totals.get)
+        if not ranked:
+            raise PlanError(
+                f"schedule='hybrid' with cp={cp}: no Ulysses degree in {degrees} fits the "
+                f"memory limit of {_mib(limit)} per device; raise memory_limit or cp")
+        best = ranked[0]
+        note = (f"hybrid Ulysses degree {best} (ring {cp // best}) on {hardware.name}: "
+                f"predicted {totals[best] * 1e3:.3g} ms over all attentions")
+        if len(ranked) > 1:
+            note += f"; runner-up degree {ranked[1]}: {totals[ranked[1]] * 1e3:.3g} ms"
+        return best, note
+
+    def plan_one(self, index: int, eqn, cp: int, ulysses: int, layout: str,
+                 hardware: Hardware | None, limit: int | None, spans: tuple[int, ...],
+                 degree_note: str | None) -> AttentionPlan:
         """The plan of one attention equation (a function of the equation and the mesh)."""
         spec = eqn.params["spec"]
         shape = attention_shape(spec, *(x.aval for x in eqn.invars[:3]), cp=cp,
-                                ulysses=ulysses)
+                                ulysses=ulysses, layout=layout)
+        shape = priced_layout(shape)
         known = schedules()
         # Candidates run over as many mesh axes as the requested schedule, or under auto
         # as the mesh has CP axes.
@@ -128,28 +266,48 @@ class PlanContextParallel(Pass):
             2 if ulysses > 1 else 1
         candidates = {name: s for name, s in known.items() if s.mesh_axes == axes}
         costs = {name: s.volume(shape).forward_total for name, s in candidates.items()}
+        problems = {name: s.feasible(shape) for name, s in candidates.items()}
+        predictions = {} if hardware is None else {
+            name: s.predict(shape, hardware, spans) for name, s in candidates.items()
+            if problems[name] is None}
+        ranked = tuple(sorted(predictions.values(), key=lambda p: p.time_s))
         where = compat.source_line(eqn)
+        plan = partial(AttentionPlan, index=index, source=where, mask=spec.mask, shape=shape,
+                       bytes_per_device=costs, predictions=ranked)
         if self.schedule != "auto":
             chosen = known[self.schedule]
             problem = mesh_problem(chosen, ulysses) or chosen.feasible(shape)
             if problem:
                 raise PlanError(f"attention at {where}: {problem}")
-            return AttentionPlan(index, where, spec.mask, self.schedule,
-                                 "requested", shape, costs)
-        problems = {name: s.feasible(shape) for name, s in candidates.items()}
-        ok = {name: c for name, c in costs.items() if problems[name] is None}
+            reason = degree_note or "requested"
+            mine = predictions.get(self.schedule)
+            if mine is not None and mine.memory_bytes > limit:
+                reason += (f"; note: its local step needs {_mib(mine.memory_bytes)}, over the "
+                           f"memory limit of {_mib(limit)}")
+            return plan(schedule=self.schedule, reason=reason)
+        too_big = {p.schedule: p for p in ranked if p.memory_bytes > limit}
+        ok = [p for p in ranked if p.schedule not in too_big]
+        skipped = [f"{name}: {problem}" for name, problem in problems.items() if problem]
+        skipped += [f"{name}: needs {_mib(p.memory_bytes)} per device, over the memory limit "
+                    f"of {_mib(limit)}" for name, p in too_big.items()]
         if not ok:
-            raise PlanError(f"attention at {where}: {next(iter(problems.values()))}")
-        best = min(ok, key=ok.get)
-        overlapping = [name for name in ok
-                       if candidates[name].overlaps and ok[name] <= 1.1 * ok[best]]
-        if overlapping:
-            best = overlapping[0]
-            reason = f"fewest bytes within 10%, and the {best} overlaps transfers"
+            raise PlanError(f"attention at {where}: no schedule can run it: "
+                            + "; ".join(skipped)
+                            + ("; raise memory_limit or cp" if too_big else ""))
+        best = ok[0]
+        tied = [p for p in ok if p.time_s <= TIE * best.time_s and candidates[p.schedule].overlaps]
+        if tied and not candidates[best.schedule].overlaps:
+            best = tied[0]
+        runner_up = next((p for p in ok if p is not best), None)
+        reason = (f"least predicted time on {hardware.name}: {best.time_s * 1e3:.3g} ms "
+                  "fwd+bwd")
+        if runner_up is not None:
+            reason += (f"; runner-up {runner_up.schedule} {runner_up.time_s * 1e3:.3g} ms "
+                       f"({runner_up.time_s / best.time_s:.2f}x)")
         else:
-            others = ", ".join(f"{s} {c / ok[best]:.2f}x" for s, c in ok.items() if s != best)
-            reason = f"fewest bytes per device ({others or 'only feasible schedule'})"
-        skipped = [f"{name}: {problems[name]}" for name in costs if name not in ok]
+            reason += "; the only feasible schedule"
         if skipped:
-            reason += "; not feasible: " + "; ".join(skipped)
-        return AttentionPlan(index, where, spec.mask, best, reason, shape, costs)
+            reason += "; excluded: " + "; ".join(skipped)
+        return plan(schedule=best.schedule, reason=reason,
+                    runner_up=runner_up.schedule if runner_up else None)
+

@@ -12,8 +12,9 @@ from schedule_cases import make_case, relative_error
 
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import get_kernel
+from cptransform.analysis.block_work import chunk_size
 from cptransform.lowering.kernels.chunked import EMPTY, FULL, PARTIAL, ChunkedKernel, \
-    chunk_kinds, chunk_size, executed_fraction
+    chunk_kinds, executed_fraction
 from cptransform.op.attention_reference import attend, attention_reference, split_operands
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 

@@ -12,7 +12,8 @@ def cli(*args):
 
 
 def test_plan_draws_the_ring_and_balance():
-    out = cli("plan", "examples/llama.py:make", "--cp", "4", "--load-balance", "none")
+    out = cli("plan", "examples/llama.py:make", "--cp", "4", "--load-balance", "none",
+              "--schedule", "ring")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     start = lines.index("attention #0 (ring):")
@@ -21,7 +22,15 @@ def test_plan_draws_the_ring_and_balance():
     assert chart[2].split() == ["device", "0", "+", ".", ".", "."]
     assert chart[5].split() == ["device", "3", "+", "#", "#", "#"]
     assert "slowest device: 1.7" in out.stdout
-    assert "schedule: ring" in out.stdout and "llama.py" in out.stdout
+    assert "schedule: ring — requested" in out.stdout and "llama.py" in out.stdout
+    assert "predicted per device (fastest first):" in out.stdout
+
+
+def test_plan_prices_on_the_named_hardware():
+    out = cli("plan", "examples/llama.py:make", "--cp", "4", "--hardware", "h100",
+              "--memory-limit", "50%")
+    assert out.returncode == 0, out.stderr
+    assert "least predicted time on h100" in out.stdout
 
 
 def test_opt_with_cp_lowers_and_prints_the_gradient_program():

@@ -118,9 +118,14 @@ def test_bidirectional_encoder(schedule, load_balance):
 
 def test_explain_reads_well(llama_case):
     loss, params, tokens, _ = llama_case
-    text = context_parallel(loss, cp=8).explain(params, tokens)
+    f = context_parallel(loss, cp=8)
+    text = f.explain(params, tokens)
+    (plan,) = f.module(params, tokens).facts.plan
     assert "attention #0 at" in text and "llama.py" in text
-    assert "schedule: ring" in text and "Ulysses splits the 4 query heads over cp=8" in text
+    # The fastest feasible schedule on the cpu-sim row (4 query heads rule Ulysses out).
+    assert f"schedule: {plan.predictions[0].schedule} — least predicted time on cpu-sim" in text
+    assert "excluded: ulysses: Ulysses splits the 4 query heads over cp=8" in text
+    assert f"runner-up {plan.runner_up}" in text
     assert "layout: zigzag" in text and "zigzag 1.00x" in text
     assert re.search(r"contiguous 1\.\d\dx", text)
     assert "sequence axis: length 32; inputs: args[1] dim [1]" in text

@@ -26,13 +26,21 @@ POSITION_BYTES = 4
 
 @dataclass(frozen=True)
 class Transfer:
-    """One collective of a schedule: what moves, how, in which pass, bytes per device."""
+    """One collective of a schedule: what moves, how, in which pass, bytes per device.
+
+    ``axis`` is the index of the schedule's CP mesh axis it runs over (hybrid: 0 the Ulysses
+    axis, 1 the ring axis), which decides its link class; ``overlapped`` transfers are sent
+    in steps while the previous step computes (the ring's rotations), the others are waited
+    for.
+    """
 
     name: str
     kind: str
     bytes: int
     backward: bool = False
     payload: bool = True
+    axis: int = 0
+    overlapped: bool = False
 
 
 @dataclass(frozen=True)

@@ -224,6 +224,7 @@ def _add_opt(sub) -> None:
 
 def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
     """``--cp`` and the ``context_parallel`` options, shared by ``opt`` and ``plan``."""
+    from cptransform.analysis.hardware import HARDWARE
     from cptransform.api.context_parallel import KERNELS, LOAD_BALANCES, schedule_names
 
     g = parser.add_argument_group("context parallelism")
@@ -237,6 +238,16 @@ def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", default="auto", choices=schedule_names())
     g.add_argument("--load-balance", default="auto", choices=LOAD_BALANCES)
     g.add_argument("--kernel", default="auto", choices=KERNELS)
+    g.add_argument("--hardware", default=None, choices=HARDWARE,
+                   help="hardware row the planner prices schedules on (default: the devices')")
+    g.add_argument("--memory-limit", default=None, metavar="BYTES|N%",
+                   help="per-device memory an auto choice may use: bytes, or N%% of the "
+                        "hardware's memory")
+
+
+def _memory_limit(text: str | None):
+    """``--memory-limit`` as the option takes it: an int of bytes, or the ``"N%"`` string."""
+    return int(text) if text is not None and text.isdigit() else text
 
 
 def cp_options(args: argparse.Namespace):
@@ -255,7 +266,8 @@ def cp_options(args: argparse.Namespace):
                              devices=devices[:math.prod(sizes)])
     options = Options(cp=args.cp, mesh=mesh, axis=axes[0] if len(axes) == 1 else axes,
                       schedule=args.schedule, load_balance=args.load_balance,
-                      kernel=args.kernel)
+                      kernel=args.kernel, hardware=args.hardware,
+                      memory_limit=_memory_limit(args.memory_limit))
     options.check()
     return options
 

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from cptransform.analysis.hardware import HARDWARE, memory_limit_problem
 from cptransform.api.arguments import CallArguments
 from cptransform.ir import compat
 from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError
@@ -43,6 +44,8 @@ class Options:
     keep_permuted: bool = False
     static_argnums: int | tuple[int, ...] = ()
     static_argnames: str | tuple[str, ...] = ()
+    hardware: str | None = None
+    memory_limit: int | str | None = None
 
     def check(self) -> None:
         for name, value, allowed in (("schedule", self.schedule, schedule_names()),
@@ -51,15 +54,24 @@ class Options:
             if value not in allowed:
                 raise ContextParallelOptionError(
                     f"unknown {name}={value!r}; use one of {', '.join(allowed)}")
+        if self.hardware is not None and self.hardware not in HARDWARE:
+            raise ContextParallelOptionError(
+                f"unknown hardware={self.hardware!r}; use one of {', '.join(HARDWARE)}")
+        problem = memory_limit_problem(self.memory_limit)
+        if problem:
+            raise ContextParallelOptionError(problem)
         axes = self.axes
         if not 1 <= len(axes) <= 2:
             raise ContextParallelOptionError(
                 f"axis={self.axis!r}: give one mesh axis name, or two (ulysses, ring) for hybrid")
         want = schedules()[self.schedule].mesh_axes if self.schedule != "auto" else len(axes)
-        if want == 2 and len(axes) != 2:
+        if want == 2 and len(axes) != 2 and self.mesh is not None:
+            # Without a mesh the planner builds the two axes from cp (Ulysses degree chosen
+            # by the cost model); a given mesh must have them.
             raise ContextParallelOptionError(
-                f"schedule={self.schedule!r} needs two mesh axes: axis=('uly', 'ring') with a "
-                "mesh that has both")
+                f"schedule={self.schedule!r} over mesh= needs two mesh axes: "
+                "axis=('uly', 'ring') with a mesh that has both (or pass only cp= and the "
+                "planner builds them)")
         if len(axes) == 2 and want != 2:
             two = " or ".join(n for n, s in schedules().items() if s.mesh_axes == 2)
             raise ContextParallelOptionError(
@@ -168,7 +180,9 @@ def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipe
     prints it with ``spelled()``); ``lower=False`` stops before lowering (for plans)."""
     schedule = "hybrid" if len(module.facts.cp_axes) == 2 else options.schedule
     passes = [Canonicalize(), MatchAttention(), InferSeqAxes(),
-              PlanContextParallel(schedule=schedule, load_balance=options.load_balance),
+              PlanContextParallel(schedule=schedule, load_balance=options.load_balance,
+                                  hardware=options.hardware,
+                                  memory_limit=options.memory_limit),
               ReorderSequence(strict=options.strict, keep_permuted=options.keep_permuted)]
     if lower:
         passes.append(LowerContextParallel(kernel=options.kernel))
@@ -279,7 +293,12 @@ def context_parallel(fn: Callable | None = None, **options) -> Any:
     argument), ``strict`` (refuse non-equivariant ops instead of wrapping them, and a
     function with no attention), ``keep_permuted`` (leave outputs in the load-balanced
     order), ``static_argnums`` / ``static_argnames`` (as ``jax.jit``; arguments holding no
-    array — Python bools, ints, floats, strings — are static too).
+    array — Python bools, ints, floats, strings — are static too), ``hardware`` (a row of
+    :data:`~cptransform.analysis.hardware.HARDWARE` the planner prices schedules on;
+    default: the devices' own row, ``cpu-sim`` on CPU), ``memory_limit`` (per-device bytes
+    the local step of an ``auto`` choice may use: an int, or ``"80%"`` of the hardware's
+    memory; default all of it). ``schedule="hybrid"`` with only ``cp`` lets the planner
+    choose the Ulysses degree and build the two-axis mesh.
     """
     known = {f.name for f in dataclasses.fields(Options)}
     unknown = sorted(set(options) - known)

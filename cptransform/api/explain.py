@@ -68,6 +68,9 @@ def explain_module(module, options: Any, hlo_text: str | None = None) -> str:
                   f"    mask: {p.mask.describe()}; heads {p.shape.heads} / kv heads {p.shape.kv_heads}, "
                   f"head dim {p.shape.head_dim}, sequence {p.shape.seq_len}",
                   f"    forward communication per device: {bytes_line}"]
+        if p.predictions:
+            lines.append("    predicted per device (fastest first):")
+            lines += [f"      {prediction.describe()}" for prediction in p.predictions]
         if cp:
             lines.append("    " + balance_line(p.mask, layout, p.shape.seq_len, cp))
     for entry in facts.reorder_log:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from jax import lax
 
+from cptransform.analysis.block_work import DEFAULT_CHUNK, kernel_grid
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import register_kernel, row_delta, sum_to, zero_times
 from cptransform.op.attention_reference import visible
@@ -44,25 +45,7 @@ from cptransform.op.attention_spec import AttentionSpec
 #: Pair kinds of :func:`chunk_kinds` (also the ``lax.switch`` branch indices).
 EMPTY, FULL, PARTIAL = 0, 1, 2
 
-#: Default chunk length (queries and keys) of the ``"xla"`` kernel: small enough that the
-#: diagonal tiles of a causal mask cost under 10% extra from 2K tokens on (``1 + 1/nb``).
-DEFAULT_CHUNK = 128
-
 F32 = jnp.float32
-
-
-def chunk_size(length: int, target: int) -> int:
-    """The chunk length used for a sequence of ``length`` tokens, at most ``target``.
-
-    A divisor of ``length`` when a reasonable one exists (no padding); of ``length / 2``
-    when ``length`` is even, so that the two half-blocks of a zigzag rank never share a
-    chunk. Otherwise ``min(target, length)`` and the last chunk is padded.
-    """
-    base = length // 2 if length % 2 == 0 and length > 1 else length
-    best = max(c for c in range(1, min(target, base) + 1) if base % c == 0)
-    if 2 * best >= min(target, base):
-        return best
-    return min(target, length)
 
 
 def _pad(x, axis: int, to: int, value=None):
@@ -86,13 +69,7 @@ def _ranges(x, size: int, count: int):
 
 def _grid(block: Block, target: int):
     """``((cq, nq), (ck, nk))``: chunk length and count for queries and keys."""
-    tq, tkv = block.q.shape[1], block.k.shape[1]
-    cq, ck = chunk_size(tq, target), chunk_size(tkv, target)
-    if tkv % cq == 0 and 4 * cq >= ck:
-        # Square tiles when the keys allow: a layout's chunk boundaries (zigzag halves)
-        # fall on query-chunk boundaries, and then on key-chunk boundaries too.
-        ck = cq
-    return (cq, -(-tq // cq)), (ck, -(-tkv // ck))
+    return kernel_grid(block.q.shape[1], block.k.shape[1], target)
 
 
 def chunk_kinds(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
@@ -261,7 +238,7 @@ class _Problem:
 @dataclass(frozen=True)
 class ChunkedKernel:
     """Flash-style local step in plain JAX; see the module doc. ``chunk`` is the target
-    chunk length for queries and keys (:func:`chunk_size`)."""
+    chunk length for queries and keys (:func:`~cptransform.analysis.block_work.chunk_size`)."""
 
     chunk: int = DEFAULT_CHUNK
     name: str = "xla"

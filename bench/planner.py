@@ -1,0 +1,185 @@
+"""What the planner predicts per schedule for real models, and how its CPU ranking compares
+with measured times.
+
+Part 1: for Llama-3 8B and 70B (GQA, 8 KV heads), Gemma-style local (window 4096) and
+global layers, and DeepSeek-style MLA (128 heads, d=192 for q/k and 128 for v), bf16,
+batch 1, causal on the zigzag layout, at s in {32K, 128K, 1M} and cp in {8, 16, 64} on H100
+(NVLink within 8 GPUs, InfiniBand across) and TPU v5p: per schedule the predicted forward
+bytes, FLOPs (slowest device, fwd+bwd), peak local-step memory and fwd+bwd time, and the
+schedule ``auto`` would choose (the hybrid at its best Ulysses degree).
+
+Part 2: the ``cpu-sim`` row against the latest ``bench/results/peers*.json`` (8 simulated
+CPU devices): predicted against measured ranking of our schedules per (S, heads, mask),
+forward and forward+backward. ``--calibrate`` refits the ``cpu-sim`` row's FLOP/s and
+bandwidth to the measured forward times (least squares) and prints them.
+
+    python bench/planner.py [--calibrate] [--out bench/results/planner.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from cptransform.analysis.attention_shape import AttentionShape  # noqa: E402
+from cptransform.analysis.hardware import HARDWARE  # noqa: E402
+from cptransform.lowering.schedule import schedules  # noqa: E402
+
+K = 1024
+CAUSAL = (None, 0)
+MODELS = {
+    "llama3-8b": dict(heads=32, kv_heads=8, head_dim=128, band=CAUSAL),
+    "llama3-70b": dict(heads=64, kv_heads=8, head_dim=128, band=CAUSAL),
+    "gemma-local": dict(heads=16, kv_heads=8, head_dim=256, band=(-4096, 0)),
+    "gemma-global": dict(heads=16, kv_heads=8, head_dim=256, band=CAUSAL),
+    "deepseek-mla": dict(heads=128, kv_heads=128, head_dim=192, v_head_dim=128, band=CAUSAL),
+}
+SEQS = (32 * K, 128 * K, 1024 * K)
+CPS = (8, 16, 64)
+MACHINES = ("h100", "tpu-v5p")
+# The peers bench: fp32, batch 1, 8 heads of 64, cp=8; its variants as (schedule, layout).
+PEERS = {"ring-zigzag": ("ring", "zigzag"), "ring-contiguous": ("ring", "contiguous"),
+         "ulysses": ("ulysses", "contiguous"), "allgather": ("allgather", "zigzag"),
+         "hybrid-2x4": ("hybrid", "zigzag")}
+
+
+def candidates(shape: AttentionShape, hardware):
+    """``{name: Prediction}`` of every feasible schedule (hybrid at its fastest degree)."""
+    out = {}
+    for name, schedule in schedules().items():
+        if schedule.mesh_axes == 2:
+            options = [replace(shape, ulysses=u) for u in range(2, shape.cp)
+                       if shape.cp % u == 0 and shape.kv_heads % u == 0]
+            options = [s for s in options if schedule.feasible(s) is None]
+            if options:
+                out[name] = min((schedule.predict(s, hardware) for s in options),
+                                key=lambda p: p.time_s)
+        elif schedule.feasible(shape) is None:
+            out[name] = schedule.predict(shape, hardware)
+    return out
+
+
+def real_configs() -> list[dict]:
+    rows = []
+    for machine in MACHINES:
+        hardware = HARDWARE[machine]
+        for model, dims in MODELS.items():
+            for s in SEQS:
+                for cp in CPS:
+                    shape = AttentionShape(seq_len=s, cp=cp, layout="zigzag", **dims)
+                    predictions = candidates(shape, hardware)
+                    fits = {n: p for n, p in predictions.items()
+                            if p.memory_bytes <= hardware.memory_bytes}
+                    choice = min(fits, key=lambda n: fits[n].time_s) if fits else None
+                    for name, p in predictions.items():
+                        rows.append(dict(
+                            hardware=machine, model=model, seq=s, cp=cp, schedule=name,
+                            bytes=p.bytes, gflops=p.flops / 1e9,
+                            memory_gib=p.memory_bytes / 2 ** 30, time_ms=p.time_s * 1e3,
+                            hidden=None if p.overlap_tokens is None
+                            else p.block_tokens >= p.overlap_tokens,
+                            chosen=name == choice))
+    return rows
+
+
+def latest_peers() -> Path:
+    files = sorted((ROOT / "bench" / "results").glob("peers*.json"),
+                   key=lambda p: p.stat().st_mtime)
+    return files[-1]
+
+
+def peers_shape(row, schedule: str, layout: str) -> AttentionShape:
+    kv = 8 if row["heads"] == "mha" else 2
+    return AttentionShape(seq_len=row["seq"], heads=8, kv_heads=kv, head_dim=64, cp=8,
+                          dtype_bytes=4, band=CAUSAL if row["mask"] == "causal" else
+                          (None, None), layout=layout, ulysses=2 if schedule == "hybrid" else 1)
+
+
+def features(shape: AttentionShape, name: str):
+    """Forward (FLOPs, latency units, bytes) of schedule ``name``: the terms the cpu-sim
+    row prices with its FLOP/s, step latency and bandwidth."""
+    schedule = schedules()[name]
+    volume, work, steps = schedule.volume(shape), schedule.work(shape), schedule.steps(shape)
+    forward = [t for t in volume.transfers if not t.backward]
+    waits = sum(1 for t in forward if t.payload and not t.overlapped)
+    return work.forward_flops / work.balance, waits + (steps - 1), volume.forward_total
+
+
+def calibrate(rows) -> None:
+    """Least squares of the measured forward times on (mean FLOPs, bytes). A per-step
+    latency term was tried too: on these 20 noisy points it comes out negative, so the
+    row has none."""
+    x, y = [], []
+    for row in rows:
+        if row["variant"] in PEERS and row.get("fwd_s"):
+            schedule, layout = PEERS[row["variant"]]
+            flops, _, moved = features(peers_shape(row, schedule, layout), schedule)
+            x.append((flops, moved))
+            y.append(row["fwd_s"])
+    x, y = np.array(x, float), np.array(y)
+    (inv_flops, inv_bw), *_ = np.linalg.lstsq(x, y, rcond=None)
+    error = np.sqrt(np.mean(((x @ (inv_flops, inv_bw) - y) / y) ** 2))
+    print(f"cpu-sim fit over {len(y)} forward times: {1 / inv_flops:.3g} FLOP/s per device, "
+          f"{1 / inv_bw:.3g} B/s; relative rms error {error:.2f}")
+
+
+def cpu_comparison(rows) -> list[dict]:
+    hardware = HARDWARE["cpu-sim"]
+    out = []
+    cases = sorted({(r["seq"], r["heads"], r["mask"]) for r in rows})
+    for seq, heads, mask in cases:
+        measured = {r["variant"]: r for r in rows if (r["seq"], r["heads"], r["mask"]) ==
+                    (seq, heads, mask) and r["variant"] in PEERS and r.get("fwd_s")}
+        predicted = {v: schedules()[s].predict(peers_shape(measured[v], s, lay), hardware,
+                                               (2, 8) if s == "hybrid" else (8,))
+                     for v, (s, lay) in PEERS.items() if v in measured}
+        for kind, key, attr in (("fwd", "fwd_s", "forward_s"), ("fwd+bwd", "fwdbwd_s", "time_s")):
+            m_rank = sorted(measured, key=lambda v: measured[v][key])
+            p_rank = sorted(predicted, key=lambda v: getattr(predicted[v], attr))
+            out.append(dict(seq=seq, heads=heads, mask=mask, kind=kind, measured=m_rank,
+                            predicted=p_rank, agree_first=m_rank[0] == p_rank[0],
+                            measured_s={v: measured[v][key] for v in m_rank},
+                            predicted_s={v: getattr(predicted[v], attr) for v in p_rank}))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "planner.json"))
+    args = parser.parse_args()
+    peers_file = latest_peers()
+    peers = json.loads(peers_file.read_text())["rows"]
+    if args.calibrate:
+        calibrate(peers)
+        return
+    rows = real_configs()
+    print(f"{'hw':8} {'model':13} {'S':>6} {'cp':>3} {'schedule':10} {'fwd+bwd MiB':>11} "
+          f"{'TFLOP':>8} {'mem GiB':>8} {'ms':>9} hidden chosen")
+    for r in rows:
+        print(f"{r['hardware']:8} {r['model']:13} {r['seq'] // K:>5}K {r['cp']:>3} "
+              f"{r['schedule']:10} {r['bytes'] / 2**20:>11.0f} {r['gflops'] / 1e3:>8.2f} "
+              f"{r['memory_gib']:>8.2f} {r['time_ms']:>9.2f} {str(r['hidden']):6} "
+              f"{'<-' if r['chosen'] else ''}")
+    cpu = cpu_comparison(peers)
+    print(f"\ncpu-sim predicted vs measured ({peers_file.name}):")
+    for c in cpu:
+        mark = "" if c["measured"] == c["predicted"] else "  DIFFERENT ORDER"
+        print(f"  S={c['seq']} {c['heads']} {c['mask']} {c['kind']:8} measured "
+              f"{' < '.join(c['measured'])}\n{'':30}predicted {' < '.join(c['predicted'])}{mark}")
+    agree = sum(c["agree_first"] for c in cpu)
+    print(f"  fastest schedule agrees in {agree} of {len(cpu)} cases")
+    Path(args.out).write_text(json.dumps(dict(peers=peers_file.name, configs=rows,
+                                              cpu_sim=cpu), indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

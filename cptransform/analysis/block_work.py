@@ -1,0 +1,128 @@
+"""The work a chunked local step executes: (query chunk, key chunk) pairs after skipping.
+
+The chunked kernel (:mod:`cptransform.lowering.kernels.chunked`) cuts each call's queries
+and keys into chunks (:func:`kernel_grid`) and skips a pair exactly when the position
+ranges of its chunks prove that no query sees a key under the mask band
+(``lo ≤ kv_pos - q_pos ≤ hi``). :func:`executed_entries` counts the score entries of the
+pairs it does not skip (full and partial pairs cost the same tile), from the same position
+ranges, so the count is exact for causal, window and full masks on every layout. Segment
+ids and dense masks depend on the data and are not counted (their pairs count as visible:
+an upper bound).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.op.layouts import SequenceLayout
+
+#: Default chunk length (queries and keys) of the ``"xla"`` kernel: small enough that the
+#: diagonal tiles of a causal mask cost under 10% extra from 2K tokens on (``1 + 1/nb``).
+DEFAULT_CHUNK = 128
+
+
+def chunk_size(length: int, target: int) -> int:
+    """The chunk length used for a sequence of ``length`` tokens, at most ``target``.
+
+    A divisor of ``length`` when a reasonable one exists (no padding); of ``length / 2``
+    when ``length`` is even, so that the two half-blocks of a zigzag rank never share a
+    chunk. Otherwise ``min(target, length)`` and the last chunk is padded.
+    """
+    base = length // 2 if length % 2 == 0 and length > 1 else length
+    best = max(c for c in range(1, min(target, base) + 1) if base % c == 0)
+    if 2 * best >= min(target, base):
+        return best
+    return min(target, length)
+
+
+def kernel_grid(tq: int, tkv: int, target: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((cq, nq), (ck, nk))``: chunk length and count for ``tq`` queries and ``tkv`` keys."""
+    cq, ck = chunk_size(tq, target), chunk_size(tkv, target)
+    if tkv % cq == 0 and 4 * cq >= ck:
+        # Square tiles when the keys allow: a layout's chunk boundaries (zigzag halves)
+        # fall on query-chunk boundaries, and then on key-chunk boundaries too.
+        ck = cq
+    return (cq, -(-tq // cq)), (ck, -(-tkv // ck))
+
+
+def _ranges(positions: np.ndarray, size: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-chunk (min, max) of ``positions``, padded by repeating the last entry (as the
+    kernel pads them)."""
+    padded = np.concatenate([positions, np.repeat(positions[-1:], size * count - len(positions))])
+    chunks = padded.reshape(count, size)
+    return chunks.min(axis=1), chunks.max(axis=1)
+
+
+def executed_entries(q_pos: np.ndarray, k_pos: np.ndarray, band: tuple,
+                     target: int = DEFAULT_CHUNK) -> int:
+    """Score entries (per head and batch row) one kernel call computes for queries at
+    ``q_pos`` against keys at ``k_pos`` under the mask ``band = (lo, hi)`` (``None``: open).
+
+    A pair is visible unless ``k_max - q_min < lo`` or ``k_min - q_max > hi``; since
+    ``k_min ≤ k_max`` the two exclusions are disjoint when ``lo ≤ hi``, so each query chunk
+    counts its visible key chunks with two binary searches over sorted ranges.
+    """
+    (cq, nq), (ck, nk) = kernel_grid(len(q_pos), len(k_pos), target)
+    lo, hi = band
+    q_min, q_max = _ranges(np.asarray(q_pos, np.int64), cq, nq)
+    k_min, k_max = _ranges(np.asarray(k_pos, np.int64), ck, nk)
+    visible = np.full(nq, nk, dtype=np.int64)
+    if hi is not None:
+        visible = np.searchsorted(np.sort(k_min), q_max + hi, side="right")
+    if lo is not None:
+        visible = visible - np.searchsorted(np.sort(k_max), q_min + lo, side="left")
+    return int(np.maximum(visible, 0).sum()) * cq * ck
+
+
+def forward_flops(entries: int, head_dim: int, v_head_dim: int) -> int:
+    """FLOPs of the forward local step for ``entries`` score entries: ``Q·Kᵀ`` and ``P·V``."""
+    return entries * 2 * (head_dim + v_head_dim)
+
+
+def backward_flops(entries: int, head_dim: int, v_head_dim: int) -> int:
+    """FLOPs of the flash backward: ``Q·Kᵀ`` recomputed, ``dP = dO·Vᵀ``, ``dV = Pᵀ·dO``,
+    ``dQ = dS·K`` and ``dK = dSᵀ·Q`` (2.5× the forward when ``D = Dv``)."""
+    return entries * 2 * (3 * head_dim + 2 * v_head_dim)
+
+
+@dataclass(frozen=True)
+class Work:
+    """The local-step compute of one schedule for one attention: FLOPs of the slowest
+    device, forward and backward, and the load balance (slowest device / mean)."""
+
+    forward_flops: int
+    backward_flops: int
+    balance: float
+
+    @property
+    def flops(self) -> int:
+        """Forward plus backward FLOPs of the slowest device."""
+        return self.forward_flops + self.backward_flops
+
+
+def rank_positions(shape: AttentionShape) -> np.ndarray:
+    """``[cp, seq_len / cp]``: the global positions each rank holds under ``shape.layout``."""
+    return SequenceLayout(shape.layout, shape.seq_len, shape.cp).all_positions()
+
+
+def work_of(shape: AttentionShape, calls, heads: int) -> Work:
+    """The :class:`Work` of a schedule whose device ``r`` makes the kernel calls
+    ``calls[r]`` (``(q_pos, k_pos)`` pairs), each over ``heads`` heads of ``shape.batch``
+    rows."""
+    per_device = [sum(executed_entries(q, k, shape.band) for q, k in device)
+                  for device in calls]
+    slowest = max(per_device) * heads * shape.batch
+    mean = sum(per_device) / len(per_device) * heads * shape.batch
+    return Work(forward_flops(slowest, shape.head_dim, shape.dv),
+                backward_flops(slowest, shape.head_dim, shape.dv),
+                slowest / mean if mean else 1.0)
+
+
+def gathered_work(shape: AttentionShape) -> Work:
+    """Each device's local queries against all keys in layout order, one kernel call (the
+    all-gather schedule; the default for a schedule that gives no ``work``)."""
+    ranks = rank_positions(shape)
+    everything = ranks.reshape(-1)
+    return work_of(shape, [[(q, everything)] for q in ranks], shape.heads)

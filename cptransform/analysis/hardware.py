@@ -1,0 +1,154 @@
+"""The hardware table the planner prices schedules with: one :class:`Hardware` row per chip.
+
+Each row gives the dense peak matrix throughput by element size, the fraction of it an
+attention kernel reaches, the memory per device and its link classes, fastest first: a
+collective whose devices all lie within one ``domain`` (consecutive device ids: an NVLink
+node, a TPU slice) runs at that class's bandwidth, otherwise at the next class's. Bandwidths
+are what one device sends per second in one direction (half the bidirectional per-chip
+figure of the spec sheets); latencies are the fixed cost of one collective step (order of
+magnitude of NCCL-tests / ICI small-message latency, not spec-sheet numbers).
+
+Sources (vendor spec sheets):
+
+* TPU: Cloud TPU system architecture pages, cloud.google.com/tpu/docs/{v4,v5e,v5p,v6e}
+  (peak bf16 per chip, HBM capacity, inter-chip interconnect bandwidth, pod size); the data
+  center network (DCN) between slices is the per-host NIC bandwidth shared by its chips
+  (v5e: 2 × 100 Gbps for 8 chips).
+* GPU: NVIDIA A100 datasheet (SXM4 80GB: BF16 312 TFLOPS dense, TF32 156, NVLink 3 600 GB/s
+  bidirectional), H100 datasheet (SXM5: BF16 989 TFLOPS dense, TF32 495, 80 GB, NVLink 4
+  900 GB/s), H200 datasheet (SXM: same compute and NVLink as H100, 141 GB HBM3e);
+  InfiniBand one HDR 200 Gb/s (A100) or NDR 400 Gb/s (H100, H200) NIC per GPU (DGX
+  A100 / DGX H100 / DGX H200 reference designs); NVLink domain 8 GPUs (HGX baseboard).
+  float32 matmuls run as TF32 on the tensor cores (JAX's default precision on GPU).
+* Kernel efficiency: FlashAttention-2 reaches 50–73% of A100 peak (Dao 2023, §4.1) and
+  FlashAttention-3 about 75% of H100 peak (Shah et al. 2024); 0.5 is used throughout.
+* ``cpu-sim``: 8 XLA host devices simulated on the 2 cores of this machine, fit by
+  ``python bench/planner.py --calibrate`` to the forward times of ``bench/results/peers.json``
+  (every simulated device shares the cores, so its FLOP/s is the machine's divided by 8,
+  and the time follows the mean device's work: ``shared_compute``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GB = 10 ** 9
+GiB = 2 ** 30
+TERA = 10 ** 12
+
+
+@dataclass(frozen=True)
+class LinkClass:
+    """One kind of link: its name, what one device sends per second over it, the fixed cost
+    of one collective step, and how many consecutive devices it connects (``None``: all)."""
+
+    name: str
+    bytes_per_s: float
+    latency_s: float
+    domain: int | None = None
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One row of the hardware table (see the module doc for the sources)."""
+
+    name: str
+    flops: dict          # element bytes (2: bf16, 4: float32) -> dense peak FLOP/s
+    memory_bytes: int
+    links: tuple[LinkClass, ...]
+    efficiency: float = 0.5
+    # Simulated devices sharing one host's cores, which also do the transfers: compute
+    # follows the mean device and no transfer overlaps compute.
+    shared_compute: bool = False
+
+    def compute_s(self, slowest_flops: float, balance: float, dtype_bytes: int) -> float:
+        """Seconds of compute: the slowest device's FLOPs, or with ``shared_compute`` the
+        mean device's (the host runs every simulated device's work on the same cores, so
+        an imbalance costs nothing there)."""
+        flops = slowest_flops / balance if self.shared_compute else slowest_flops
+        return flops / self.flops_per_s(dtype_bytes)
+
+    def flops_per_s(self, dtype_bytes: int) -> float:
+        """Matrix FLOP/s an attention kernel reaches on elements of ``dtype_bytes``."""
+        peak = self.flops.get(dtype_bytes, min(self.flops.values()))
+        return peak * self.efficiency
+
+    def link(self, span: int) -> LinkClass:
+        """The link class a collective over ``span`` consecutive devices runs at."""
+        for link in self.links:
+            if link.domain is None or span <= link.domain:
+                return link
+        return self.links[-1]
+
+
+def _tpu(name, bf16_tflops, hbm_gb, ici_gbps_bidirectional, pod, dcn_gbps_per_chip):
+    # TPU float32 matmuls at default precision run as one bf16 pass: the bf16 rate.
+    return Hardware(name, {2: bf16_tflops * TERA, 4: bf16_tflops * TERA}, int(hbm_gb * GB),
+                    (LinkClass("ici", ici_gbps_bidirectional / 2 / 8 * GB, 5e-6, pod),
+                     LinkClass("dcn", dcn_gbps_per_chip / 8 * GB, 50e-6)))
+
+
+def _gpu(name, bf16_tflops, tf32_tflops, hbm_gb, nvlink_gbytes_bidirectional, ib_gbps):
+    return Hardware(name, {2: bf16_tflops * TERA, 4: tf32_tflops * TERA}, int(hbm_gb * GB),
+                    (LinkClass("nvlink", nvlink_gbytes_bidirectional / 2 * GB, 10e-6, 8),
+                     LinkClass("infiniband", ib_gbps / 8 * GB, 20e-6)))
+
+
+#: The hardware table by name.
+HARDWARE: dict[str, Hardware] = {h.name: h for h in (
+    # name     bf16 TFLOPS, HBM GB, ICI Gbps (bidir.), pod chips, DCN Gbps per chip
+    _tpu("tpu-v4", 275, 32 * GiB / GB, 2400, 4096, 50),
+    _tpu("tpu-v5e", 197, 16, 1600, 256, 25),
+    _tpu("tpu-v5p", 459, 95, 4800, 8960, 50),
+    _tpu("tpu-v6e", 918, 32, 3584, 256, 50),
+    # name     bf16 / TF32 TFLOPS dense, HBM GB, NVLink GB/s (bidir.), IB Gb/s per GPU
+    _gpu("a100", 312, 156, 80, 600, 200),
+    _gpu("h100", 989, 495, 80, 900, 400),
+    _gpu("h200", 989, 495, 141, 900, 400),
+    # Fit to the forward times of bench/results/peers.json (see the module doc), per
+    # simulated device, with compute priced on the mean device (they share the cores). The
+    # "bandwidth" absorbs the per-byte work around a transfer (copies, merges), far below a
+    # memcpy; a per-step latency fitted negative on that data, so there is none.
+    Hardware("cpu-sim", {2: 1.32e10, 4: 1.32e10}, 8 * GiB,
+             (LinkClass("memcpy", 1.22e8, 0.0),), efficiency=1.0, shared_compute=True),
+)}
+
+#: ``jax.Device.device_kind`` prefixes (lower case) → hardware row.
+DEVICE_KINDS = (("tpu v4", "tpu-v4"), ("tpu v5 lite", "tpu-v5e"), ("tpu v5e", "tpu-v5e"),
+                ("tpu v5p", "tpu-v5p"), ("tpu v5", "tpu-v5p"), ("tpu v6 lite", "tpu-v6e"),
+                ("tpu v6e", "tpu-v6e"), ("nvidia a100", "a100"), ("nvidia h100", "h100"),
+                ("nvidia h200", "h200"))
+
+
+def hardware_for_device(platform: str, device_kind: str) -> str | None:
+    """The row for a device (``jax.Device.platform`` / ``device_kind``), ``None`` if the
+    table has none; every CPU is ``cpu-sim``."""
+    if platform == "cpu":
+        return "cpu-sim"
+    kind = device_kind.lower()
+    return next((row for prefix, row in DEVICE_KINDS if kind.startswith(prefix)), None)
+
+
+def memory_limit_problem(limit) -> str | None:
+    """Why ``limit`` is not a memory limit (``None`` when it is): bytes as a positive int,
+    or a percentage of the hardware's memory such as ``"80%"``."""
+    if limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0):
+        return None
+    if isinstance(limit, str) and limit.endswith("%"):
+        try:
+            percent = float(limit[:-1])
+        except ValueError:
+            percent = -1.0
+        if 0 < percent <= 100:
+            return None
+    return (f"memory_limit={limit!r}: give bytes per device as a positive int (e.g. "
+            "40 * 2**30) or a share of the hardware's memory as a string such as '80%'")
+
+
+def memory_limit_bytes(limit, hardware: Hardware) -> int:
+    """The per-device byte limit ``limit`` names on ``hardware`` (``None``: all its memory);
+    ``limit`` must pass :func:`memory_limit_problem`."""
+    if limit is None:
+        return hardware.memory_bytes
+    if isinstance(limit, str):
+        return int(hardware.memory_bytes * float(limit[:-1]) / 100)
+    return limit
