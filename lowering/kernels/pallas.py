@@ -21,6 +21,7 @@ from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import pallas_gpu, pallas_tpu, register_kernel, row_delta, \
     sum_to
 from cptransform.lowering.kernels.pallas_operands import heads_major, prepare, tokens_major
+from cptransform.lowering.kernels.pallas_skipped import skipped_backward, skipped_forward
 
 VARIANTS = {"tpu": pallas_tpu, "gpu": pallas_gpu}
 _BACKEND_VARIANT = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
@@ -75,6 +76,7 @@ class PallasKernel:
         variant, module, interpret = self._setup()
         ops = self._operands(block, spec, variant)
         o, lse = module.forward(ops, spec, interpret)
+        o = o + skipped_forward(ops)
         return tokens_major(o, ops.tq), lse[:, :, :ops.tq]
 
     def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None):
@@ -92,6 +94,8 @@ class PallasKernel:
         do_p = heads_major(do.astype(block.v.dtype), tqp)
         dq, dbias = module.backward_dq(ops, spec, do_p, lse_p, delta_p, interpret)
         dk, dv = module.backward_dkv(ops, spec, do_p, lse_p, delta_p, interpret)
+        skipped = skipped_backward(ops, do_p, lse_p)
+        dq, dk, dv = dq + skipped[0], dk + skipped[1], dv + skipped[2]
         if dbias is not None:
             dbias = sum_to(dbias[:, :, :ops.tq, :ops.tkv], block.bias.shape)
         return (tokens_major(dq, ops.tq), tokens_major(dk, ops.tkv),

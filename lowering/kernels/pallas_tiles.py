@@ -147,5 +147,10 @@ def grad_logits(spec: AttentionSpec, s, tanh, ok, lse, delta, dp):
     if ok is not None:
         p = jnp.where(ok, p, 0.0)
     dbias = p * (dp - delta)
+    if ok is not None:  # a masked logit's gradient is an exact 0, even in a NaN row
+        dbias = jnp.where(ok, dbias, 0.0)
     ds = dbias if tanh is None else dbias * (1.0 - tanh * tanh)
+    # A NaN row (NaN lse) has NaN probabilities at masked keys too, as a dense softmax: dV
+    # sees them (the returned p is what dV is built from).
+    p = p + jnp.where(lse != lse, jnp.nan, 0.0)
     return ds * F32(spec.scale), dbias, p
