@@ -13,8 +13,9 @@ and receives:
   operands; positions are the global positions of the local tokens; ``mask``/``bias`` rows
   are the local queries, columns *all* keys in layout order (the order in which the KV
   shards are concatenated, rank by rank);
-* ``spec``: the :class:`AttentionSpec` with canonical ``BTHD`` layouts and
-  ``positions=True`` (read scale, softcap, groups, mask and ``mask.empty_rows`` from it);
+* ``spec``: the :class:`AttentionSpec` with canonical ``BTHD`` layouts,
+  ``positions=True`` and ``layout`` the sequence layout (read scale, softcap, groups, mask
+  and ``mask.empty_rows`` from it);
 * ``axes``: the CP mesh axis names, ``mesh_axes`` of them (hybrid:
   ``(ulysses_axis, ring_axis)``);
 * ``kernel``: a :class:`~cptransform.lowering.kernels.Kernel` for the local step;
@@ -49,7 +50,8 @@ class Schedule:
     * ``feasible(shape)``: why it cannot run ``shape``, or ``None`` when it can;
     * ``overlaps``: its transfers overlap the compute, so the planner prefers it when it
       moves at most 10% more bytes than the cheapest schedule;
-    * ``order``: its place in listings (plans, ``explain``, CLI choices).
+    * ``order``: its place in listings (plans, ``explain``, CLI choices);
+    * ``automatic``: the planner's ``auto`` may choose it (otherwise only on request).
     """
 
     name: str
@@ -59,6 +61,7 @@ class Schedule:
     feasible: Callable[[AttentionShape], str | None]
     overlaps: bool = False
     order: int = 0
+    automatic: bool = True
 
 
 #: Registered schedules by name; read them through :func:`schedules`.

@@ -88,8 +88,8 @@ class PlanContextParallel(Pass):
         cp = facts.cp
         ulysses = facts.mesh.shape[facts.cp_axes[0]] if len(facts.cp_axes) == 2 else 1
         eqns = [e for e in iter_eqns(module.jaxpr) if e.primitive is attention_p]
-        plans = tuple(self.plan_one(i, e, cp, ulysses) for i, e in enumerate(eqns))
         layout = self.choose_layout(eqns, facts.seq_axes.seq_len, cp)
+        plans = tuple(self.plan_one(i, e, cp, ulysses, layout) for i, e in enumerate(eqns))
 
         # The re-trace walks these same equation objects (inside bodies too): the plan is
         # found by the equation's identity, never by the order of visits.
@@ -116,17 +116,21 @@ class PlanContextParallel(Pass):
         causal = any(e.params["spec"].mask.band()[1] is not None for e in eqns)
         return "zigzag" if causal and seq_len and seq_len % (2 * cp) == 0 else "contiguous"
 
-    def plan_one(self, index: int, eqn, cp: int, ulysses: int) -> AttentionPlan:
-        """The plan of one attention equation (a function of the equation and the mesh)."""
+    def plan_one(self, index: int, eqn, cp: int, ulysses: int,
+                 layout: str) -> AttentionPlan:
+        """The plan of one attention equation (a function of the equation, the mesh and the
+        program's ``layout``)."""
         spec = eqn.params["spec"]
         shape = attention_shape(spec, *(x.aval for x in eqn.invars[:3]), cp=cp,
-                                ulysses=ulysses)
+                                ulysses=ulysses, layout=layout)
         known = schedules()
         # Candidates run over as many mesh axes as the requested schedule, or under auto
         # as the mesh has CP axes.
         axes = known[self.schedule].mesh_axes if self.schedule != "auto" else \
             2 if ulysses > 1 else 1
-        candidates = {name: s for name, s in known.items() if s.mesh_axes == axes}
+        # Under auto only the schedules that take part in it (``Schedule.automatic``).
+        candidates = {name: s for name, s in known.items() if s.mesh_axes == axes
+                      and (s.automatic or self.schedule != "auto")}
         costs = {name: s.volume(shape).forward_total for name, s in candidates.items()}
         where = compat.source_line(eqn)
         if self.schedule != "auto":

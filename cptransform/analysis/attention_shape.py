@@ -22,6 +22,10 @@ class AttentionShape:
     reduced in ``grad_bytes``. Positions (int32 ``[position_batch, seq_len]``) travel only
     when the mask reads them (``positions``: causal or window; XLA drops unused transfers);
     segment ids (``segments``) are ``[segment_batch, seq_len]`` of ``segment_bytes``.
+    ``layout`` is the sequence layout (``contiguous``, ``zigzag``, ``striped``), ``band``
+    the mask's bounds on ``kv_pos - q_pos`` (:meth:`MaskSpec.band`, ``None``: open) and
+    ``explicit_positions`` says the positions are operands of the caller rather than the
+    token indices (so a key in the window may sit anywhere in the sequence).
     """
 
     seq_len: int
@@ -39,6 +43,9 @@ class AttentionShape:
     segment_batch: int = 1
     segment_bytes: int = 4
     grad_bytes: int = 4
+    layout: str = "contiguous"
+    band: tuple[int | None, int | None] = (None, None)
+    explicit_positions: bool = False
 
     @property
     def dv(self) -> int:
@@ -46,11 +53,11 @@ class AttentionShape:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
 
-def attention_shape(spec: AttentionSpec, q, k, v, *, cp: int,
-                    ulysses: int = 1) -> AttentionShape:
+def attention_shape(spec: AttentionSpec, q, k, v, *, cp: int, ulysses: int = 1,
+                    layout: str = "contiguous") -> AttentionShape:
     """The :class:`AttentionShape` of an attention with operands ``q, k, v`` (anything with
     ``shape`` and ``dtype``, in ``spec``'s layouts: an equation's avals or arrays) over
-    ``cp`` devices, ``ulysses`` of them per Ulysses group."""
+    ``cp`` devices, ``ulysses`` of them per Ulysses group, in sequence ``layout``."""
     def heads(x, layout):
         return x.shape[layout.heads] if layout.heads is not None else 1
 
@@ -58,4 +65,5 @@ def attention_shape(spec: AttentionSpec, q, k, v, *, cp: int,
         seq_len=q.shape[spec.q.seq], heads=heads(q, spec.q), kv_heads=heads(k, spec.k),
         head_dim=q.shape[spec.q.feature], v_head_dim=v.shape[spec.v.feature],
         batch=math.prod(q.shape[d] for d in spec.q.batch), dtype_bytes=q.dtype.itemsize,
-        cp=cp, ulysses=ulysses)
+        cp=cp, ulysses=ulysses, layout=layout, band=spec.mask.band(),
+        explicit_positions=spec.positions)
