@@ -1,11 +1,12 @@
 """Pass ``plan-context-parallel``: choose a schedule for each attention, and the layout.
 
 Reads each ``attention_p`` (heads, KV heads, head dims, sequence length, mask) and picks
-ring, Ulysses, all-gather or hybrid — the one asked for, or under ``auto`` the feasible one
-moving the fewest bytes per device (ties and near-ties go to a schedule that overlaps its
+ring, Ulysses, all-gather, hybrid or halo — the one asked for, or under ``auto`` the feasible
+one of the schedules marked ``automatic`` (all but halo) moving the fewest bytes per device (ties and near-ties go to a schedule that overlaps its
 transfers with compute: the ring). Volumes and feasibility come from each schedule's
 :class:`~cptransform.lowering.schedule.Schedule` record. It also picks the sequence layout
-for the whole program (``load_balance``; ``auto``: zigzag when an attention is causal).
+for the whole program (``load_balance``; ``auto``: zigzag when an attention is causal),
+first, since feasibility depends on it (halo needs a window that fits a layout chunk).
 Both decisions are written onto each ``attention_p`` equation (``spec.schedule``,
 ``spec.layout``), where ``lower-context-parallel`` reads them; the readable account, one
 :class:`AttentionPlan` per attention, goes to ``module.facts.plan`` for ``explain()``, and
