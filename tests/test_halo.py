@@ -121,6 +121,17 @@ def test_nan_in_one_value(rng, layout):
     assert np.isnan(out[1, :, :4, 2]).all() and not np.isnan(out[0]).any()
 
 
+@pytest.mark.parametrize("operand", [0, 1], ids=["q", "k"])
+def test_nan_in_one_query_or_key(rng, operand):
+    """A NaN in token 29's query (key): on one device ``dk += Σ 0·Q`` (``dq += Σ 0·K``)
+    makes the gradient of every key (query) of its head NaN, beyond the window."""
+    case = windowed(make_case(rng, "none", "gqa", seq=SEQ), (3, 1), causal=False)
+    operands = list(case.operands)
+    operands[operand] = operands[operand].at[1, 29, 0, 2].set(jnp.nan)
+    (dq, dk, _), _ = _compare_with_nan(Case(tuple(operands), case.spec), halo(4, "zigzag"))
+    assert np.isnan((dk if operand == 0 else dq)[1, 0]).any()
+
+
 def _loss_model(window):
     def f(q, k, v):
         o = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=window)
