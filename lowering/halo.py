@@ -77,9 +77,9 @@ CHUNKS_PER_RANK = {"contiguous": 1, "zigzag": 2}
 
 @dataclass(frozen=True)
 class Piece:
-    """A run of ``width`` keys in the kernel's key order, taken from offset ``offset`` of the
-    local keys of rank ``rank + shift``: ``shift`` 0 for local keys, -1 for a halo sent up by
-    the left neighbour, +1 for one sent down by the right neighbour."""
+    """A run of ``width`` keys in the kernel's key order on rank ``r``, taken from offset
+    ``offset`` of the local keys of rank ``r + shift``: ``shift`` 0 for local keys, -1 for a
+    halo sent up by the left neighbour, +1 for one sent down by the right neighbour."""
 
     shift: int
     offset: int
@@ -165,16 +165,15 @@ def _unseen(x, axes):
     return lax.psum(jnp.sum(zero_times(x), axis=1, keepdims=True), axes)
 
 
-def _layout_of(block: Block, spec, layout: str):
-    """``(left, right, runs)`` of ``block`` under ``spec``'s window in ``layout``."""
-    left, right = halo_sides(spec.mask.band())
-    return left, right, pieces(layout, block.k.shape[1], left, right)
+def _runs(block: Block, spec, layout: str) -> tuple[Piece, ...]:
+    """The kernel's key pieces for ``block`` under ``spec``'s window in ``layout``."""
+    return pieces(layout, block.k.shape[1], *halo_sides(spec.mask.band()))
 
 
 def _kernel_block(block: Block, spec, axes, layout: str) -> Block:
     """The one kernel call's problem: the local queries against halos and local keys."""
     cp, rank = lax.axis_size(axes), lax.axis_index(axes)
-    _, _, runs = _layout_of(block, spec, layout)
+    runs = _runs(block, spec, layout)
     kv, pos, seg = _exchange(block, runs, axes, cp, rank)
     k, v = unpacked(kv, block.k.shape[-1])
     tkv = block.k.shape[1]
@@ -212,9 +211,9 @@ def _halo_bwd(spec, axes, kernel, layout, residuals, cotangents):
     block, local, o, lse = residuals
     do, dlse = cotangents
     cp, rank = lax.axis_size(axes), lax.axis_index(axes)
-    _, _, runs = _layout_of(block, spec, layout)
+    runs = _runs(block, spec, layout)
     q, k, v, bias = block.q, block.k, block.v, block.bias
-    b, tq, h, d = q.shape
+    b, _, h, d = q.shape
     hkv, dv, tkv = k.shape[2], v.shape[3], k.shape[1]
     g_q, g_k, g_v, g_b = kernel.backward(local, o, lse, do, spec, delta=row_delta(o, do, dlse))
 
