@@ -1,7 +1,9 @@
 """Our schedules against the ``ringattention`` package's pure-JAX ring, on the CPU.
 
 One run, 8 simulated devices (cp=8), fp32, B=1, H=8, D=64; MHA (8 KV heads) and GQA
-(2 KV heads, repeated to 8 for the peers, which are MHA-only); causal and full masks.
+(2 KV heads, repeated to 8 for the peers, which are MHA-only); causal and full masks, and
+a causal sliding window of ``--window`` keys (``window``: our schedules only, halo included;
+the peers have no window).
 For each variant: time of the forward and of forward+backward (median of interleaved
 repetitions: every variant runs once per round), per-device temporary memory from XLA's
 memory analysis of the compiled program, and executed score entries of the slowest device
@@ -10,7 +12,7 @@ schedules, from the peer's chunk rule for ``ringattention``, everything for the 
 all-gather baseline). Ratios are against ``ringattention``.
 
     python bench/peers.py [--seqs 2048,4096] [--reps 3] [--heads mha,gqa]
-                          [--masks causal,full] [--no-time]
+                          [--masks causal,full,window] [--window 64] [--no-time]
 
 Prints a table and writes ``bench/results/peers.json``. The ``ringattention`` package
 (``pip install --no-deps ringattention`` plus ``einops``) is imported with a stand-in for
@@ -51,6 +53,7 @@ def main() -> None:
     parser.add_argument("--seqs", default="2048,4096")
     parser.add_argument("--heads", default="mha,gqa")
     parser.add_argument("--masks", default="causal,full")
+    parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-time", action="store_true", help="memory and FLOPs only")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers.json"))
@@ -67,6 +70,7 @@ def main() -> None:
     from cptransform.lowering.block import Block
     from cptransform.lowering.context_parallel_attention import context_parallel_attention
     from cptransform.analysis.block_work import DEFAULT_CHUNK, chunk_size
+    from cptransform.lowering.halo import NO_KEY, pieces
     from cptransform.lowering.kernels.chunked import EMPTY, chunk_kinds
     from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
     from cptransform.op.layouts import SequenceLayout
@@ -77,11 +81,13 @@ def main() -> None:
     mesh = jax.make_mesh((CP,), ("cp",), axis_types=(auto,))
     mesh2 = jax.make_mesh((2, 4), ("uly", "ring"), axis_types=(auto, auto))
     bthd = Layout.parse("BTHD")
+    masks = {"causal": MaskSpec(causal=True), "full": MaskSpec(),
+             "window": MaskSpec(causal=True, window=(args.window, None))}
 
     def ours(schedule, layout):
-        def run(q, k, v, causal):
+        def run(q, k, v, mask):
             spec = AttentionSpec(q=bthd, k=bthd, v=bthd, scale=1 / math.sqrt(d),
-                                 groups=h // k.shape[2], mask=MaskSpec(causal=causal))
+                                 groups=h // k.shape[2], mask=masks[mask])
             hybrid = schedule == "hybrid"
             return context_parallel_attention(
                 q, k, v, spec=spec, mesh=mesh2 if hybrid else mesh,
@@ -91,7 +97,8 @@ def main() -> None:
     def repeat_heads(k, v):
         return (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
 
-    def peer_ring(q, k, v, causal):
+    def peer_ring(q, k, v, mask):
+        causal = mask == "causal"
         s_loc = q.shape[1] // CP
         chunk = min(512, s_loc)
         kwargs = dict(causal_block_size=1 if causal else None, query_chunk_size=chunk,
@@ -106,7 +113,8 @@ def main() -> None:
         return jax.shard_map(local, mesh=mesh, in_specs=P(None, "cp"),
                              out_specs=P(None, "cp"), check_vma=False)(q, k, v)
 
-    def dense_allgather(q, k, v, causal):
+    def dense_allgather(q, k, v, mask):
+        causal = mask == "causal"
         def local(q, k, v):
             k, v = (lax.all_gather(x, "cp", axis=1, tiled=True) for x in repeat_heads(k, v))
             s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
@@ -123,25 +131,36 @@ def main() -> None:
                 "ulysses": ours("ulysses", "contiguous"),
                 "allgather": ours("allgather", "zigzag"),
                 "hybrid-2x4": ours("hybrid", "zigzag"),
-                "allgather-dense": dense_allgather}
+                "allgather-dense": dense_allgather,
+                "halo-contiguous": ours("halo", "contiguous"),
+                "halo-zigzag": ours("halo", "zigzag")}
     if ring_attention is not None:
         variants["ringattention"] = peer_ring
+    # The peers have no sliding window; halo needs one.
+    unwindowed = ("allgather-dense", "ringattention")
 
-    spec_of = lambda causal: AttentionSpec(q=bthd, k=bthd, v=bthd, scale=1.0,  # noqa: E731
-                                           mask=MaskSpec(causal=causal))
+    def runs(name, mask):
+        return name not in unwindowed if mask == "window" else not name.startswith("halo")
 
-    def computed(q_pos, kv_pos, causal):
+    spec_of = lambda mask: AttentionSpec(q=bthd, k=bthd, v=bthd, scale=1.0,  # noqa: E731
+                                         mask=masks[mask])
+
+    def computed(q_pos, kv_pos, mask):
         """Score entries the chunked kernel computes for one call."""
         z = lambda t: jnp.zeros((1, t, 1, 1))  # noqa: E731
         tq, tkv = len(q_pos), len(kv_pos)
         block = Block(z(tq), z(tkv), z(tkv), jnp.asarray(q_pos)[None], jnp.asarray(kv_pos)[None])
-        kinds = np.asarray(chunk_kinds(block, spec_of(causal)))
+        kinds = np.asarray(chunk_kinds(block, spec_of(mask)))
         return int(np.sum(kinds != EMPTY)) * chunk_size(tq, DEFAULT_CHUNK) * \
             chunk_size(tkv, DEFAULT_CHUNK)
 
-    def executed(name, s, causal):
+    def executed(name, s, mask):
         """Score entries × heads of the slowest device, over the ideal per-device share."""
-        ideal = (s * (s + 1) / 2 if causal else s * s) * h / CP
+        causal = mask != "full"
+        w = min(args.window, s - 1)
+        visible = {"causal": s * (s + 1) / 2, "full": s * s,
+                   "window": s * (w + 1) - w * (w + 1) / 2}[mask]
+        ideal = visible * h / CP
         if name == "allgather-dense":
             return s * s * h / CP / ideal
         if name == "ringattention":
@@ -150,19 +169,26 @@ def main() -> None:
             grid = rows[:, None] >= rows[None, :] if causal else np.ones((s // c,) * 2, bool)
             per = [grid[r * loc // c:(r + 1) * loc // c].sum() * c * c * h for r in range(CP)]
             return max(per) / ideal
-        layout = "contiguous" if name in ("ring-contiguous", "ulysses") else "zigzag"
+        layout = "contiguous" if name in ("ring-contiguous", "ulysses", "halo-contiguous") \
+            else "zigzag"
         pos = SequenceLayout(layout, s, CP).permutation()
         shard = lambda r, n=1: pos[r * s // CP:(r + n) * s // CP]  # noqa: E731
         if name == "ulysses":
-            return computed(pos, pos, causal) * (h // CP) / ideal
+            return computed(pos, pos, mask) * (h // CP) / ideal
         if name == "allgather":
-            return max(computed(shard(r), pos, causal) for r in range(CP)) * h / ideal
+            return max(computed(shard(r), pos, mask) for r in range(CP)) * h / ideal
+        if name.startswith("halo"):
+            def keys(r):   # the kernel's keys on rank r: halos and local keys
+                return np.concatenate([
+                    shard(r + p.shift)[p.offset:p.offset + p.width] if 0 <= r + p.shift < CP
+                    else np.full(p.width, NO_KEY) for p in pieces(layout, s // CP, w, 0)])
+            return max(computed(shard(r), keys(r), mask) for r in range(CP)) * h / ideal
         if name == "ring-zigzag" or name == "ring-contiguous":
-            return max(sum(computed(shard(r), shard((r - i) % CP), causal) for i in range(CP))
+            return max(sum(computed(shard(r), shard((r - i) % CP), mask) for i in range(CP))
                        for r in range(CP)) * h / ideal
         u, groups = 2, CP // 2   # hybrid: a Ulysses group holds U consecutive shards
         group = lambda g: shard(g * u, u)  # noqa: E731
-        return max(sum(computed(group(g), group((g - i) % groups), causal)
+        return max(sum(computed(group(g), group((g - i) % groups), mask)
                        for i in range(groups)) for g in range(groups)) * (h // u) / ideal
 
     rng = np.random.default_rng(0)
@@ -173,11 +199,12 @@ def main() -> None:
             q, k, v = (jnp.asarray(rng.normal(size=(batch, s, n, d)), jnp.float32)
                        for n in (h, hkv, hkv))
             for mask in args.masks.split(","):
-                causal = mask == "causal"
                 compiled = {}
                 for name, fn in variants.items():
-                    fwd = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, causal))
-                    grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v, causal)),
+                    if not runs(name, mask):
+                        continue
+                    fwd = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, mask))
+                    grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v, mask)),
                                             argnums=(0, 1, 2)))
                     fwd_c, grad_c = (f.lower(q, k, v).compile() for f in (fwd, grad))
                     compiled[name] = (fwd_c, grad_c)
@@ -185,7 +212,7 @@ def main() -> None:
                         seq=s, heads=heads, mask=mask, variant=name,
                         fwd_temp_mib=fwd_c.memory_analysis().temp_size_in_bytes / 2**20,
                         fwdbwd_temp_mib=grad_c.memory_analysis().temp_size_in_bytes / 2**20,
-                        flops_over_ideal=executed(name, s, causal)))
+                        flops_over_ideal=executed(name, s, mask)))
                 if args.no_time:
                     continue
                 for f in [c for pair in compiled.values() for c in pair]:

@@ -20,6 +20,7 @@ columns for ring source ``s`` are the contiguous range ``[s*U*Tkv_loc, (s+1)*U*T
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Sequence
 
 import jax
@@ -101,8 +102,12 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
             from None
     # Checked here, outside shard_map, so the error names the mesh axes and their sizes.
     ulysses = mesh.shape[axes[0]] if len(axes) == 2 else 1
-    problem = record.feasible(attention_shape(spec, a["q"], a["k"], a["v"], cp=cp,
-                                              ulysses=ulysses))
+    shape = attention_shape(spec, a["q"], a["k"], a["v"], cp=cp, ulysses=ulysses,
+                            layout=layout)
+    # Positions handed over in layout order are the layout's own (what reorder-sequence
+    # writes); only positions in natural order come from the caller's program.
+    problem = record.feasible(replace(shape, explicit_positions=spec.positions
+                                      and not in_layout_order))
     if problem:
         sizes = ", ".join(f"{name!r} of size {mesh.shape[name]}" for name in axes)
         raise ContextParallelError(f"{schedule}: {problem} (mesh axes {sizes})")
@@ -134,7 +139,8 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     sharding = block.replace(**{
         name: P(None, None, seq) if name in ("mask", "bias") else P(None, seq)
         for name, x in vars(block).items() if x is not None})
-    local_spec = spec.replace(q=_CANONICAL, k=_CANONICAL, v=_CANONICAL, positions=True)
+    local_spec = spec.replace(q=_CANONICAL, k=_CANONICAL, v=_CANONICAL, positions=True,
+                              layout=layout)
 
     def run(local):
         return record.run(local, spec=local_spec, axes=axes, kernel=local_kernel)

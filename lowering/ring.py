@@ -68,14 +68,14 @@ def _zeros(like, shape, fill=0.0):
     return jnp.full_like(like, fill, dtype=jnp.float32, shape=shape)
 
 
-def _packed(k, v):
+def packed(k, v):
     """K and V as what one send carries: concatenated on the feature dim when they share a
     dtype (one collective-permute per step), else the pair."""
     return jnp.concatenate([k, v], axis=-1) if k.dtype == v.dtype else (k, v)
 
 
-def _unpacked(kv, d: int):
-    """Inverse of :func:`_packed` for keys of ``d`` features."""
+def unpacked(kv, d: int):
+    """Inverse of :func:`packed` for keys of ``d`` features."""
     return kv if isinstance(kv, tuple) else (kv[..., :d], kv[..., d:])
 
 
@@ -84,7 +84,7 @@ def _travelling(spec, block: Block):
     the mask reads them (causal or window); positions not sent are stood in for by the
     local ones on arrival (:meth:`Block.with_keys`)."""
     reads_positions = spec.mask.band() != (None, None)
-    return (_packed(block.k, block.v),
+    return (packed(block.k, block.v),
             Block(kv_pos=block.kv_pos if reads_positions else None, kv_seg=block.kv_seg))
 
 
@@ -92,7 +92,7 @@ def _arrived(block: Block, keys, source, tkv: int) -> Block:
     """One ring step's problem: the local queries against ``keys`` (from rank ``source``),
     with the mask and bias columns of those keys."""
     kv, meta = keys
-    k, v = _unpacked(kv, block.k.shape[-1])
+    k, v = unpacked(kv, block.k.shape[-1])
     return block.with_keys(meta.replace(k=k, v=v)).columns(source, tkv)
 
 
@@ -167,13 +167,13 @@ def _ring_bwd(spec, axes, kernel, residuals, cotangents):
             dbias = lax.dynamic_update_slice_in_dim(dbias, g_b, source * tkv, axis=3)
         # The float32 dK/dV accumulators travel (as one send) with their keys and arrive
         # home after the last step.
-        dkv = jax.tree.map(jnp.add, dkv, _packed(g_k, g_v))
+        dkv = jax.tree.map(jnp.add, dkv, packed(g_k, g_v))
         return dq + g_q, _rotate(dkv, axes, cp), dbias
 
-    zeros = (_zeros(q, q.shape), _packed(_zeros(q, k.shape), _zeros(q, v.shape)),
+    zeros = (_zeros(q, q.shape), packed(_zeros(q, k.shape), _zeros(q, v.shape)),
              None if bias is None else _zeros(q, bias.shape))
     dq, dkv, dbias = _around_the_ring(step, zeros, _travelling(spec, block), axes, cp)
-    dk, dv = _unpacked(dkv, d)
+    dk, dv = unpacked(dkv, d)
     return (Block(q=dq.astype(q.dtype), k=dk.astype(k.dtype), v=dv.astype(v.dtype),
                   bias=None if bias is None else dbias.astype(bias.dtype)),)
 

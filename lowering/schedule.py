@@ -13,8 +13,9 @@ and receives:
   operands; positions are the global positions of the local tokens; ``mask``/``bias`` rows
   are the local queries, columns *all* keys in layout order (the order in which the KV
   shards are concatenated, rank by rank);
-* ``spec``: the :class:`AttentionSpec` with canonical ``BTHD`` layouts and
-  ``positions=True`` (read scale, softcap, groups, mask and ``mask.empty_rows`` from it);
+* ``spec``: the :class:`AttentionSpec` with canonical ``BTHD`` layouts,
+  ``positions=True`` and ``layout`` the sequence layout (read scale, softcap, groups, mask
+  and ``mask.empty_rows`` from it);
 * ``axes``: the CP mesh axis names, ``mesh_axes`` of them (hybrid:
   ``(ulysses_axis, ring_axis)``);
 * ``kernel``: a :class:`~cptransform.lowering.kernels.Kernel` for the local step;
@@ -61,7 +62,8 @@ class Schedule:
     * ``memory(shape)``: peak bytes per device of its local step (``None``: its shards,
       everything its forward receives, and the float32 query state);
     * ``steps(shape)``: how many compute steps its overlapped transfers are pipelined
-      over (1: it computes once, after its transfers).
+      over (1: it computes once, after its transfers);
+    * ``automatic``: the planner's ``auto`` may choose it (otherwise only on request).
 
     :meth:`predict` prices it on a :class:`~cptransform.analysis.hardware.Hardware` row.
     """
@@ -76,6 +78,7 @@ class Schedule:
     work: Callable[[AttentionShape], Work] = gathered_work
     memory: Callable[[AttentionShape], int] | None = None
     steps: Callable[[AttentionShape], int] = lambda shape: 1  # computes once
+    automatic: bool = True
 
     def peak_memory(self, shape: AttentionShape) -> int:
         """Peak bytes per device of the local step (see ``memory``)."""

@@ -71,7 +71,7 @@ class LowerContextParallel(Pass):
     """Replace each attention with its planned context-parallel schedule."""
 
     name = "lower-context-parallel"
-    summary = "attention_p -> shard_map schedule (ring / ulysses / allgather / hybrid)"
+    summary = "attention_p -> shard_map schedule (ring / ulysses / allgather / hybrid / halo)"
     requires = (Fact.MESH, Fact.PLAN)
     kernel: str = "auto"
 

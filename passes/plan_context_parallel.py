@@ -264,7 +264,9 @@ class PlanContextParallel(Pass):
         # as the mesh has CP axes.
         axes = known[self.schedule].mesh_axes if self.schedule != "auto" else \
             2 if ulysses > 1 else 1
-        candidates = {name: s for name, s in known.items() if s.mesh_axes == axes}
+        # Under auto only the schedules that take part in it (``Schedule.automatic``).
+        candidates = {name: s for name, s in known.items() if s.mesh_axes == axes
+                      and (s.automatic or self.schedule != "auto")}
         costs = {name: s.volume(shape).forward_total for name, s in candidates.items()}
         problems = {name: s.feasible(shape) for name, s in candidates.items()}
         predictions = {} if hardware is None else {

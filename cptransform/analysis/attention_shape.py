@@ -25,6 +25,8 @@ class AttentionShape:
     ``band`` is the mask's ``(lo, hi)`` band on ``kv_pos - q_pos`` (``None``: open; see
     :meth:`MaskSpec.band`) and ``layout`` the sequence layout, which together decide the
     work the chunked kernel skips.
+    ``explicit_positions`` says the positions are operands of the caller rather than the
+    token indices (so a key in the window may sit anywhere in the sequence).
     """
 
     seq_len: int
@@ -44,6 +46,7 @@ class AttentionShape:
     grad_bytes: int = 4
     band: tuple[int | None, int | None] = (None, None)
     layout: str = "contiguous"
+    explicit_positions: bool = False
 
     @property
     def dv(self) -> int:
@@ -63,4 +66,5 @@ def attention_shape(spec: AttentionSpec, q, k, v, *, cp: int, ulysses: int = 1,
         seq_len=q.shape[spec.q.seq], heads=heads(q, spec.q), kv_heads=heads(k, spec.k),
         head_dim=q.shape[spec.q.feature], v_head_dim=v.shape[spec.v.feature],
         batch=math.prod(q.shape[d] for d in spec.q.batch), dtype_bytes=q.dtype.itemsize,
-        cp=cp, ulysses=ulysses, band=spec.mask.band(), layout=layout)
+        cp=cp, ulysses=ulysses, band=spec.mask.band(), layout=layout,
+        explicit_positions=spec.positions)

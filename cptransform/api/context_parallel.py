@@ -287,7 +287,8 @@ def context_parallel(fn: Callable | None = None, **options) -> Any:
 
     Options: ``cp`` (devices; default all), ``mesh`` (an existing mesh) and ``axis`` (its CP
     axis name, or ``(ulysses_axis, ring_axis)`` for hybrid), ``schedule`` (ring | ulysses |
-    allgather | hybrid | auto), ``load_balance`` (zigzag | striped | none | auto: zigzag for
+    allgather | hybrid | halo | auto; auto never picks halo, the sliding-window exchange,
+    which runs on request), ``load_balance`` (zigzag | striped | none | auto: zigzag for
     causal attention), ``kernel`` (pallas | xla | auto), ``seq_axes`` (override: a tuple
     mirroring the positional arguments with an int dim, a tuple of dims, or None per
     argument), ``strict`` (refuse non-equivariant ops instead of wrapping them, and a
