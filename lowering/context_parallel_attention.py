@@ -128,11 +128,14 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
         kv_pos=positions(a["kv_positions"], kv_layout),
         q_seg=in_order(flatten_batch(a["q_segment_ids"], nb, batch_shape), q_layout),
         kv_seg=in_order(flatten_batch(a["kv_segment_ids"], nb, batch_shape), kv_layout),
-        mask=dense(a["mask"]), bias=dense(a["bias"]))
+        mask=dense(a["mask"]), bias=dense(a["bias"]),
+        sinks=flatten_batch(a["sinks"], nb, batch_shape))
     seq = sequence_mesh_axes(axes)
-    # Token operands are sharded on their sequence dim (1), dense ones on their rows (2).
+    # Token operands are sharded on their sequence dim (1), dense ones on their rows (2);
+    # the sinks have no sequence dim: every device holds them all.
     sharding = block.replace(**{
-        name: P(None, None, seq) if name in ("mask", "bias") else P(None, seq)
+        name: P() if name == "sinks" else
+        P(None, None, seq) if name in ("mask", "bias") else P(None, seq)
         for name, x in vars(block).items() if x is not None})
     local_spec = spec.replace(q=_CANONICAL, k=_CANONICAL, v=_CANONICAL, positions=True)
 
