@@ -4,7 +4,9 @@ A sink is one extra logit per query head in each row's softmax whose value is 0;
 spells it ``softmax(concat([logits, sink column]))[..., :-1]``. Everything is compared with
 that spelling (or the reference) on one device, forward and gradients (sinks included).
 """
+import sys
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,9 @@ from cptransform.ir import compat
 from cptransform.ir.module import iter_eqns
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_reference import attention_reference
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples import gpt_oss  # noqa: E402
 
 F32_MIN = float(jnp.finfo(jnp.float32).min)
 
@@ -120,6 +125,24 @@ def test_fully_masked_row_with_a_finite_sink_is_zero(rng, fill, empty_rows):
     np.testing.assert_array_equal(np.asarray(out[:, 0]), 0.0)
     assert_close(out, by_hand(*args), 1e-6)
     for g, w in zip(grads(ours, args), grads(by_hand, args)):
+        assert_close(g, w, 1e-5)
+
+
+def test_minus_inf_sink_on_an_empty_row(rng):
+    """Finite-minimum fill: the ``-inf`` sink's head averages V on the empty row, the other
+    heads give 0; gradients (the ``-inf`` sink's is 0, not NaN) as on one device."""
+    q, k, v, s = qkvs(rng)
+    s = s.at[2].set(-jnp.inf)
+    ok = visible(16, window=2) & ~jnp.eye(16, dtype=bool)
+    ours = lambda q, k, v, s: attention(q, k, v, mask=ok, sinks=s,  # noqa: E731
+                                        empty_rows="uniform")
+    by_hand = lambda q, k, v, s: sink_softmax_attention(q, k, v, s, ok, F32_MIN)  # noqa: E731
+    out = ours(q, k, v, s)
+    assert_close(out[:, 0, 2], jnp.mean(v[:, :, 2], axis=1), 1e-6)
+    assert_close(out, by_hand(q, k, v, s), 1e-6)
+    got, want = grads(ours, (q, k, v, s)), grads(by_hand, (q, k, v, s))
+    assert float(got[3][2]) == 0.0
+    for g, w in zip(got, want):
         assert_close(g, w, 1e-5)
 
 
@@ -323,3 +346,14 @@ def test_context_parallel_gpt_oss(rng, schedule, load_balance):
     assert_close(jax.jit(f)(*args), fn(*args), 1e-5)
     for g, w in zip(grads(f, args), grads(fn, args)):
         assert_close(g, w, 1e-5)
+
+
+def test_gpt_oss_example_at_its_smallest(capsys):
+    """``examples/gpt_oss.py``'s check on a tiny model: both layer kinds are matched with
+    sinks, sharded over 8 devices, and the loss and every gradient match one device."""
+    cfg = gpt_oss.Config(vocab=32, dim=32, layers=2, heads=4, kv_heads=2, mlp_dim=32,
+                         window=4)
+    assert gpt_oss.demo(seq=32, cp=8, cfg=cfg, batch=1)
+    out = capsys.readouterr().out
+    assert "rewritten [causal window(4) sinks]" in out and "rewritten [causal sinks]" in out
+    assert "MATCH" in out

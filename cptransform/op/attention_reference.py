@@ -122,7 +122,15 @@ def merge_sinks(o, lse, sinks):
     ``lse' = sink`` (empty only when the sink is ``-inf``); a ``+inf`` or NaN sink makes the
     row NaN (``0·exp(inf - inf)``), as a softmax over the extra column does on one device.
     """
-    return merge(o, lse, jnp.zeros((), jnp.float32), sinks.astype(jnp.float32)[..., None])
+    sink = sinks.astype(jnp.float32)[..., None]
+    # A row with no mass from its keys nor its sink stays empty. ``logaddexp(-inf, -inf)``
+    # has a NaN derivative (one device's softmax gives the ``-inf`` sink a 0 gradient), so
+    # such rows merge stand-in zeros (``o`` is ``0·ΣV`` there: halving it changes nothing)
+    # and get their ``-inf`` back.
+    empty = empty_rows_of(lse) & empty_rows_of(sink)
+    o, total = merge(o, jnp.where(empty, 0.0, lse), jnp.zeros((), jnp.float32),
+                     jnp.where(empty, 0.0, sink))
+    return o, jnp.where(empty, -jnp.inf, total)
 
 
 def fill_empty_rows(spec: AttentionSpec, o, lse, v_mean):
