@@ -202,9 +202,12 @@ def test_empty_rows_with_sinks_across_devices(rng, schedule):
                    layout="contiguous")
 
 
-def test_pallas_kernel_under_the_ring(rng):
+@pytest.mark.parametrize("schedule,variant", [("ring", "tpu"), ("ulysses", "gpu")])
+def test_pallas_kernels_under_the_schedules(rng, schedule, variant, monkeypatch):
+    """The Pallas kernels (interpret mode) never see the sinks: the schedule merges them."""
+    monkeypatch.setenv("CPTRANSFORM_PALLAS_VARIANT", variant)
     case = make_case(rng, "causal", "gqa", batch=1, seq=16, d=8, sinks=True)
-    check_schedule(case, mesh=make_mesh((2,), ("cp",)), axes=("cp",), schedule="ring",
+    check_schedule(case, mesh=make_mesh((2,), ("cp",)), axes=("cp",), schedule=schedule,
                    layout="zigzag", kernel="pallas")
 
 
@@ -318,6 +321,16 @@ def test_refuse_other_slices_of_the_probabilities(rng):
         w = jax.nn.softmax(jnp.concatenate([logits, column], -1), -1)[..., 1:]
         return jnp.einsum("bhqk,bkhd->bqhd", w, v)
     check_refused(fn, *qkvs(rng), reason="dropping the last (sink) column")
+
+
+def test_refuse_a_sink_probability_kept_for_the_value_product(rng):
+    """``p @ concat([v, 0])`` is a sink too, but the matcher reads only the sliced form."""
+    def fn(q, k, v, s):
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        column = jnp.broadcast_to(s.reshape(1, -1, 1, 1), logits.shape[:-1] + (1,))
+        w = jax.nn.softmax(jnp.concatenate([logits, column], -1), -1)
+        return jnp.einsum("bhqk,bkhd->bqhd", w, jnp.pad(v, ((0, 0), (0, 1), (0, 0), (0, 0))))
+    check_refused(fn, *qkvs(rng), reason="not sliced away")
 
 
 def test_sinks_carry_no_sequence_axis(rng):
