@@ -237,8 +237,8 @@ def gpt_oss_args(rng, t=16, hkv=2, g=2, d=8):
 
 def bthd_sinks(q, k, v, s, form="softmax", fill=-jnp.inf, window=None):
     """``[B, T, H, D]`` GQA attention with a where-mask, a sink column and the softmax
-    spelled as ``jax.nn.softmax``, by hand (``exp(x - max) / sum``), or deferred
-    (``(e[..., :-1] @ v) / sum``)."""
+    spelled as ``jax.nn.softmax``, ``exp(x - logsumexp(x))``, by hand
+    (``exp(x - max) / sum``), or deferred (``(e[..., :-1] @ v) / sum``)."""
     b, t, h, d = q.shape
     hkv = k.shape[2]
     qg = q.reshape(b, t, hkv, h // hkv, d)
@@ -248,6 +248,9 @@ def bthd_sinks(q, k, v, s, form="softmax", fill=-jnp.inf, window=None):
     x = jnp.concatenate([logits, column], axis=-1)
     if form == "softmax":
         out = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(x, -1)[..., :-1], v)
+    elif form == "log":
+        p = jnp.exp(x - jax.nn.logsumexp(x, -1, keepdims=True))
+        out = jnp.einsum("bkgts,bskd->btkgd", p[..., :-1], v)
     else:
         e = jnp.exp(x - jax.lax.stop_gradient(jnp.max(x, -1, keepdims=True)))
         total = jnp.sum(e, -1, keepdims=True)
@@ -278,7 +281,7 @@ def test_match_gpt_oss_spelling(rng, window):
     assert_grads_close(fn, module, args)
 
 
-@pytest.mark.parametrize("form", ["softmax", "manual", "deferred"])
+@pytest.mark.parametrize("form", ["softmax", "log", "manual", "deferred"])
 def test_match_softmax_forms(rng, form):
     fn = lambda *a: bthd_sinks(*a, form=form, window=3)  # noqa: E731
     args = bthd_args(rng)
