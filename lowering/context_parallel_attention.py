@@ -24,6 +24,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from cptransform.analysis.attention_shape import attention_shape
@@ -140,6 +141,11 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     local_spec = spec.replace(q=_CANONICAL, k=_CANONICAL, v=_CANONICAL, positions=True)
 
     def run(local):
+        if local.sinks is not None:
+            # The sinks are the same on every device. Marked device-varying here, the
+            # backward sums their per-device gradients once at their own [B|1, H] size,
+            # not at the size of the first per-row value they are broadcast into.
+            local = local.replace(sinks=lax.pcast(local.sinks, axes, to="varying"))
         return record.run(local, spec=local_spec, axes=axes, kernel=local_kernel)
 
     o = jax.shard_map(run, mesh=mesh, in_specs=(sharding,), out_specs=P(None, seq),

@@ -106,7 +106,8 @@ def with_sinks(block, o, lse):
     once per block). It is plain JAX after the schedule's ``custom_vjp``, so the sink's
     gradient, ``-Σ_rows exp(sink - lse')·rowsum(dO∘O')``, comes from autodiff, and the
     cotangent it sends to ``lse`` reaches the kernels' backward as ``dlse``. The sinks are
-    replicated over the CP axes, so ``shard_map`` sums their per-device gradients.
+    replicated over the CP axes (the entry point marks them device-varying), so the backward
+    sums their per-device gradients with one all-reduce of ``[B|1, H]`` floats.
     """
     if block.sinks is None:
         return o, lse

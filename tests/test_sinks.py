@@ -21,6 +21,8 @@ from cptransform.analysis.seq_axes import infer_seq_axes
 from cptransform.api.context_parallel import UnshardedWarning
 from cptransform.ir import compat
 from cptransform.ir.module import iter_eqns
+from cptransform.lowering.collectives import lower_and_count
+from cptransform.lowering.context_parallel_attention import context_parallel_attention
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_reference import attention_reference
 
@@ -187,6 +189,30 @@ def test_schedule_matches_one_device(rng, schedule, layout, kind):
     case = make_case(rng, kind, "gqa", batch=1, seq=16, sinks=True)
     check_schedule(case, mesh=make_mesh(shape, axes), axes=axes, schedule=schedule,
                    layout=layout)
+
+
+@pytest.mark.parametrize("schedule", ["ring", "ulysses"])
+def test_sinks_cost_one_small_all_reduce(rng, schedule):
+    """Beside the schedule's own collectives, the backward adds one all-reduce of the
+    ``[1, H]`` sink gradients (not of a per-row array)."""
+    mesh = make_mesh((4,), ("cp",))
+
+    def collectives(sinks):
+        case = make_case(np.random.default_rng(0), "causal", "gqa", batch=2, seq=32,
+                         sinks=sinks)
+        loss = lambda *xs: jnp.sum(context_parallel_attention(  # noqa: E731
+            *xs, spec=case.spec, mesh=mesh, axes=("cp",), schedule=schedule,
+            layout="zigzag"))
+        diff = tuple(case.differentiable)
+        report = lower_and_count(jax.grad(loss, diff), *case.operands)
+        return sorted((c.kind, tuple(t.shape for t in c.operands), c.count)
+                      for c in report.collectives)
+
+    plain, with_sinks = collectives(False), collectives(True)
+    extra = list(with_sinks)
+    for c in plain:
+        extra.remove(c)
+    assert extra == [("all_reduce", ((1, 8),), 1)]
 
 
 @pytest.mark.parametrize("schedule", ["ring", "ulysses"])
