@@ -28,7 +28,8 @@ from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, m
 from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
     tile_bytes
 from cptransform.lowering.block import Block
-from cptransform.lowering.schedule import Schedule, divides_sequence, register_schedule
+from cptransform.lowering.schedule import Schedule, divides_sequence, register_schedule, \
+    with_sinks
 from cptransform.lowering.ulysses import gather_sequence
 from cptransform.op.attention_reference import fill_empty_rows
 
@@ -72,7 +73,8 @@ gathered_attention.defvjp(_forward, _bwd)
 
 def allgather(block: Block, *, spec, axes, kernel):
     """The ``allgather`` schedule over one mesh axis (see the module doc)."""
-    o, lse, v_mean = gathered_attention(block, spec, axes[0], kernel)
+    o, lse, v_mean = gathered_attention(block.replace(sinks=None), spec, axes[0], kernel)
+    o, lse = with_sinks(block, o, lse)
     return fill_empty_rows(spec, o, lse, v_mean).astype(block.q.dtype)
 
 

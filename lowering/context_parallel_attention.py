@@ -25,6 +25,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from cptransform.analysis.attention_shape import attention_shape
@@ -133,16 +134,24 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
         kv_pos=positions(a["kv_positions"], kv_layout),
         q_seg=in_order(flatten_batch(a["q_segment_ids"], nb, batch_shape), q_layout),
         kv_seg=in_order(flatten_batch(a["kv_segment_ids"], nb, batch_shape), kv_layout),
-        mask=dense(a["mask"]), bias=dense(a["bias"]))
+        mask=dense(a["mask"]), bias=dense(a["bias"]),
+        sinks=flatten_batch(a["sinks"], nb, batch_shape))
     seq = sequence_mesh_axes(axes)
-    # Token operands are sharded on their sequence dim (1), dense ones on their rows (2).
+    # Token operands are sharded on their sequence dim (1), dense ones on their rows (2);
+    # the sinks have no sequence dim: every device holds them all.
     sharding = block.replace(**{
-        name: P(None, None, seq) if name in ("mask", "bias") else P(None, seq)
+        name: P() if name == "sinks" else
+        P(None, None, seq) if name in ("mask", "bias") else P(None, seq)
         for name, x in vars(block).items() if x is not None})
     local_spec = spec.replace(q=_CANONICAL, k=_CANONICAL, v=_CANONICAL, positions=True,
                               layout=layout)
 
     def run(local):
+        if local.sinks is not None:
+            # The sinks are the same on every device. Marked device-varying here, the
+            # backward sums their per-device gradients once at their own [B|1, H] size,
+            # not at the size of the first per-row value they are broadcast into.
+            local = local.replace(sinks=lax.pcast(local.sinks, axes, to="varying"))
         return record.run(local, spec=local_spec, axes=axes, kernel=local_kernel)
 
     o = jax.shard_map(run, mesh=mesh, in_specs=(sharding,), out_specs=P(None, seq),

@@ -68,7 +68,7 @@ from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import row_delta, zero_times
 from cptransform.lowering.ring import packed, unpacked
-from cptransform.lowering.schedule import Schedule, divides_sequence, \
+from cptransform.lowering.schedule import Schedule, divides_sequence, with_sinks, \
     fill_empty_rows_sharded, register_schedule
 
 #: The position of a halo key that has no sender: ``kv_pos - q_pos`` is below ``-left``
@@ -266,12 +266,13 @@ halo_attention.defvjp(_halo_fwd, _halo_bwd)
 
 
 def halo(block: Block, *, spec, axes, kernel):
-    """The ``halo`` schedule: :func:`halo_attention` plus ``empty_rows`` handling (the
-    ``uniform`` mean is over every key of the sequence, not only the halos)."""
+    """The ``halo`` schedule: :func:`halo_attention`, then the sinks and ``empty_rows``
+    (the ``uniform`` mean is over every key of the sequence, not only the halos)."""
     axes = tuple(axes)
-    o, lse = halo_attention(block, spec, axes, kernel, spec.layout)
+    o, lse = halo_attention(block.replace(sinks=None), spec, axes, kernel, spec.layout)
+    o, lse = with_sinks(block, o, lse)
     return fill_empty_rows_sharded(spec, o, lse, block.v, axes,
-                                   block.k.shape[1] * lax.axis_size(axes))
+                                   block.k.shape[1] * lax.axis_size(axes)).astype(block.q.dtype)
 
 
 def halo_feasible(shape: AttentionShape) -> str | None:

@@ -48,7 +48,7 @@ from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard
     tile_bytes
 from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import Schedule, divides_sequence, \
-    fill_empty_rows_sharded, register_schedule
+    fill_empty_rows_sharded, register_schedule, with_sinks
 from cptransform.lowering.kernels import row_delta
 from cptransform.op.attention_reference import merge
 
@@ -182,10 +182,11 @@ ring_attention.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring(block: Block, *, spec, axes, kernel):
-    """The ``ring`` schedule: :func:`ring_attention` plus ``empty_rows`` handling."""
-    o, lse = ring_attention(block, spec, tuple(axes), kernel)
+    """The ``ring`` schedule: :func:`ring_attention`, then the sinks and ``empty_rows``."""
+    o, lse = ring_attention(block.replace(sinks=None), spec, tuple(axes), kernel)
+    o, lse = with_sinks(block, o, lse)
     return fill_empty_rows_sharded(spec, o, lse, block.v, axes,
-                                   block.k.shape[1] * lax.axis_size(axes))
+                                   block.k.shape[1] * lax.axis_size(axes)).astype(block.q.dtype)
 
 
 def ring_volume(shape: AttentionShape) -> CommVolume:

@@ -20,8 +20,8 @@ and receives:
   ``(ulysses_axis, ring_axis)``);
 * ``kernel``: a :class:`~cptransform.lowering.kernels.Kernel` for the local step;
 
-and returns ``o [B, Tq_loc, H, Dv]`` in ``q.dtype``, with ``empty_rows`` honoured
-(see :func:`fill_empty_rows_sharded`).
+and returns ``o [B, Tq_loc, H, Dv]`` in ``q.dtype``, with the sinks merged once
+(:func:`with_sinks`) and then ``empty_rows`` honoured (see :func:`fill_empty_rows_sharded`).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from cptransform.analysis.cost_model import CommVolume
 from cptransform.analysis.hardware import Hardware
 from cptransform.analysis.local_memory import query_state_bytes, shard_bytes
 from cptransform.analysis.prediction import Prediction, predict
-from cptransform.op.attention_reference import fill_empty_rows
+from cptransform.op.attention_reference import fill_empty_rows, merge_sinks
 from cptransform.op.attention_spec import AttentionSpec
 
 
@@ -133,6 +133,23 @@ MESH_AXES_HINT = {
     1: "put the CP devices on one mesh axis, or use schedule='hybrid' with "
        "axes=(ulysses_axis, ring_axis)",
     2: "give axes=(ulysses_axis, ring_axis), or use 'ring' or 'ulysses' over one axis"}
+
+
+def with_sinks(block, o, lse):
+    """``(o, lse)`` of the local query rows over all keys, with ``block.sinks`` merged in
+    (unchanged without sinks).
+
+    Call it once, after the schedule has merged every key block of the rows, on the device
+    that holds them (the sink is one logit per row: merging it per key block would count it
+    once per block). It is plain JAX after the schedule's ``custom_vjp``, so the sink's
+    gradient, ``-Σ_rows exp(sink - lse')·rowsum(dO∘O')``, comes from autodiff, and the
+    cotangent it sends to ``lse`` reaches the kernels' backward as ``dlse``. The sinks are
+    replicated over the CP axes (the entry point marks them device-varying), so the backward
+    sums their per-device gradients with one all-reduce of ``[B|1, H]`` floats.
+    """
+    if block.sinks is None:
+        return o, lse
+    return merge_sinks(o, lse, block.sinks)
 
 
 def fill_empty_rows_sharded(spec: AttentionSpec, o, lse, v, axes, kv_len: int):

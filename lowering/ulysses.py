@@ -37,7 +37,7 @@ from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard
     tile_bytes
 from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import Schedule, divides_sequence, \
-    fill_empty_rows_sharded, register_schedule
+    fill_empty_rows_sharded, register_schedule, with_sinks
 
 
 def kv_head_repeats(kv_heads: int, n: int) -> int:
@@ -79,11 +79,20 @@ def dense_to_heads(x, axis: str, n: int):
     return lax.all_to_all(x, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
+def heads_of(sinks, axis: str, n: int):
+    """The sinks ``[B|1, H]`` of the query heads this device holds after
+    :func:`sequence_to_heads` over ``axis`` (device ``j``: heads ``[j·H/n, (j+1)·H/n)``)."""
+    if sinks is None:
+        return None
+    width = sinks.shape[1] // n
+    return lax.dynamic_slice_in_dim(sinks, lax.axis_index(axis) * width, width, axis=1)
+
+
 def ulysses_around(inner, block: Block, *, spec, axis: str):
     """Switch to head sharding over ``axis``, run ``inner``, switch back.
 
     ``inner(block, spec)`` sees the head-sharded block (the whole sequence along ``axis``,
-    ``H/n`` heads) and a spec whose ``groups`` matches it; it returns ``o [B, T, H/n, Dv]``
+    ``H/n`` heads, the sinks of those heads) and a spec whose ``groups`` matches it; it returns ``o [B, T, H/n, Dv]``
     in ``q.dtype``. The query heads must divide over ``axis`` (the entry point checks it
     with :func:`heads_problem`).
     """
@@ -99,7 +108,7 @@ def ulysses_around(inner, block: Block, *, spec, axis: str):
         v=sequence_to_heads(v, axis), q_pos=gather_sequence(block.q_pos, axis),
         kv_pos=gather_sequence(block.kv_pos, axis), q_seg=gather_sequence(block.q_seg, axis),
         kv_seg=gather_sequence(block.kv_seg, axis), mask=dense_to_heads(block.mask, axis, n),
-        bias=dense_to_heads(block.bias, axis, n))
+        bias=dense_to_heads(block.bias, axis, n), sinks=heads_of(block.sinks, axis, n))
     o = inner(heads_sharded, spec)
     return heads_to_sequence(o.astype(block.q.dtype), axis)
 
@@ -129,10 +138,11 @@ _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 def local_attention(kernel, block: Block, spec):
     """Attention over keys that are all on this device; ``o`` in ``q.dtype``.
 
-    A ``custom_vjp`` over the kernel (residuals the block, o and lse), with
-    ``empty_rows="uniform"`` applied from the local V.
+    A ``custom_vjp`` over the kernel (residuals the block, o and lse), then the sinks of
+    the local heads and ``empty_rows`` applied from the local V.
     """
-    o, lse = _kernel_attention(kernel, spec, block)
+    o, lse = _kernel_attention(kernel, spec, block.replace(sinks=None))
+    o, lse = with_sinks(block, o, lse)
     return fill_empty_rows_sharded(spec, o, lse, block.v, (),
                                    block.k.shape[1]).astype(block.q.dtype)
 

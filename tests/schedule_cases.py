@@ -2,7 +2,7 @@
 
 A case is the operands of one ``attention_p`` (canonical ``BTHD`` layouts) plus its spec.
 :func:`check_schedule` runs :func:`context_parallel_attention` and compares output and
-``jax.grad`` w.r.t. q, k, v (and bias) with the unsharded reference.
+``jax.grad`` w.r.t. q, k, v (and bias and sinks) with the unsharded reference.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Case:
     @property
     def differentiable(self) -> tuple[int, ...]:
         names = self.spec.operand_names()
-        return tuple(i for i, n in enumerate(names) if n in ("q", "k", "v", "bias"))
+        return tuple(i for i, n in enumerate(names) if n in ("q", "k", "v", "bias", "sinks"))
 
 
 def mask_spec(kind: str, empty_rows: str = "zero") -> MaskSpec:
@@ -52,8 +52,9 @@ def mask_spec(kind: str, empty_rows: str = "zero") -> MaskSpec:
 
 def make_case(rng, kind: str = "none", heads: str = "mha", *, batch: int = 2, seq: int = 32,
               d: int = 8, dv: int = 8, dtype=jnp.float32, empty_rows: str = "zero",
-              dense_heads: bool = True) -> Case:
-    """Random q, k, v (and segment ids, dense mask or bias as ``kind`` needs)."""
+              dense_heads: bool = True, sinks: bool = False) -> Case:
+    """Random q, k, v (and segment ids, dense mask or bias as ``kind`` needs; with
+    ``sinks``, a random sink per query head, shared by the batch)."""
     h, hkv = HEAD_KINDS[heads]
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), dtype)  # noqa: E731
     operands = [normal(batch, seq, h, d), normal(batch, seq, hkv, d), normal(batch, seq, hkv, dv)]
@@ -68,8 +69,10 @@ def make_case(rng, kind: str = "none", heads: str = "mha", *, batch: int = 2, se
         operands.append(jnp.asarray(dense))
     if mspec.bias:
         operands.append(normal(1, mh, seq, seq))
+    if sinks:
+        operands.append(normal(1, h))
     spec = AttentionSpec(q=BTHD, k=BTHD, v=BTHD, scale=1.0 / math.sqrt(d), groups=h // hkv,
-                         mask=mspec)
+                         mask=mspec, sinks=sinks)
     return Case(tuple(operands), spec)
 
 
@@ -100,10 +103,11 @@ def relative_error(got, want) -> float:
 
 def check_schedule(case: Case, *, mesh, axes, schedule: str, layout: str,
                    grad: bool = True, tol: float | None = None, kernel: str = "xla") -> None:
-    """Assert output and gradients of the schedule match the unsharded reference.
+    """Assert output and gradients of the schedule (with the local ``kernel``) match the
+    unsharded reference.
 
-    Gradients are w.r.t. q, k, v and bias, of ``sum(o * w)`` for a random ``w``; each side
-    is one jitted ``vjp`` (one compile per side). ``kernel`` is the local-step kernel.
+    Gradients are w.r.t. q, k, v, bias and sinks, of ``sum(o * w)`` for a random ``w``; each side
+    is one jitted ``vjp`` (one compile per side).
     """
     dtype = case.operands[0].dtype
     tol = TOLERANCE[jnp.dtype(dtype).type] if tol is None else tol

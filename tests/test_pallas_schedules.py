@@ -24,6 +24,7 @@ MESHES = {
     "ulysses": ((2, 4, 8), ("cp",), "cp"),
     "allgather": ((2, 4, 8), ("cp",), "cp"),
     "hybrid": (((2, 2), (2, 4), (4, 2)), ("uly", "ring"), ("uly", "ring")),
+    "halo": ((4,), ("cp",), "cp"),  # windows only: its own cases below
 }
 VARIANTS = ("tpu", "gpu")
 FULL = os.environ.get("CPTRANSFORM_PALLAS_FULL") == "1"
@@ -31,7 +32,8 @@ FULL = os.environ.get("CPTRANSFORM_PALLAS_FULL") == "1"
 
 def cases():
     out = []
-    for s, (schedule, (shapes, _, _)) in enumerate(MESHES.items()):
+    pairwise = {name: mesh for name, mesh in MESHES.items() if name != "halo"}
+    for s, (schedule, (shapes, _, _)) in enumerate(pairwise.items()):
         for i, (shape, layout, kind, heads, dv) in enumerate(pairwise_cases(cps=shapes)):
             if FULL or i % 3 == s % 3 and i // 3 == s % 3:
                 out.append(pytest.param(
@@ -49,7 +51,7 @@ def run(schedule, shape, layout, case, monkeypatch, variant):
 
 
 def test_every_schedule_is_covered():
-    assert set(MESHES) >= set(schedules())
+    assert set(MESHES) == set(schedules())
 
 
 @pytest.mark.parametrize("schedule,shape,layout,kind,heads,dv,variant", cases())
@@ -77,3 +79,10 @@ def test_pallas_nan_in_one_token(rng, monkeypatch, schedule, variant, operand):
     operands[operand][0, 9, 1, 3] = np.nan
     run(schedule, 4, "contiguous", type(case)(tuple(map(jnp.asarray, operands)), case.spec),
         monkeypatch, variant)
+
+
+@pytest.mark.parametrize("layout,kind,variant", [
+    ("contiguous", "window", "tpu"), ("zigzag", "causal_window", "gpu")])
+def test_pallas_halo(rng, monkeypatch, layout, kind, variant):
+    """Halo's one kernel call per device (halos ‖ local keys) with the Pallas kernels."""
+    run("halo", 4, layout, make_case(rng, kind, "gqa", seq=48), monkeypatch, variant)

@@ -209,7 +209,8 @@ def link_concatenate(eqn) -> list[Link]:
 
 
 def link_attention(eqn) -> list[Link]:
-    """Attention links its q and out dims (other than seq and features)."""
+    """Attention links its q and out dims (other than seq and features); K, V, masks and
+    the sinks link nothing through it."""
     spec = eqn.params["spec"]
     q, out = eqn.invars[0], eqn.outvars[0]
     return [(q, d, out, d) for d in range(q.aval.ndim) if d != spec.q.feature]

@@ -22,7 +22,10 @@ from cptransform.op.attention import attention_p
 from cptransform.ir.errors import SeqAxisError
 
 def attention_seeds(eqn) -> list[tuple[Any, int]]:
-    """The ``(atom, dim)`` pairs of one attention equation that are the sequence axis."""
+    """The ``(atom, dim)`` pairs of one attention equation that are the sequence axis.
+
+    The sinks (one logit per batch entry and head) have none: they are no seed, and
+    :func:`~cptransform.analysis.dim_rules.link_attention` links no dim of theirs."""
     spec = eqn.params["spec"]
     operands = dict(zip(spec.operand_names(), eqn.invars))
     seeds = [(operands["q"], spec.q.seq), (operands["k"], spec.k.seq),

@@ -74,6 +74,14 @@ def _check_shapes(spec: AttentionSpec, avals) -> None:
                 f"{name} has shape {x.shape}; its last two dims must be (q length {tq}, "
                 f"kv length {tkv})")
         expect(name, "(*batch, heads|1, Tq, Tkv)", (hq, tq, tkv))
+    sinks = a["sinks"]
+    if sinks is not None:
+        if not jnp.issubdtype(sinks.dtype, jnp.floating):
+            raise AttentionShapeError(f"sinks must be floating point, got {sinks.dtype}")
+        if sinks.shape[-1:] != (hq,):
+            raise AttentionShapeError(
+                f"sinks has shape {sinks.shape}; its last dim must be the {hq} query heads")
+        expect("sinks", "(*batch, heads)", (hq,))
     if a["mask"] is not None and a["mask"].dtype != jnp.bool_:
         raise AttentionShapeError(f"mask must be boolean, got {a['mask'].dtype}")
 
@@ -94,7 +102,7 @@ def _impl(*operands, spec: AttentionSpec):
 
 def _differentiable(spec: AttentionSpec) -> tuple[int, ...]:
     names = spec.operand_names()
-    return tuple(i for i, n in enumerate(names) if n in ("q", "k", "v", "bias"))
+    return tuple(i for i, n in enumerate(names) if n in ("q", "k", "v", "bias", "sinks"))
 
 
 def _jvp(primals, tangents, *, spec: AttentionSpec):
@@ -137,7 +145,8 @@ compat.register_pp_rule(attention_p, lambda params: f"attention[{params['spec'].
 def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
               window: tuple[int | None, int | None] | None = None,
               segment_ids=None, scale: float | None = None, softcap: float | None = None,
-              layout: str | None = None, positions=None, empty_rows: str = "zero"):
+              layout: str | None = None, positions=None, empty_rows: str = "zero",
+              sinks=None):
     """Attention over ``q``, ``k``, ``v`` as one ``attention_p`` equation.
 
     Args:
@@ -155,6 +164,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
         causal/window masks; default ``arange(seq)``.
       empty_rows: what a query that sees no key returns, ``"zero"``, ``"uniform"`` (mean
         of V) or ``"nan"`` (see :class:`MaskSpec`).
+      sinks: float ``[heads]`` (or ``[batch, heads]``): one extra logit per query head in
+        each row's softmax whose value is 0 (gpt-oss attention sinks; see
+        :class:`AttentionSpec`).
     """
     if layout is None:
         layout = {4: "BTHD", 3: "THD"}.get(jnp.ndim(q))
@@ -190,6 +202,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
         operands.append(lead(mask, 3).astype(bool))
     if bias is not None:
         operands.append(lead(bias, 3))
+    if sinks is not None:
+        operands.append(lead(sinks, 1))
     hq = q.shape[lay.heads]
     hk = k.shape[lay.heads]
     if hq % hk:
@@ -201,7 +215,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
         softcap=None if softcap is None else float(softcap), groups=hq // hk,
         mask=MaskSpec(causal=bool(causal), window=win, segments=segment_ids is not None,
                       dense=mask is not None, bias=bias is not None, empty_rows=empty_rows),
-        positions=positions is not None)
+        positions=positions is not None, sinks=sinks is not None)
     return attention_p.bind(*operands, spec=spec)
 
 

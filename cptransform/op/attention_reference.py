@@ -113,6 +113,26 @@ def merge(o1, lse1, o2, lse2):
     return t(w1) * o1 + t(w2) * o2, lse
 
 
+def merge_sinks(o, lse, sinks):
+    """Merge the sinks into a row's result over *all* its keys (float32; once per row).
+
+    ``sinks`` ``[B|1, H]``: a sink is a partial result over no keys whose ``lse`` is the sink
+    and whose output is 0, so :func:`merge` adds it exactly: ``lse' = logaddexp(lse, sink)``,
+    ``o' = exp(lse - lse')·o``. A row without visible keys gets ``o' = 0·o`` and
+    ``lse' = sink`` (empty only when the sink is ``-inf``); a ``+inf`` or NaN sink makes the
+    row NaN (``0·exp(inf - inf)``), as a softmax over the extra column does on one device.
+    """
+    sink = sinks.astype(jnp.float32)[..., None]
+    # A row with no mass from its keys nor its sink stays empty. ``logaddexp(-inf, -inf)``
+    # has a NaN derivative (one device's softmax gives the ``-inf`` sink a 0 gradient), so
+    # such rows merge stand-in zeros (``o`` is ``0·ΣV`` there: halving it changes nothing)
+    # and get their ``-inf`` back.
+    empty = empty_rows_of(lse) & empty_rows_of(sink)
+    o, total = merge(o, jnp.where(empty, 0.0, lse), jnp.zeros((), jnp.float32),
+                     jnp.where(empty, 0.0, sink))
+    return o, jnp.where(empty, -jnp.inf, total)
+
+
 def fill_empty_rows(spec: AttentionSpec, o, lse, v_mean):
     """Apply ``spec.mask.empty_rows`` to the rows :func:`empty_rows_of` names.
 
@@ -157,7 +177,7 @@ def split_operands(spec: AttentionSpec, operands):
     named = dict(zip(spec.operand_names(), operands))
     return {name: named.get(name) for name in
             ("q", "k", "v", "q_positions", "kv_positions", "q_segment_ids",
-             "kv_segment_ids", "mask", "bias")}
+             "kv_segment_ids", "mask", "bias", "sinks")}
 
 
 def flatten_batch(x, nb: int, batch_shape):
@@ -191,6 +211,8 @@ def attention_reference(*operands, spec: AttentionSpec):
     kv_pos = bcast(kv_pos) if kv_pos is not None else jnp.arange(tkv, dtype=jnp.int32)[None]
     o, lse = attend(spec, q, k, v, q_pos, kv_pos, bcast(a["q_segment_ids"]),
                     bcast(a["kv_segment_ids"]), bcast(a["mask"]), bcast(a["bias"]))
+    if spec.sinks:
+        o, lse = merge_sinks(o, lse, bcast(a["sinks"]))
     v_mean = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True)
     o = fill_empty_rows(spec, o, lse, v_mean)
     o = o.reshape(batch_shape + o.shape[1:]).astype(a["q"].dtype)

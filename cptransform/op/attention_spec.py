@@ -150,15 +150,25 @@ class AttentionSpec:
 
     Operands, in order: ``q, k, v``, then ``q_positions, kv_positions`` if ``positions``,
     ``q_segment_ids, kv_segment_ids`` if ``mask.segments``, ``mask`` if ``mask.dense``,
-    ``bias`` if ``mask.bias``. The output has q's layout with v's feature size.
+    ``bias`` if ``mask.bias``, ``sinks`` if ``sinks``. The output has q's layout with v's
+    feature size.
 
     Shapes of the optional operands, with ``nb = len(q.batch)`` leading batch dims that
     follow q's batch dims in order and may be 1 (broadcast):
     positions and segment ids ``(*batch, T)`` (int); mask and bias
-    ``(*batch, heads|1, Tq, Tkv)``. Without ``positions`` they are ``arange(T)``.
+    ``(*batch, heads|1, Tq, Tkv)``; sinks ``(*batch, heads)`` (float; ``heads`` is 1 for q
+    without a heads dim). Without ``positions`` they are ``arange(T)``.
 
     ``logits = softcap(scale * q·k) + bias``; ``groups`` query heads share one KV head
     (query head ``h`` reads KV head ``h // groups``).
+
+    ``sinks`` (gpt-oss "attention sinks"): one more logit per query head in every row's
+    log-sum-exp, a column whose value is 0: ``lse = logaddexp(lse_keys, sink[h])``,
+    ``o = Σ_j exp(l_j - lse) v_j``. It has no sequence axis and is added once per row. A row
+    with no visible key but a finite sink puts all its mass on the sink: ``o = 0`` whatever
+    ``mask.empty_rows`` says (softmax over ``-inf`` or finite-minimum fills and a sink gives
+    exactly that on one device); ``mask.empty_rows`` applies only to rows whose sink is
+    ``-inf`` too. A NaN or ``+inf`` sink makes its rows NaN, as the softmax does.
 
     ``schedule`` and ``layout`` are the context-parallel decisions for this attention,
     written onto the equation by ``plan-context-parallel`` and read by
@@ -174,6 +184,7 @@ class AttentionSpec:
     groups: int = 1
     mask: MaskSpec = MaskSpec()
     positions: bool = False
+    sinks: bool = False
     schedule: str | None = None
     layout: str | None = None
 
@@ -187,6 +198,8 @@ class AttentionSpec:
             names.append("mask")
         if self.mask.bias:
             names.append("bias")
+        if self.sinks:
+            names.append("sinks")
         return tuple(names)
 
     def describe(self) -> str:
@@ -198,6 +211,8 @@ class AttentionSpec:
             parts.append(f"softcap={self.softcap:g}")
         if self.positions:
             parts.append("positions")
+        if self.sinks:
+            parts.append("sinks")
         if self.schedule is not None:
             parts.append(f"schedule={self.schedule} layout={self.layout}")
         layouts = {self.q.letters(), self.k.letters(), self.v.letters()}

@@ -20,6 +20,7 @@ from cptransform.ir.graph import Graph
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.passes.match_attention.logits import empty_rows, visible_form
 from cptransform.passes.match_attention.qk_product import QKProduct
+from cptransform.passes.match_attention.sink import SinkColumn, sink_source
 from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
 from cptransform.passes.match_attention.value_product import Split, ValueProduct
 from cptransform.passes.match_attention.walk import strip_scale, unrepeat
@@ -30,7 +31,8 @@ Q_FEATURE, K_FEATURE, V_FEATURE = "qd", "kd", "dv"
 
 @dataclass(frozen=True)
 class Operand:
-    """An operand of the attention and the label of each of its dims (None: size 1)."""
+    """An operand of the attention and the label of each of its dims (None: size 1; for
+    the sink, a tuple of labels per dim, ``()`` for size 1)."""
 
     atom: Any
     labels: tuple
@@ -46,7 +48,8 @@ class Candidate:
     ``out``'s dims, in order; ``biases``: ``(operand, coefficient)`` pairs; ``band``:
     bounds on ``kv - q`` (or None); ``segments``: ``(q ids, kv ids)`` or ``()``;
     ``q_pads``/``kv_pads``: keep-masks of one sequence only, folded into segment ids;
-    ``dense``: the rest of the mask, as data; ``mask_kinds``: the parts found, for reports.
+    ``dense``: the rest of the mask, as data; ``mask_kinds``: the parts found, for reports;
+    ``sink``: the array the sink logits come from (None without a sink column).
     """
 
     root: Any
@@ -72,6 +75,7 @@ class Candidate:
     dense: tuple
     groups: int
     mask_kinds: tuple
+    sink: Operand | None = None
 
     @property
     def heads(self) -> tuple:
@@ -83,7 +87,7 @@ class Candidate:
         """The mask parts for the match report."""
         return tuple(k for k in self.mask_kinds if k != "dense" or self.dense) \
             + (("padding",) if self.q_pads or self.kv_pads else ()) \
-            + (("bias",) if self.biases else ())
+            + (("bias",) if self.biases else ()) + (("sinks",) if self.sink else ())
 
     def spec(self) -> AttentionSpec:
         """The spec of the ``attention_p`` equation: operands as ``(*batch, T, H, D)``."""
@@ -102,12 +106,14 @@ class Candidate:
             segments=bool(self.segments) or bool(self.q_pads or self.kv_pads),
             dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows)
         return AttentionSpec(q=canonical, k=k_layout, v=k_layout, scale=float(self.scale),
-                             softcap=self.softcap, groups=self.groups, mask=mask)
+                             softcap=self.softcap, groups=self.groups, mask=mask,
+                             sinks=self.sink is not None)
 
 
 def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
-                    stats: RuleStats) -> Candidate:
-    """Put the two products together (or refuse, with the first reason found)."""
+                    stats: RuleStats, column: SinkColumn | None = None) -> Candidate:
+    """Put the two products together (or refuse, with the first reason found); ``column``
+    is the sink column concatenated after the logits, if any."""
     p_dims = _resolve(pv.p_dims, qk)
     shared = list(range(qk.n_batch))
     # The kv-heads dim: the last shared dim in K's order that is not K's leading dim
@@ -130,6 +136,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         q_seq = (same or qk.q_free)[0]
     group = tuple(lab for lab in qk.q_free if lab != q_seq)
     heads = ((kv_head,) if kv_head is not None else ()) + group
+    sink = None if column is None else _sink_operand(graph, column, qk, batch, q_seq, heads)
 
     v_in, v_dims, v_feature, dv = _value_operand(pv, p_dims, shared, qk)
     sizes = {**qk.sizes, V_FEATURE: dv}
@@ -161,7 +168,23 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         sizes=sizes, out_labels=out_labels, scale=scale, softcap=softcap,
         biases=tuple(biases), empty_rows=rows, band=parts.band,
         segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
-        groups=hq // hk, mask_kinds=parts.kinds)
+        groups=hq // hk, mask_kinds=parts.kinds, sink=sink)
+
+
+def _sink_operand(graph: Graph, column: SinkColumn, qk: QKProduct, batch: list, q_seq,
+                  heads: tuple) -> Operand:
+    """The sink logits' source, checked to be one value per batch entry and query head."""
+    atom, dims = sink_source(graph, column.column, qk.labels, qk.merged,
+                             qk.labels.index(qk.kv))
+    held = [lab for d in dims for lab in d]
+    if q_seq in held:
+        raise NotAttention("the sink varies over query positions (a sink is one logit per "
+                           "batch entry and query head)")
+    if not set(held) <= set(batch) | set(heads) or len(set(held)) != len(held):
+        raise NotAttention("the sink varies along a dim that is not batch or heads")
+    if not np.issubdtype(compat.aval_of(atom).dtype, np.floating):
+        raise NotAttention("the sink column is not floating point")
+    return Operand(atom, dims)
 
 
 def _resolve(p_dims: tuple, qk: QKProduct) -> tuple:

@@ -22,8 +22,8 @@ from cptransform.passes.match_attention.candidate import (K_FEATURE, Q_FEATURE, 
 
 def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     """The rewrite of ``c.root``: one ``attention_p`` with ``spec`` and the arranging around
-    it. Its inputs are q, k, v, then the segment ids, the padding and dense mask parts and
-    the biases, in that order."""
+    it. Its inputs are q, k, v, then the segment ids, the padding and dense mask parts, the
+    biases and the sink source, in that order."""
     sizes, nbl = c.sizes, len(c.batch)
     batch, heads = list(c.batch), c.heads
     q_target = [*batch, c.q_seq, heads, Q_FEATURE]
@@ -67,6 +67,8 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
                 term = lax.mul(term, jnp.float32(coef)) if coef != 1 else term
                 total = term if total is None else lax.add(total, term)
             operands.append(total)
+        if c.sink is not None:
+            operands.append(_sinks(vals[-1], c.sink.labels, [*batch, heads], sizes))
         out = attention_p.bind(*operands, spec=spec)
         split = out.shape[:nbl + 1] + tuple(sizes[lab] for lab in heads) + out.shape[-1:]
         if split != out.shape:
@@ -79,7 +81,20 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     sides = [s.var for s in c.segments]
     sides += [d.source.var for d in c.q_pads + c.kv_pads + c.dense]
     sides += [b.var for b, _ in c.biases]
+    sides += [] if c.sink is None else [c.sink.atom]
     return Replacement(c.root, (c.q.atom, c.k.atom, c.v.atom, *sides), build)
+
+
+def _sinks(x, dims: Sequence[tuple], target: Sequence, sizes: dict):
+    """The sink source (each dim holding a tuple of labels, in order) as ``target``'s
+    ``(*batch, heads)``: dims holding several labels are split first."""
+    shape, labels = [], []
+    for n, labs in zip(x.shape, dims):
+        shape += [sizes[lab] for lab in labs] if len(labs) > 1 else [n]
+        labels += list(labs) if labs else [None]
+    if tuple(shape) != x.shape:
+        x = lax.reshape(x, tuple(shape))
+    return arrange(x, labels, target, sizes)
 
 
 def _all_of(parts, values, target, sizes, full):

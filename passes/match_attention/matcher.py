@@ -12,6 +12,7 @@ from cptransform.passes.match_attention.chain import ChainReader
 from cptransform.passes.match_attention.emit import replacement
 from cptransform.passes.match_attention.log_normalized import log_normalized
 from cptransform.passes.match_attention.qk_product import read_qk_product
+from cptransform.passes.match_attention.sink import split_sink
 from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
 from cptransform.passes.match_attention.value_product import deferred, normalized
 from cptransform.passes.match_attention.walk import only_feeds
@@ -57,7 +58,9 @@ class Matcher:
     def _attention(self, softmax: Softmax) -> tuple[Candidate, Rule]:
         g = self.g
         with self.stats.attempt(Rule.LOGITS_CHAIN):
-            chain = self.chains.walk(softmax.logits)
+            column = split_sink(g, softmax.logits, softmax.axis)
+            chain = self.chains.walk(softmax.logits if column is None else column.keys)
+        cut = None if column is None else (softmax.axis, column.width)
         e, sum_eqn = softmax.e, softmax.sum_eqn
         ident = tuple(range(len(compat.aval_of(e).shape)))
         users = [u for u in g.users(e) if u is not sum_eqn]
@@ -67,22 +70,22 @@ class Matcher:
         if user is None:
             rule = Rule.LOG_NORMALIZED
             with self.stats.attempt(rule):
-                product = normalized(g, log_normalized(g, softmax), ident)
+                product = normalized(g, log_normalized(g, softmax), ident, cut)
         elif user.primitive.name == "div" and user.invars[0] is e and \
                 is_normalizer(g, user.invars[1], softmax, ident):
             rule = Rule.NORMALIZED
             with self.stats.attempt(rule):
                 if not only_feeds(g, softmax.sum, user):
                     raise NotAttention("the softmax normaliser is read elsewhere")
-                product = normalized(g, user.outvars[0], ident)
+                product = normalized(g, user.outvars[0], ident, cut)
         else:
             rule = Rule.DEFERRED
             with self.stats.attempt(rule):
-                product = deferred(g, softmax, ident)
+                product = deferred(g, softmax, ident, cut)
         try:
             with self.stats.attempt(Rule.VALUE_PRODUCT):
                 qk = read_qk_product(self.chains, chain, softmax.axis)
-                return build_candidate(g, qk, product, self.stats), rule
+                return build_candidate(g, qk, product, self.stats, column), rule
         except NotAttention as err:
             err.attention_like = True
             err.rule = rule.value

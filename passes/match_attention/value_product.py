@@ -3,7 +3,8 @@
 The probabilities may only be cast, transposed, reshaped by size-1 dims or have a dim split
 on the way (grouped-query attention viewing ``[B, T, K·G, S]`` as ``[B, T, K, G, S]``: each
 part is a :class:`Split`, resolved against the logits' merged dims once both products are
-read), and nothing else may read them. Where the normalisation is deferred
+read), and nothing else may read them. With a sink column (:mod:`~cptransform.passes.
+match_attention.sink`), exactly one slice that drops it, and nothing else, is on the way. Where the normalisation is deferred
 (``(e @ v) / sum``), the division after the product is the attention's output.
 """
 from __future__ import annotations
@@ -62,15 +63,19 @@ class ValueProduct:
         return (lc, lb, rc, rb) if self.p_is_lhs else (rc, rb, lc, lb)
 
 
-def normalized(graph: Graph, probs: Any, dims: tuple) -> ValueProduct:
-    """``p = e / sum`` then ``p @ v``: the product is the root."""
-    pv, p_dims, p = _to_product(graph, probs, dims)
+def normalized(graph: Graph, probs: Any, dims: tuple,
+               sink: tuple[int, int] | None = None) -> ValueProduct:
+    """``p = e / sum`` then ``p @ v``: the product is the root. ``sink``: ``(softmax axis,
+    key count)`` when the last column along the axis is a sink to slice away."""
+    pv, p_dims, p = _to_product(graph, probs, dims, sink=sink)
     return ValueProduct(pv, p, p_dims, pv, pv.outvars[0])
 
 
-def deferred(graph: Graph, softmax: Softmax, dims: tuple) -> ValueProduct:
-    """``(e @ v) / sum``: the division after the value product is the root."""
-    pv, p_dims, p = _to_product(graph, softmax.e, dims, softmax.sum_eqn)
+def deferred(graph: Graph, softmax: Softmax, dims: tuple,
+             sink: tuple[int, int] | None = None) -> ValueProduct:
+    """``(e @ v) / sum``: the division after the value product is the root (``sink`` as
+    in :func:`normalized`)."""
+    pv, p_dims, p = _to_product(graph, softmax.e, dims, softmax.sum_eqn, sink)
     out = pv.outvars[0]
     user = single_user(graph, out)
     if user is None or user.primitive.name != "div" or user.invars[0] is not out:
@@ -83,11 +88,14 @@ def deferred(graph: Graph, softmax: Softmax, dims: tuple) -> ValueProduct:
     return product
 
 
-def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None):
+def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None,
+                sink: tuple[int, int] | None = None):
     """Follow the probabilities through casts/transposes to the p·v dot_general.
 
     ``also_read_by``: an equation allowed to read ``p`` itself besides the path (the
-    row sum, when the normalisation comes after the value product).
+    row sum, when the normalisation comes after the value product). ``sink``: ``(axis,
+    width)``: one slice must keep the first ``width`` entries of softmax-input dim ``axis``
+    (and everything else), dropping the sink column.
     """
     while True:
         users = [u for u in graph.users(p) if u is not also_read_by]
@@ -101,8 +109,14 @@ def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None):
             raise err
         name = user.primitive.name
         if name == "dot_general":
+            if sink is not None:
+                raise NotAttention("the sink column's probability is not sliced away before "
+                                   "the value product")
             return user, dims, p
-        if name in _CASTS:
+        if name == "slice" and sink is not None:
+            _check_drops_sink(user, dims, *sink)
+            sink = None
+        elif name in _CASTS:
             pass
         elif name in _PERMUTES:
             dims = tuple(dims[i] for i in user.params["permutation"])
@@ -113,6 +127,18 @@ def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None):
             raise NotAttention(f"the probabilities go through {name} before the value "
                                "product (dropout or another use), not plain attention")
         p = user.outvars[0]
+
+
+def _check_drops_sink(eqn: Any, dims: tuple, axis: int, width: int) -> None:
+    """Refuse a slice of the probabilities other than ``[..., :width]`` along ``axis``."""
+    shape = compat.aval_of(eqn.invars[0]).shape
+    want = tuple(width if d == axis else n for d, n in zip(dims, shape))
+    strides = eqn.params.get("strides") or (1,) * len(shape)
+    if axis not in dims or any(isinstance(d, Split) for d in dims) or \
+            any(eqn.params["start_indices"]) or tuple(eqn.params["limit_indices"]) != want \
+            or any(s != 1 for s in strides):
+        raise NotAttention("the probabilities are sliced other than by dropping the last "
+                           "(sink) column of the softmax axis")
 
 
 def _split_dims(in_shape: tuple, out_shape: tuple, dims: tuple) -> tuple:
