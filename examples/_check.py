@@ -77,9 +77,10 @@ def compare_gradients(loss, cp_loss, *args) -> Comparison:
     return Comparison(float(ref_loss), float(got_loss), tree_error(got_grads, ref_grads))
 
 
-def report(cp_fn, *args) -> str:
+def report(cp_fn, *args, segment_ids=None) -> str:
     """``cp_fn.explain(*args)``, then the block picture of each distinct ring: per device
-    and ring step, which key blocks are computed and which are skipped."""
+    and ring step, which key blocks are computed and which are skipped (for this batch's
+    documents when ``segment_ids [B, S]`` is given)."""
     module = cp_fn.module(*args)
     lines = [cp_fn.explain(*args)]
     seen = set()
@@ -90,7 +91,7 @@ def report(cp_fn, *args) -> str:
         layout = module.facts.layout or SequenceLayout("contiguous", step.shape.seq_len,
                                                        step.shape.cp)
         lines += [f"\nattention #{step.index} and every ring with its mask "
-                  f"({step.mask.describe()}):", ring_chart(step.mask, layout)]
+                  f"({step.mask.describe()}):", ring_chart(step.mask, layout, segment_ids)]
     return "\n".join(lines)
 
 
