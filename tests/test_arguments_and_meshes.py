@@ -114,3 +114,70 @@ def test_an_empty_pytree_argument_is_traced_not_static(data):
     np.testing.assert_allclose(got[0], want[0], rtol=RTOL)
     np.testing.assert_allclose(got[1]["w"], want[1]["w"], rtol=RTOL,
                                atol=RTOL * np.abs(want[1]["w"]).max())
+
+
+def test_state_written_into_an_argument_is_refused(data):
+    """A function that assigns into its arguments (a step counter in a dict) would lose that
+    write: the transform traces it once and the caller's objects never see the new value."""
+    x, w = data
+
+    def fn(state, x):
+        state["step"] = state["step"] + 1
+        return jnp.sum(attend(x, state["w"]) ** 2)
+
+    with pytest.raises(ContextParallelError, match=r"\[.step.\].*Return the new state"):
+        context_parallel(fn, cp=4)({"step": jnp.zeros((), jnp.int32), "w": w}, x)
+
+
+def dropout_attention():
+    """An NNX module whose call advances its ``Rngs`` (``nnx.Dropout``), and its loss."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            rngs = nnx.Rngs(0, dropout=1)
+            # No key bias: the softmax cancels it, its gradient is rounding noise.
+            self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8,
+                                               use_bias=False, decode=False, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def loss(model, x):
+        return jnp.sum(model.drop(model.attn(x, mask=nnx.make_causal_mask(x[..., 0]))) ** 2)
+
+    return Model(), loss
+
+
+def test_nnx_dropout_rng_advanced_inside_the_loss_is_refused(data):
+    """``nnx.Dropout`` advances its ``Rngs`` counter on every call; under the decorator the
+    counter would stay put and every step would draw the same dropout mask."""
+    from flax import nnx
+
+    model, loss = dropout_attention()
+    with pytest.raises(ContextParallelError, match=r"drop\.rngs.*count"):
+        nnx.value_and_grad(context_parallel(loss, cp=4))(model, data[0])
+
+
+def test_nnx_dropout_state_returned_next_to_the_loss(data):
+    """The workaround the refusal names: merge a copy inside, return the advanced RNG state;
+    two steps draw two different masks, as on one device."""
+    from flax import nnx
+
+    model, loss = dropout_attention()
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def pure(params, rest, x):
+        m = nnx.merge(graphdef, params, rest, copy=True)
+        return loss(m, x), nnx.state(m, nnx.RngState)
+
+    runs = []
+    for fn in (pure, context_parallel(pure, cp=4)):
+        state, steps = rest, []
+        for _ in range(2):
+            (value, state), grads = jax.value_and_grad(fn, has_aux=True)(params, state, data[0])
+            steps.append((value, grads))
+        runs.append(steps)
+    assert not np.isclose(runs[0][0][0], runs[0][1][0])  # the masks did change
+    for (want, want_g), (got, got_g) in zip(*runs):
+        np.testing.assert_allclose(got, want, rtol=RTOL)
+        for g, w in zip(jax.tree_util.tree_leaves(got_g), jax.tree_util.tree_leaves(want_g)):
+            np.testing.assert_allclose(g, w, rtol=RTOL, atol=RTOL * np.abs(w).max())

@@ -222,6 +222,37 @@ def refuse_gradients(module: Module) -> None:
                 f"    grads = jax.grad(loss)(params, batch)")
 
 
+def refuse_argument_writes(fn: Callable, name: str) -> Callable:
+    """``fn`` raising when it assigns new values into its arguments (a counter in a dict,
+    an NNX ``Rngs`` counter advanced by ``nnx.Dropout``, batch statistics): the transform
+    traces ``fn`` once and returns only its outputs, so the caller's objects would silently
+    keep the old values."""
+    def call(*args, **kwargs):
+        before = jax.tree_util.tree_leaves((args, kwargs))
+        out = fn(*args, **kwargs)
+        after = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
+        written = [path for (path, leaf), old in zip(after, before) if leaf is not old]
+        if written or len(after) != len(before):
+            where = ", ".join(_argument_path(p) for p in written[:3]) or "their structure"
+            raise ContextParallelError(
+                f"{name} writes into its arguments ({where}); under context_parallel the "
+                "write would be lost (the function is traced once, only its outputs come "
+                "back). Return the new state instead: take it as an argument and return "
+                "(loss, new_state) and use jax.value_and_grad(..., has_aux=True); with Flax "
+                "NNX, nnx.split the module outside, nnx.merge(graphdef, *states, copy=True) "
+                "inside and return nnx.state(module, nnx.RngState) (or the state that "
+                "changes) next to the loss")
+        return out
+
+    return call
+
+
+def _argument_path(path) -> str:
+    """``((args, kwargs), ...)`` key path → ``args[1]['step']`` / ``kwargs['x'].count``."""
+    group, *rest = path
+    return ("args" if group.idx == 0 else "kwargs") + jax.tree_util.keystr(tuple(rest))
+
+
 class ContextParallelFunction:
     """The result of :func:`context_parallel`: call it like the original function."""
 
@@ -249,8 +280,9 @@ class ContextParallelFunction:
         abstract = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
             (split.args, split.kwargs))
-        module = trace(split.bind(self.fn), *abstract[0], name=getattr(self.fn, "__name__", "fn"),
-                       **abstract[1])
+        name = getattr(self.fn, "__name__", "fn")
+        module = trace(refuse_argument_writes(split.bind(self.fn), name), *abstract[0],
+                       name=name, **abstract[1])
         refuse_gradients(module)
         overrides = _seq_axis_overrides(self.options.seq_axes, args, split.traced_positions())
         module = prepare(module, self.options, overrides)
