@@ -22,11 +22,10 @@ How ``context_parallel`` composes with NNX (what this file relies on):
 * ``nnx.split`` / ``nnx.merge`` around a pure loss of the state works the same way
   (:func:`pure_loss`, checked in ``tests/test_examples.py``), for code that uses
   ``jax.value_and_grad`` directly;
-* a loss that changes module state (``nnx.Dropout`` advancing its ``nnx.Rngs``, batch
-  statistics) is refused with a ``ContextParallelError``: the transform traces it once, so
-  the write would be lost and every step would draw the same dropout mask. Return the state
-  instead: ``nnx.merge(graphdef, *states, copy=True)`` inside a pure loss that returns
-  ``nnx.state(model, nnx.RngState)`` next to the loss (``has_aux=True``);
+* a loss that changes module state (``nnx.Dropout`` advancing its ``nnx.Rngs``,
+  ``nnx.scan`` writing the layers back) works too: the new values come out of the
+  transformed program and are written back into the module, as without the decorator
+  (``tests/test_arguments_and_meshes.py``);
 * decorating the **train step** itself is refused with a ``ContextParallelError``: the
   transform must see the forward program, and a step that already differentiates (and then
   updates the optimizer) is not one. The error says to move the decorator onto the loss.

@@ -116,17 +116,20 @@ def test_an_empty_pytree_argument_is_traced_not_static(data):
                                atol=RTOL * np.abs(want[1]["w"]).max())
 
 
-def test_state_written_into_an_argument_is_refused(data):
-    """A function that assigns into its arguments (a step counter in a dict) would lose that
-    write: the transform traces it once and the caller's objects never see the new value."""
+def test_state_written_into_an_argument_is_written_back(data):
+    """A function that assigns into its arguments (a step counter in a dict): the caller's
+    dict sees the write after the call, as with the undecorated function."""
     x, w = data
 
     def fn(state, x):
         state["step"] = state["step"] + 1
         return jnp.sum(attend(x, state["w"]) ** 2)
 
-    with pytest.raises(ContextParallelError, match=r"\[.step.\].*Return the new state"):
-        context_parallel(fn, cp=4)({"step": jnp.zeros((), jnp.int32), "w": w}, x)
+    want_state, got_state = ({"step": jnp.zeros((), jnp.int32), "w": w} for _ in range(2))
+    want = fn(want_state, x)
+    got = context_parallel(fn, cp=4)(got_state, x)
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    assert int(got_state["step"]) == int(want_state["step"]) == 1
 
 
 def dropout_attention():
@@ -147,37 +150,44 @@ def dropout_attention():
     return Model(), loss
 
 
-def test_nnx_dropout_rng_advanced_inside_the_loss_is_refused(data):
-    """``nnx.Dropout`` advances its ``Rngs`` counter on every call; under the decorator the
-    counter would stay put and every step would draw the same dropout mask."""
+def test_nnx_dropout_advances_its_rngs_under_the_decorator(data):
+    """``nnx.Dropout`` advances its ``Rngs`` counter on every call: under the decorator too,
+    so each step draws a new mask, the same as on one device (a lost write would repeat the
+    first mask every step)."""
     from flax import nnx
-
-    model, loss = dropout_attention()
-    with pytest.raises(ContextParallelError, match=r"drop\.rngs.*count"):
-        nnx.value_and_grad(context_parallel(loss, cp=4))(model, data[0])
-
-
-def test_nnx_dropout_state_returned_next_to_the_loss(data):
-    """The workaround the refusal names: merge a copy inside, return the advanced RNG state;
-    two steps draw two different masks, as on one device."""
-    from flax import nnx
-
-    model, loss = dropout_attention()
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def pure(params, rest, x):
-        m = nnx.merge(graphdef, params, rest, copy=True)
-        return loss(m, x), nnx.state(m, nnx.RngState)
 
     runs = []
-    for fn in (pure, context_parallel(pure, cp=4)):
-        state, steps = rest, []
-        for _ in range(2):
-            (value, state), grads = jax.value_and_grad(fn, has_aux=True)(params, state, data[0])
-            steps.append((value, grads))
-        runs.append(steps)
+    for wrap in (lambda f: f, lambda f: context_parallel(f, cp=4)):
+        model, loss = dropout_attention()
+        step = nnx.value_and_grad(wrap(loss))
+        runs.append([step(model, data[0]) for _ in range(2)])
     assert not np.isclose(runs[0][0][0], runs[0][1][0])  # the masks did change
     for (want, want_g), (got, got_g) in zip(*runs):
         np.testing.assert_allclose(got, want, rtol=RTOL)
         for g, w in zip(jax.tree_util.tree_leaves(got_g), jax.tree_util.tree_leaves(want_g)):
             np.testing.assert_allclose(g, w, rtol=RTOL, atol=RTOL * np.abs(w).max())
+
+
+def test_nnx_scan_over_layers_writes_its_state_back(data):
+    """``nnx.scan`` assigns every layer's state back to the module (new arrays, same
+    values): written back, not mistaken for a change of the model."""
+    from flax import nnx
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8,
+                                      use_bias=False, decode=False, rngs=rngs)
+
+    def loss(layers, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def step(h, layer):
+            return h + layer(h, mask=nnx.make_causal_mask(h[..., 0]))
+        return jnp.sum(step(x, layers) ** 2)
+
+    layers = make(nnx.Rngs(0))
+    want, want_g = nnx.value_and_grad(loss)(layers, data[0])
+    got, got_g = nnx.value_and_grad(context_parallel(loss, cp=4))(layers, data[0])
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    for g, w in zip(jax.tree_util.tree_leaves(got_g), jax.tree_util.tree_leaves(want_g)):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=RTOL * np.abs(w).max())

@@ -222,35 +222,71 @@ def refuse_gradients(module: Module) -> None:
                 f"    grads = jax.grad(loss)(params, batch)")
 
 
-def refuse_argument_writes(fn: Callable, name: str) -> Callable:
-    """``fn`` raising when it assigns new values into its arguments (a counter in a dict,
-    an NNX ``Rngs`` counter advanced by ``nnx.Dropout``, batch statistics): the transform
-    traces ``fn`` once and returns only its outputs, so the caller's objects would silently
-    keep the old values."""
+def returning_argument_writes(fn: Callable, written: list) -> Callable:
+    """``fn`` returning ``(its output, the new values of the argument leaves it assigned)``,
+    the flat indices of those leaves appended to ``written``.
+
+    A function may write into its arguments: ``nnx.Dropout`` advances an ``nnx.Rngs``
+    counter, ``nnx.scan`` writes the layers' state back, a step counter goes into a dict.
+    Traced once, those writes would be lost; as outputs of the transformed program they are
+    written back into the caller's objects after each call, as the undecorated function
+    does (:func:`write_back`)."""
     def call(*args, **kwargs):
         before = jax.tree_util.tree_leaves((args, kwargs))
         out = fn(*args, **kwargs)
-        after = jax.tree_util.tree_flatten_with_path((args, kwargs))[0]
-        written = [path for (path, leaf), old in zip(after, before) if leaf is not old]
-        if written or len(after) != len(before):
-            where = ", ".join(_argument_path(p) for p in written[:3]) or "their structure"
+        after = jax.tree_util.tree_leaves((args, kwargs))
+        if len(after) != len(before):
             raise ContextParallelError(
-                f"{name} writes into its arguments ({where}); under context_parallel the "
-                "write would be lost (the function is traced once, only its outputs come "
-                "back). Return the new state instead: take it as an argument and return "
-                "(loss, new_state) and use jax.value_and_grad(..., has_aux=True); with Flax "
-                "NNX, nnx.split the module outside, nnx.merge(graphdef, *states, copy=True) "
-                "inside and return nnx.state(module, nnx.RngState) (or the state that "
-                "changes) next to the loss")
-        return out
+                f"{getattr(fn, '__name__', 'the function')} changes the structure of its "
+                "arguments (adds or removes arrays); context_parallel cannot write that back: "
+                "return the new state as an output instead")
+        written.extend(i for i, (new, old) in enumerate(zip(after, before)) if new is not old)
+        return out, [after[i] for i in written]
 
     return call
 
 
-def _argument_path(path) -> str:
-    """``((args, kwargs), ...)`` key path → ``args[1]['step']`` / ``kwargs['x'].count``."""
+def write_back(arguments: tuple, written: tuple[int, ...], values: list) -> None:
+    """Assign ``values`` to the leaves ``written`` (flat indices) of ``arguments``, the
+    caller's ``(args, kwargs)``, through each leaf's key path (a dict entry, an attribute
+    such as an NNX ``Variable``'s ``value``, a list item)."""
+    if not written:
+        return
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(arguments)[0]]
+    for index, value in zip(written, values):
+        *parents, last = paths[index]
+        node = arguments
+        for key in parents:
+            node = _child(node, key, paths[index])
+        if isinstance(last, jax.tree_util.DictKey):
+            node[last.key] = value
+        elif isinstance(last, jax.tree_util.GetAttrKey) and last.name == "value" \
+                and hasattr(node, "set_value"):
+            node.set_value(value)  # an NNX Variable: its `.value` setter is deprecated
+        elif isinstance(last, jax.tree_util.GetAttrKey):
+            setattr(node, last.name, value)
+        elif isinstance(last, jax.tree_util.SequenceKey) and isinstance(node, list):
+            node[last.idx] = value
+        else:
+            raise ContextParallelError(_unwritable(paths[index]))
+
+
+def _child(node, key, path):
+    if isinstance(key, jax.tree_util.DictKey):
+        return node[key.key]
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(node, key.name)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return node[key.idx]
+    raise ContextParallelError(_unwritable(path))
+
+
+def _unwritable(path) -> str:
     group, *rest = path
-    return ("args" if group.idx == 0 else "kwargs") + jax.tree_util.keystr(tuple(rest))
+    where = ("args" if group.idx == 0 else "kwargs") + jax.tree_util.keystr(tuple(rest))
+    return (f"the function wrote into {where}, which context_parallel cannot write back "
+            "(no dict key, attribute or list index leads there); return the new value as an "
+            "output instead")
 
 
 class ContextParallelFunction:
@@ -265,7 +301,8 @@ class ContextParallelFunction:
 
     # -- building --
     def module(self, *args, **kwargs) -> Module:
-        """The transformed program for these arguments (arrays or ShapeDtypeStructs)."""
+        """The transformed program for these arguments (arrays or ShapeDtypeStructs); its
+        output is ``(fn's output, new values of the argument leaves fn writes)``."""
         return self._build(args, kwargs)[0]
 
     def _build(self, args, kwargs):
@@ -273,32 +310,36 @@ class ContextParallelFunction:
         key = (_signature(split.args, split.kwargs), split.static)
         if key not in self._built:
             self._built[key] = self._transform(split, args)
-        final, call = self._built[key]
-        return final, call, jax.tree_util.tree_leaves((split.args, split.kwargs))
+        final, written, call = self._built[key]
+        return final, written, call, split
 
     def _transform(self, split: CallArguments, args: tuple):
         abstract = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
             (split.args, split.kwargs))
-        name = getattr(self.fn, "__name__", "fn")
-        module = trace(refuse_argument_writes(split.bind(self.fn), name), *abstract[0],
-                       name=name, **abstract[1])
+        written: list = []
+        module = trace(returning_argument_writes(split.bind(self.fn), written), *abstract[0],
+                       name=getattr(self.fn, "__name__", "fn"), **abstract[1])
         refuse_gradients(module)
         overrides = _seq_axis_overrides(self.options.seq_axes, args, split.traced_positions())
         module = prepare(module, self.options, overrides)
         final = cp_pipeline(module, self.options).run(module).module
         report_unsharded(final, self.options)
-        return final, jax.jit(lambda *flat: final.flat_call(*flat))
+        return final, tuple(written), jax.jit(lambda *flat: final.flat_call(*flat))
 
     # -- calling --
     def __call__(self, *args, **kwargs):
-        final, call, flat = self._build(args, kwargs)
-        return jax.tree_util.tree_unflatten(final.out_tree, call(*flat))
+        final, written, call, split = self._build(args, kwargs)
+        arguments = (split.args, split.kwargs)
+        out, writes = jax.tree_util.tree_unflatten(
+            final.out_tree, call(*jax.tree_util.tree_leaves(arguments)))
+        write_back(arguments, written, writes)
+        return out
 
     def lower(self, *args, **kwargs):
         """``jax.jit(...).lower`` of the transformed program (ShapeDtypeStructs allowed)."""
-        _, call, flat = self._build(args, kwargs)
-        return call.lower(*flat)
+        _, _, call, split = self._build(args, kwargs)
+        return call.lower(*jax.tree_util.tree_leaves((split.args, split.kwargs)))
 
     def explain(self, *args, leaks: bool = False, **kwargs) -> str:
         """A readable account of what the transform does for these arguments.
