@@ -132,6 +132,18 @@ def test_state_written_into_an_argument_is_written_back(data):
     assert int(got_state["step"]) == int(want_state["step"]) == 1
 
 
+def test_an_argument_gaining_an_array_is_refused(data):
+    """A new dict entry cannot be written back by position: one clear error."""
+    x, w = data
+
+    def fn(state, x):
+        state["seen"] = x
+        return jnp.sum(attend(x, state["w"]) ** 2)
+
+    with pytest.raises(ContextParallelError, match="fn changes the structure of its arguments"):
+        context_parallel(fn, cp=4)({"w": w}, x)
+
+
 def dropout_attention():
     """An NNX module whose call advances its ``Rngs`` (``nnx.Dropout``), and its loss."""
     from flax import nnx

@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from cptransform.analysis.hardware import HARDWARE, memory_limit_problem
+from cptransform.api.argument_writes import returning_argument_writes, write_back
 from cptransform.api.arguments import CallArguments
 from cptransform.ir import compat
 from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError
@@ -222,73 +223,6 @@ def refuse_gradients(module: Module) -> None:
                 f"    grads = jax.grad(loss)(params, batch)")
 
 
-def returning_argument_writes(fn: Callable, written: list) -> Callable:
-    """``fn`` returning ``(its output, the new values of the argument leaves it assigned)``,
-    the flat indices of those leaves appended to ``written``.
-
-    A function may write into its arguments: ``nnx.Dropout`` advances an ``nnx.Rngs``
-    counter, ``nnx.scan`` writes the layers' state back, a step counter goes into a dict.
-    Traced once, those writes would be lost; as outputs of the transformed program they are
-    written back into the caller's objects after each call, as the undecorated function
-    does (:func:`write_back`)."""
-    def call(*args, **kwargs):
-        before = jax.tree_util.tree_leaves((args, kwargs))
-        out = fn(*args, **kwargs)
-        after = jax.tree_util.tree_leaves((args, kwargs))
-        if len(after) != len(before):
-            raise ContextParallelError(
-                f"{getattr(fn, '__name__', 'the function')} changes the structure of its "
-                "arguments (adds or removes arrays); context_parallel cannot write that back: "
-                "return the new state as an output instead")
-        written.extend(i for i, (new, old) in enumerate(zip(after, before)) if new is not old)
-        return out, [after[i] for i in written]
-
-    return call
-
-
-def write_back(arguments: tuple, written: tuple[int, ...], values: list) -> None:
-    """Assign ``values`` to the leaves ``written`` (flat indices) of ``arguments``, the
-    caller's ``(args, kwargs)``, through each leaf's key path (a dict entry, an attribute
-    such as an NNX ``Variable``'s ``value``, a list item)."""
-    if not written:
-        return
-    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(arguments)[0]]
-    for index, value in zip(written, values):
-        *parents, last = paths[index]
-        node = arguments
-        for key in parents:
-            node = _child(node, key, paths[index])
-        if isinstance(last, jax.tree_util.DictKey):
-            node[last.key] = value
-        elif isinstance(last, jax.tree_util.GetAttrKey) and last.name == "value" \
-                and hasattr(node, "set_value"):
-            node.set_value(value)  # an NNX Variable: its `.value` setter is deprecated
-        elif isinstance(last, jax.tree_util.GetAttrKey):
-            setattr(node, last.name, value)
-        elif isinstance(last, jax.tree_util.SequenceKey) and isinstance(node, list):
-            node[last.idx] = value
-        else:
-            raise ContextParallelError(_unwritable(paths[index]))
-
-
-def _child(node, key, path):
-    if isinstance(key, jax.tree_util.DictKey):
-        return node[key.key]
-    if isinstance(key, jax.tree_util.GetAttrKey):
-        return getattr(node, key.name)
-    if isinstance(key, jax.tree_util.SequenceKey):
-        return node[key.idx]
-    raise ContextParallelError(_unwritable(path))
-
-
-def _unwritable(path) -> str:
-    group, *rest = path
-    where = ("args" if group.idx == 0 else "kwargs") + jax.tree_util.keystr(tuple(rest))
-    return (f"the function wrote into {where}, which context_parallel cannot write back "
-            "(no dict key, attribute or list index leads there); return the new value as an "
-            "output instead")
-
-
 class ContextParallelFunction:
     """The result of :func:`context_parallel`: call it like the original function."""
 
@@ -317,9 +251,9 @@ class ContextParallelFunction:
         abstract = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
             (split.args, split.kwargs))
-        written: list = []
-        module = trace(returning_argument_writes(split.bind(self.fn), written), *abstract[0],
-                       name=getattr(self.fn, "__name__", "fn"), **abstract[1])
+        name, written = getattr(self.fn, "__name__", "fn"), []
+        module = trace(returning_argument_writes(split.bind(self.fn), name, written),
+                       *abstract[0], name=name, **abstract[1])
         refuse_gradients(module)
         overrides = _seq_axis_overrides(self.options.seq_axes, args, split.traced_positions())
         module = prepare(module, self.options, overrides)
