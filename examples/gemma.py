@@ -7,7 +7,9 @@ the soft-cap, the boolean ``[B, T, S]`` mask (filled with Gemma's ``K_MASK``) an
 and back for the value product; RMSNorm with a ``1 + scale`` weight, RoPE on ``[B, T]``
 positions, a GeGLU MLP, embeddings scaled by ``sqrt(dim)`` and tied to the output, and a
 soft-capped final logit. Nothing here knows about cptransform: the matcher recognises each
-attention with its window, soft-cap and grouping, and the plan gives each layer a schedule.
+attention with its window, soft-cap and grouping, and the plan gives each layer a schedule —
+the local layers a halo exchange with the neighbours, the global ones a schedule over the
+whole sequence (``explain()`` prints each choice and why).
 
 Run: ``python examples/gemma.py`` (8 simulated CPU devices; exits 1 on a mismatch).
 """
@@ -42,7 +44,7 @@ class Config:
     kv_heads: int = 2
     head_dim: int = 16
     mlp_dim: int = 128
-    window: int = 16
+    window: int = 8  # within one zigzag chunk at seq 128, cp 8: the halo schedule fits
     attn_softcap: float = 50.0
     final_softcap: float = 30.0
     rope_base: float = 10000.0
