@@ -8,7 +8,8 @@ its document (RoPE restarts at 0 in each). The model is the Llama decoder of ``l
 with attention causal *within* each document (a segment-equality mask and'ed with the
 causal one) and a loss that skips the last token of each document and the padding.
 
-Under zigzag each device holds two chunks of every row; the inputs (tokens, segment ids,
+Under zigzag each device holds two chunks of every row (the ring schedule is asked for, so
+the block chart applies step by step); the inputs (tokens, segment ids,
 positions) are permuted together and attention masks by the segment ids and positions that
 travel with the keys. How much work each device does depends on where the documents end,
 so ``explain()`` cannot say it from the program; the example draws the ring for this batch
@@ -114,7 +115,8 @@ def check(*, seq: int = 128, cp: int = 8, verbose: bool = True) -> bool:
     from cptransform.op.layouts import SequenceLayout
 
     args = example_args(seq=seq)
-    sharded = context_parallel(loss, cp=cp, load_balance="zigzag")
+    # The ring, so the chart below is what each device computes and skips at each step.
+    sharded = context_parallel(loss, cp=cp, load_balance="zigzag", schedule="ring")
     result = _check.compare_gradients(loss, sharded, *args)
     if verbose:
         segment_ids = np.asarray(args[2])
