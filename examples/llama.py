@@ -163,35 +163,22 @@ def make():
     return loss, example_args()
 
 
-def demo(seq: int = 256, cp: int = 8) -> bool:
-    """The README demo; returns whether every number matched."""
+def demo(seq: int = 256, cp: int = 8, *, memory: bool = True) -> bool:
+    """The README demo; returns whether every number matched (``memory``: also compile both
+    programs once more to print their temporary memory per device)."""
+    import _check  # beside this file; the script's folder is on sys.path
     from cptransform import context_parallel
 
     cfg = Config(heads=8, kv_heads=2)
     params, tokens = example_args(cfg, batch=2, seq=seq)
     fn = lambda p, t: loss(p, t, cfg)  # noqa: E731
     sharded = context_parallel(fn, cp=cp)
-    print(sharded.explain(params, tokens))
-
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(fn))(params, tokens)
-    cp_loss, cp_grads = jax.jit(jax.value_and_grad(sharded))(params, tokens)
-    print(f"\nloss: single device {float(ref_loss):.7f}, cp={cp} {float(cp_loss):.7f}")
-    worst = max(float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
-                for ref, got in zip(jax.tree_util.tree_leaves(ref_grads),
-                                    jax.tree_util.tree_leaves(cp_grads)))
-    print(f"gradients: {len(jax.tree_util.tree_leaves(ref_grads))} arrays, worst relative "
-          f"error {worst:.2e}")
-
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                      (params, tokens))
-    one = jax.jit(jax.value_and_grad(fn)).lower(*abstract).compile().memory_analysis()
-    many = jax.jit(jax.value_and_grad(sharded)).lower(*abstract).compile().memory_analysis()
-    print(f"temporary memory per device: single device {one.temp_size_in_bytes / 2**20:.1f} "
-          f"MiB, cp={cp} {many.temp_size_in_bytes / 2**20:.1f} MiB "
-          f"({many.temp_size_in_bytes / one.temp_size_in_bytes:.2f}x)")
-    ok = abs(float(cp_loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)) and worst <= 1e-5
-    print("MATCH" if ok else "MISMATCH")
-    return ok
+    print(_check.report(sharded, params, tokens))
+    result = _check.compare_gradients(fn, sharded, params, tokens)
+    if memory:
+        print(_check.temp_memory(fn, sharded, params, tokens))
+    print(result)
+    return result.ok
 
 
 if __name__ == "__main__":

@@ -114,3 +114,92 @@ def test_an_empty_pytree_argument_is_traced_not_static(data):
     np.testing.assert_allclose(got[0], want[0], rtol=RTOL)
     np.testing.assert_allclose(got[1]["w"], want[1]["w"], rtol=RTOL,
                                atol=RTOL * np.abs(want[1]["w"]).max())
+
+
+def test_state_written_into_an_argument_is_written_back(data):
+    """A function that assigns into its arguments (a step counter in a dict): the caller's
+    dict sees the write after the call, as with the undecorated function."""
+    x, w = data
+
+    def fn(state, x):
+        state["step"] = state["step"] + 1
+        return jnp.sum(attend(x, state["w"]) ** 2)
+
+    want_state, got_state = ({"step": jnp.zeros((), jnp.int32), "w": w} for _ in range(2))
+    want = fn(want_state, x)
+    got = context_parallel(fn, cp=4)(got_state, x)
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    assert int(got_state["step"]) == int(want_state["step"]) == 1
+
+
+def test_an_argument_gaining_an_array_is_refused(data):
+    """A new dict entry cannot be written back by position: one clear error."""
+    x, w = data
+
+    def fn(state, x):
+        state["seen"] = x
+        return jnp.sum(attend(x, state["w"]) ** 2)
+
+    with pytest.raises(ContextParallelError, match="fn changes the structure of its arguments"):
+        context_parallel(fn, cp=4)({"w": w}, x)
+
+
+def dropout_attention():
+    """An NNX module whose call advances its ``Rngs`` (``nnx.Dropout``), and its loss."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self):
+            rngs = nnx.Rngs(0, dropout=1)
+            # No key bias: the softmax cancels it, its gradient is rounding noise.
+            self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8,
+                                               use_bias=False, decode=False, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def loss(model, x):
+        return jnp.sum(model.drop(model.attn(x, mask=nnx.make_causal_mask(x[..., 0]))) ** 2)
+
+    return Model(), loss
+
+
+def test_nnx_dropout_advances_its_rngs_under_the_decorator(data):
+    """``nnx.Dropout`` advances its ``Rngs`` counter on every call: under the decorator too,
+    so each step draws a new mask, the same as on one device (a lost write would repeat the
+    first mask every step)."""
+    from flax import nnx
+
+    runs = []
+    for wrap in (lambda f: f, lambda f: context_parallel(f, cp=4)):
+        model, loss = dropout_attention()
+        step = nnx.value_and_grad(wrap(loss))
+        runs.append([step(model, data[0]) for _ in range(2)])
+    assert not np.isclose(runs[0][0][0], runs[0][1][0])  # the masks did change
+    for (want, want_g), (got, got_g) in zip(*runs):
+        np.testing.assert_allclose(got, want, rtol=RTOL)
+        for g, w in zip(jax.tree_util.tree_leaves(got_g), jax.tree_util.tree_leaves(want_g)):
+            np.testing.assert_allclose(g, w, rtol=RTOL, atol=RTOL * np.abs(w).max())
+
+
+def test_nnx_scan_over_layers_writes_its_state_back(data):
+    """``nnx.scan`` assigns every layer's state back to the module (new arrays, same
+    values): written back, not mistaken for a change of the model."""
+    from flax import nnx
+
+    @nnx.split_rngs(splits=2)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def make(rngs):
+        return nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8,
+                                      use_bias=False, decode=False, rngs=rngs)
+
+    def loss(layers, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def step(h, layer):
+            return h + layer(h, mask=nnx.make_causal_mask(h[..., 0]))
+        return jnp.sum(step(x, layers) ** 2)
+
+    layers = make(nnx.Rngs(0))
+    want, want_g = nnx.value_and_grad(loss)(layers, data[0])
+    got, got_g = nnx.value_and_grad(context_parallel(loss, cp=4))(layers, data[0])
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    for g, w in zip(jax.tree_util.tree_leaves(got_g), jax.tree_util.tree_leaves(want_g)):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=RTOL * np.abs(w).max())

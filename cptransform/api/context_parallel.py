@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from cptransform.analysis.hardware import HARDWARE, memory_limit_problem
+from cptransform.api.argument_writes import returning_argument_writes, write_back
 from cptransform.api.arguments import CallArguments
 from cptransform.ir import compat
 from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError
@@ -234,7 +235,8 @@ class ContextParallelFunction:
 
     # -- building --
     def module(self, *args, **kwargs) -> Module:
-        """The transformed program for these arguments (arrays or ShapeDtypeStructs)."""
+        """The transformed program for these arguments (arrays or ShapeDtypeStructs); its
+        output is ``(fn's output, new values of the argument leaves fn writes)``."""
         return self._build(args, kwargs)[0]
 
     def _build(self, args, kwargs):
@@ -242,31 +244,36 @@ class ContextParallelFunction:
         key = (_signature(split.args, split.kwargs), split.static)
         if key not in self._built:
             self._built[key] = self._transform(split, args)
-        final, call = self._built[key]
-        return final, call, jax.tree_util.tree_leaves((split.args, split.kwargs))
+        final, written, call = self._built[key]
+        return final, written, call, split
 
     def _transform(self, split: CallArguments, args: tuple):
         abstract = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
             (split.args, split.kwargs))
-        module = trace(split.bind(self.fn), *abstract[0], name=getattr(self.fn, "__name__", "fn"),
-                       **abstract[1])
+        name, written = getattr(self.fn, "__name__", "fn"), []
+        module = trace(returning_argument_writes(split.bind(self.fn), name, written),
+                       *abstract[0], name=name, **abstract[1])
         refuse_gradients(module)
         overrides = _seq_axis_overrides(self.options.seq_axes, args, split.traced_positions())
         module = prepare(module, self.options, overrides)
         final = cp_pipeline(module, self.options).run(module).module
         report_unsharded(final, self.options)
-        return final, jax.jit(lambda *flat: final.flat_call(*flat))
+        return final, tuple(written), jax.jit(lambda *flat: final.flat_call(*flat))
 
     # -- calling --
     def __call__(self, *args, **kwargs):
-        final, call, flat = self._build(args, kwargs)
-        return jax.tree_util.tree_unflatten(final.out_tree, call(*flat))
+        final, written, call, split = self._build(args, kwargs)
+        arguments = (split.args, split.kwargs)
+        out, writes = jax.tree_util.tree_unflatten(
+            final.out_tree, call(*jax.tree_util.tree_leaves(arguments)))
+        write_back(arguments, written, writes)
+        return out
 
     def lower(self, *args, **kwargs):
         """``jax.jit(...).lower`` of the transformed program (ShapeDtypeStructs allowed)."""
-        _, call, flat = self._build(args, kwargs)
-        return call.lower(*flat)
+        _, _, call, split = self._build(args, kwargs)
+        return call.lower(*jax.tree_util.tree_leaves((split.args, split.kwargs)))
 
     def explain(self, *args, leaks: bool = False, **kwargs) -> str:
         """A readable account of what the transform does for these arguments.

@@ -10,25 +10,39 @@ from cptransform.op.layouts import SequenceLayout
 FULL, PARTIAL, SKIP, UNKNOWN = "#", "+", ".", "?"
 
 
-def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray) -> str:
+def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
+               segment_ids: np.ndarray | None = None) -> str:
     """Classify one (query shard, key shard) block by the band mask on positions.
 
     Segment ids and dense masks depend on data: such blocks are ``?`` unless the band
-    already hides them entirely."""
-    band_only = mask.replace(segments=False, dense=False, bias=False)
-    seen = np.asarray(visible(band_only, q_pos[None], kv_pos[None]))
+    already hides them entirely — or, for segments, unless ``segment_ids`` (``[B, S]`` in
+    natural order) gives the data: then the block is classified for that batch."""
+    data = mask.segments and segment_ids is not None
+    known = mask.replace(segments=data, dense=False, bias=False)
+    seg = np.asarray(segment_ids) if data else None
+    seen = np.asarray(visible(known, q_pos[None], kv_pos[None],
+                              seg[:, q_pos] if data else None, seg[:, kv_pos] if data else None))
     if not seen.any():
         return SKIP
-    if mask.segments or mask.dense:
+    if mask.dense or (mask.segments and not data):
         return UNKNOWN
     return FULL if seen.all() else PARTIAL
 
 
-def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int) -> np.ndarray | None:
-    """Visible (query, key) pairs per device (rows of ``positions``) under a band mask;
-    ``None`` when the mask also depends on data (segment ids or a dense mask)."""
-    if mask.segments or mask.dense:
+def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
+                segment_ids: np.ndarray | None = None) -> np.ndarray | None:
+    """Visible (query, key) pairs per device (rows of ``positions``); ``None`` when the mask
+    depends on data not given: a dense mask, or segment ids without ``segment_ids``
+    (``[B, S]`` in natural order; the pairs are then summed over the batch, counted on a
+    ``[B, S, S]`` array: for inspecting example-sized batches)."""
+    if mask.dense or (mask.segments and segment_ids is None):
         return None
+    if mask.segments:
+        seg = np.asarray(segment_ids)
+        pos = np.arange(seq_len)[None]
+        seen = visible(mask.replace(bias=False), pos, pos, seg, seg)  # [B, 1, S, S]
+        per_query = np.asarray(seen).sum(axis=(0, 1, 3))
+        return per_query[positions].sum(axis=-1).astype(float)
     lo, hi = mask.band()
     q = positions.astype(np.int64)
     first = np.maximum(0, q + (lo if lo is not None else -seq_len))
@@ -36,18 +50,21 @@ def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int) -> np.ndarr
     return np.maximum(0, last - first + 1).sum(axis=-1).astype(float)
 
 
-def ring_chart(mask: MaskSpec, layout: SequenceLayout) -> str:
+def ring_chart(mask: MaskSpec, layout: SequenceLayout,
+               segment_ids: np.ndarray | None = None) -> str:
     """Rows = devices, columns = ring steps (step ``i`` on device ``r`` holds the KV shard
-    of device ``(r - i) mod cp``), then the work per device relative to the mean."""
+    of device ``(r - i) mod cp``), then the work per device relative to the mean; with
+    ``segment_ids`` (``[B, S]``, natural order) both are for that batch."""
     cp = layout.cp
     positions = layout.all_positions()
     lines = [f"ring over {cp} devices, {layout.name} layout "
              f"({FULL} full, {PARTIAL} partial, {SKIP} skipped, {UNKNOWN} data-dependent)",
              "          step " + " ".join(f"{i:>2}" for i in range(cp))]
     for r in range(cp):
-        kinds = [block_kind(mask, positions[r], positions[(r - i) % cp]) for i in range(cp)]
+        kinds = [block_kind(mask, positions[r], positions[(r - i) % cp], segment_ids)
+                 for i in range(cp)]
         lines.append(f"device {r:>2}      " + " ".join(f"{k:>2}" for k in kinds))
-    work_arr = device_work(mask, positions, layout.seq_len)
+    work_arr = device_work(mask, positions, layout.seq_len, segment_ids)
     if work_arr is None:
         return "\n".join(lines)
     if work_arr.mean() > 0:

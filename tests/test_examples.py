@@ -1,0 +1,61 @@
+"""The examples' own checks at their smallest sizes: the transformed model against the
+single-device one (loss and every gradient, float32 rel 1e-5), as each script runs it."""
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+from cptransform.ir.errors import ContextParallelError
+
+# The examples import their neighbours (``_check``, ``llama``) as a script does.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import _check  # noqa: E402
+import gemma  # noqa: E402
+import llama  # noqa: E402
+import nnx_optax  # noqa: E402
+import packed_documents  # noqa: E402
+
+from cptransform import context_parallel  # noqa: E402
+
+
+def test_llama():
+    assert llama.demo(seq=32, memory=False)
+
+
+def test_gemma_local_and_global_layers():
+    assert gemma.check(seq=32, cfg=gemma.Config(layers=2, window=4))
+
+
+def test_packed_documents_zigzag():
+    assert packed_documents.check(seq=32)
+
+
+def test_nnx_optax_training():
+    assert nnx_optax.check(seq=16, steps=2, layers=1)
+
+
+def test_nnx_split_merge_pure_loss():
+    """The ``nnx.split`` spelling: a pure loss of the state under ``jax.value_and_grad``."""
+    from flax import nnx
+
+    graphdef, state = nnx.split(nnx_optax.Decoder(layers=1))
+    (tokens,) = nnx_optax.batches(1, vocab=128, batch=2, seq=16)
+    loss = nnx_optax.pure_loss(graphdef)
+    result = _check.compare_gradients(loss, context_parallel(loss, cp=8), state, tokens)
+    assert result.ok, str(result)
+
+
+def test_nnx_train_step_under_the_decorator_is_refused():
+    """A train step differentiates: the decorator belongs on its loss (the error says so)."""
+    from flax import nnx
+    import optax
+
+    model = nnx_optax.Decoder(layers=1)
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
+    (tokens,) = nnx_optax.batches(1, vocab=128, batch=2, seq=16)
+    step = context_parallel(nnx_optax.make_train_step(nnx_optax.loss), cp=8)
+    with pytest.raises(ContextParallelError, match="put @context_parallel on the loss"):
+        step(model, optimizer, tokens)
+    assert jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))  # still usable
