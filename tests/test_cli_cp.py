@@ -66,7 +66,7 @@ def test_bad_schedule_is_one_line():
 
 def test_hybrid_over_two_named_axes():
     out = cli("opt", "examples/llama.py:make", "--axis", "uly,ring", "--mesh", "2,4",
-              "--print-ir-after=plan-context-parallel")
+              "--load-balance", "zigzag", "--print-ir-after=plan-context-parallel")
     assert out.returncode == 0, out.stderr
     assert "schedule=hybrid layout=zigzag" in out.stdout
 
