@@ -268,7 +268,7 @@ class PlanContextParallel(Pass):
         plans = tuple(self.plan_one(i, e, cp, ulysses, layout, hardware, limit, spans,
                                     degree_note) for i, e in enumerate(eqns))
         known = schedules()
-        flops = sum((rank_flops(known[p.schedule].work(p.shape).device_flops, cp)
+        flops = sum((rank_flops(known[p.schedule].work(p.shape), cp)
                      for p in plans), np.zeros(cp))
         times = [next((x.time_s for x in p.predictions if x.schedule == p.schedule), None)
                  for p in plans]

@@ -121,3 +121,10 @@ def test_per_document_zigzag_is_refused():
         context_parallel(causal, cp=4, load_balance="documents")
     with pytest.raises(NotImplementedError, match="document boundaries"):
         PlanContextParallel(load_balance="documents").check()
+
+
+def test_rank_flops_spreads_groups_and_prices_an_unknown_split_at_the_slowest():
+    from cptransform.analysis.block_work import Work
+    from cptransform.analysis.load_balance import rank_flops
+    np.testing.assert_array_equal(rank_flops(Work(1, 2, 1.5, 2, (3, 9)), 4), [3, 3, 9, 9])
+    np.testing.assert_array_equal(rank_flops(Work(1, 2, 1.0), 4), [3, 3, 3, 3])

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cptransform.analysis.block_work import Work
 from cptransform.op.layouts import LAYOUTS
 
 #: What the balance assumes about masks that depend on data.
@@ -27,12 +28,15 @@ DATA_MASK_NOTE = ("segment ids / dense masks are data: their blocks count as vis
 TIE = 1.01
 
 
-def rank_flops(device_flops: tuple[int, ...], cp: int) -> np.ndarray:
-    """``[cp]`` FLOPs per layout rank from a schedule's per-device (per-group) FLOPs: a
-    schedule whose groups span several consecutive layout ranks (Ulysses: all of them;
-    hybrid: ``U``) gives each rank its group's value."""
-    work = np.asarray(device_flops, dtype=float)
-    return np.repeat(work, cp // len(work))
+def rank_flops(work: Work, cp: int) -> np.ndarray:
+    """``[cp]`` FLOPs per layout rank from a schedule's :class:`Work`: a schedule whose
+    groups span several consecutive layout ranks (Ulysses: all of them; hybrid: ``U``)
+    gives each rank its group's value; a ``Work`` without per-device FLOPs gives every
+    rank the slowest device's (balanced, never under the truth)."""
+    if not work.device_flops:
+        return np.full(cp, float(work.flops))
+    per_device = np.asarray(work.device_flops, dtype=float)
+    return np.repeat(per_device, cp // len(per_device))
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ def _grid(mask: MaskSpec, rows: np.ndarray, columns) -> tuple[tuple[str, ...], .
 
 
 def _relative(device_flops: tuple[int, ...], count: int) -> tuple[float, ...]:
+    """Each of the first ``count`` devices' FLOPs over their mean (none when unknown)."""
+    if not device_flops:
+        return ()
     work = np.asarray(device_flops, dtype=float)[:count]
     return tuple(work / work.mean()) if work.mean() > 0 else ()
 
