@@ -128,3 +128,21 @@ def test_rank_flops_spreads_groups_and_prices_an_unknown_split_at_the_slowest():
     from cptransform.analysis.load_balance import rank_flops
     np.testing.assert_array_equal(rank_flops(Work(1, 2, 1.5, 2, (3, 9)), 4), [3, 3, 9, 9])
     np.testing.assert_array_equal(rank_flops(Work(1, 2, 1.0), 4), [3, 3, 3, 3])
+
+
+def test_segments_count_by_their_band_and_say_so():
+    """Packed documents: segment ids are data, so the balance is the causal band's (the
+    same counts as without them) and explain() says what was assumed."""
+    q, k, v = operands()
+    segments = jnp.repeat(jnp.arange(4), 16)[None]
+
+    def packed(q, k, v, segments):
+        return jnp.sum(jnp.sin(attention(q, k, v, causal=True, segment_ids=segments)))
+
+    f = context_parallel(packed, cp=4, schedule="ring", hardware="h100")
+    balances = f.module(q, k, v, segments).facts.balance
+    for b in balances:
+        assert b.data_masks
+        np.testing.assert_array_equal(b.rank_flops,
+                                      ring_rank_flops(b.layout, 64, 4, [(None, 0)]))
+    assert "note: segment ids / dense masks are data" in f.explain(q, k, v, segments)
