@@ -10,8 +10,8 @@ schedule ``auto`` would choose (the hybrid at its best Ulysses degree).
 
 Part 2: the ``cpu-sim`` row against the latest ``bench/results/peers*.json`` (8 simulated
 CPU devices): predicted against measured ranking of our schedules per (S, heads, mask),
-forward and forward+backward. ``--calibrate`` refits the ``cpu-sim`` row's FLOP/s and
-bandwidth to the measured forward times (least squares) and prints them.
+forward and forward+backward. ``--calibrate`` refits the ``cpu-sim`` row's FLOP/s, cost per
+kernel call and bandwidth to the measured forward times (least squares) and prints them.
 
     python bench/planner.py [--calibrate] [--out bench/results/planner.json]
 """
@@ -103,31 +103,31 @@ def peers_shape(row, schedule: str, layout: str) -> AttentionShape:
 
 
 def features(shape: AttentionShape, name: str):
-    """Forward (FLOPs, latency units, bytes) of schedule ``name``: the terms the cpu-sim
-    row prices with its FLOP/s, step latency and bandwidth."""
+    """Forward (mean FLOPs, kernel calls, bytes) of schedule ``name``: the terms the
+    cpu-sim row prices with its FLOP/s, per-call cost and bandwidth."""
     schedule = schedules()[name]
-    volume, work, steps = schedule.volume(shape), schedule.work(shape), schedule.steps(shape)
-    forward = [t for t in volume.transfers if not t.backward]
-    waits = sum(1 for t in forward if t.payload and not t.overlapped)
-    return work.forward_flops / work.balance, waits + (steps - 1), volume.forward_total
+    volume, work = schedule.volume(shape), schedule.work(shape)
+    return work.forward_flops / work.balance, work.calls, volume.forward_total
 
 
 def calibrate(rows) -> None:
-    """Least squares of the measured forward times on (mean FLOPs, bytes). A per-step
-    latency term was tried too: on these 20 noisy points it comes out negative, so the
-    row has none."""
+    """Least squares of the measured forward times on (mean FLOPs, kernel calls, bytes),
+    relative errors weighted equally (the times span 4x). A per-step link latency was
+    tried before: on these points it comes out negative, so the row has none."""
     x, y = [], []
     for row in rows:
         if row["variant"] in PEERS and row.get("fwd_s"):
             schedule, layout = PEERS[row["variant"]]
-            flops, _, moved = features(peers_shape(row, schedule, layout), schedule)
-            x.append((flops, moved))
-            y.append(row["fwd_s"])
+            shape = peers_shape(row, schedule, layout)
+            flops, calls, moved = features(shape, schedule)
+            x.append(np.array((flops, calls, moved)) / row["fwd_s"])
+            y.append(1.0)
     x, y = np.array(x, float), np.array(y)
-    (inv_flops, inv_bw), *_ = np.linalg.lstsq(x, y, rcond=None)
-    error = np.sqrt(np.mean(((x @ (inv_flops, inv_bw) - y) / y) ** 2))
+    (inv_flops, call_s, inv_bw), *_ = np.linalg.lstsq(x, y, rcond=None)
+    error = np.sqrt(np.mean((x @ (inv_flops, call_s, inv_bw) - y) ** 2))
     print(f"cpu-sim fit over {len(y)} forward times: {1 / inv_flops:.3g} FLOP/s per device, "
-          f"{1 / inv_bw:.3g} B/s; relative rms error {error:.2f}")
+          f"{call_s * 1e3:.3g} ms per kernel call, {1 / inv_bw:.3g} B/s; relative rms error "
+          f"{error:.2f}")
 
 
 def cpu_comparison(rows) -> list[dict]:
@@ -143,8 +143,11 @@ def cpu_comparison(rows) -> list[dict]:
         for kind, key, attr in (("fwd", "fwd_s", "forward_s"), ("fwd+bwd", "fwdbwd_s", "time_s")):
             m_rank = sorted(measured, key=lambda v: measured[v][key])
             p_rank = sorted(predicted, key=lambda v: getattr(predicted[v], attr))
+            pairs = [(a, b) for i, a in enumerate(m_rank) for b in m_rank[i + 1:]]
             out.append(dict(seq=seq, heads=heads, mask=mask, kind=kind, measured=m_rank,
                             predicted=p_rank, agree_first=m_rank[0] == p_rank[0],
+                            agree_pairs=sum(p_rank.index(a) < p_rank.index(b)
+                                            for a, b in pairs), pairs=len(pairs),
                             measured_s={v: measured[v][key] for v in m_rank},
                             predicted_s={v: getattr(predicted[v], attr) for v in p_rank}))
     return out
@@ -175,7 +178,8 @@ def main() -> None:
         print(f"  S={c['seq']} {c['heads']} {c['mask']} {c['kind']:8} measured "
               f"{' < '.join(c['measured'])}\n{'':30}predicted {' < '.join(c['predicted'])}{mark}")
     agree = sum(c["agree_first"] for c in cpu)
-    print(f"  fastest schedule agrees in {agree} of {len(cpu)} cases")
+    print(f"  fastest schedule agrees in {agree} of {len(cpu)} cases; ordered pairs agree in "
+          f"{sum(c['agree_pairs'] for c in cpu)} of {sum(c['pairs'] for c in cpu)}")
     Path(args.out).write_text(json.dumps(dict(peers=peers_file.name, configs=rows,
                                               cpu_sim=cpu), indent=1))
     print(f"wrote {args.out}")

@@ -12,12 +12,18 @@ schedules. ``schedule="hybrid"`` over a single CP axis picks the Ulysses degree 
 of cp dividing every attention's KV heads) with the least predicted total time and
 replaces the mesh by a two-axis one, Ulysses groups on consecutive devices.
 
-It also picks the sequence layout for the whole program (``load_balance``; ``auto``:
-zigzag when an attention is causal). Both decisions are written onto each ``attention_p``
-equation (``spec.schedule``, ``spec.layout``), where ``lower-context-parallel`` reads them;
-the readable account, one :class:`AttentionPlan` per attention, goes to
-``module.facts.plan`` for ``explain()``, and the layout to ``module.facts.layout`` for
-``reorder-sequence``. The CP size comes from the mesh only.
+It also picks the sequence layout for the whole program (``load_balance``): it plans every
+attention under each layout the length allows (contiguous, zigzag, striped) and, under
+``auto``, keeps the one with the least predicted time of all attentions together (each on
+its slowest device, the work counted from the actual masks after block skipping; ties go
+to the least work on the busiest rank: :mod:`cptransform.analysis.load_balance`). Both
+decisions are written onto each ``attention_p`` equation (``spec.schedule``,
+``spec.layout``), where ``lower-context-parallel`` reads them; the readable account, one
+:class:`AttentionPlan` per attention, goes to ``module.facts.plan`` and one
+:class:`LayoutBalance` per candidate layout to ``module.facts.balance`` for ``explain()``,
+and the layout to ``module.facts.layout`` for ``reorder-sequence``. The CP size comes from
+the mesh only. Per-document zigzag (``load_balance="documents"``) is refused: see
+:data:`REFUSED_LOAD_BALANCES`.
 """
 from __future__ import annotations
 
@@ -25,11 +31,13 @@ import math
 from dataclasses import dataclass, replace
 from functools import partial
 
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from cptransform.analysis.attention_shape import AttentionShape, attention_shape
 from cptransform.analysis.hardware import HARDWARE, Hardware, hardware_for_device, \
     memory_limit_bytes, memory_limit_problem
+from cptransform.analysis.load_balance import LayoutBalance, best_layout, rank_flops
 from cptransform.analysis.prediction import Prediction
 from cptransform.ir import compat
 from cptransform.ir.errors import PlanError
@@ -40,11 +48,18 @@ from cptransform.ir.rewrite import Rewriter
 from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import MaskSpec
-from cptransform.op.layouts import SequenceLayout
+from cptransform.op.layouts import LAYOUTS, SequenceLayout
 
 #: ``load_balance`` option → the layout it names (``auto`` is decided per program).
 LOAD_BALANCES = {"auto": None, "zigzag": "zigzag", "striped": "striped",
                  "none": "contiguous"}
+
+#: ``load_balance`` values that name a real scheme this planner cannot plan, and why.
+REFUSED_LOAD_BALANCES = {
+    "documents": "load_balance='documents' (per-document zigzag of packed sequences) needs "
+                 "the document boundaries when planning, but they are data (segment ids), "
+                 "known only when the function runs; pad documents to a fixed length and use "
+                 "load_balance='zigzag', or 'auto' (which balances the mask's band)"}
 
 #: Mesh axis names of the two-axis mesh built for ``schedule="hybrid"`` with only ``cp``.
 HYBRID_AXES = ("uly", "ring")
@@ -122,6 +137,28 @@ def priced_layout(shape: AttentionShape) -> AttentionShape:
     return shape if shape.seq_len % parts == 0 else replace(shape, layout="contiguous")
 
 
+def candidate_layouts(seq_len: int | None, cp: int, forced: str | None) -> list[str]:
+    """The layouts to plan under: ``forced`` (a ``load_balance`` other than ``auto``) and
+    every layout of :data:`LAYOUTS` that can cut ``seq_len`` over ``cp`` ranks (only
+    contiguous without a sequence axis)."""
+    legal = [name for name in LAYOUTS if seq_len is not None and
+             seq_len % (2 * cp if name == "zigzag" else cp) == 0] or ["contiguous"]
+    return list(dict.fromkeys(([forced] if forced else []) + legal))
+
+
+@dataclass(frozen=True)
+class LayoutPlan:
+    """Every attention planned under one layout: the plans, the mesh and CP axes they run
+    on (a hybrid built from ``cp`` replaces the mesh), the log lines of that planning, and
+    the program's :class:`LayoutBalance` under the layout."""
+
+    balance: LayoutBalance
+    plans: tuple[AttentionPlan, ...]
+    mesh: object
+    axes: tuple[str, ...]
+    log: tuple[str, ...]
+
+
 def _mib(n: int) -> str:
     return f"{n / MiB:.1f} MiB"
 
@@ -147,6 +184,8 @@ class PlanContextParallel(Pass):
         if self.schedule not in names:
             raise PlanError(f"unknown schedule {self.schedule!r}; use one of "
                             f"{', '.join(names)}")
+        if self.load_balance in REFUSED_LOAD_BALANCES:
+            raise NotImplementedError(REFUSED_LOAD_BALANCES[self.load_balance])
         if self.load_balance not in LOAD_BALANCES:
             raise PlanError(f"unknown load_balance {self.load_balance!r}; use one of "
                             f"{', '.join(LOAD_BALANCES)}")
@@ -175,20 +214,25 @@ class PlanContextParallel(Pass):
         facts = module.facts
         cp, mesh, axes = facts.cp, facts.mesh, tuple(facts.cp_axes)
         eqns = [e for e in iter_eqns(module.jaxpr) if e.primitive is attention_p]
-        layout = self.choose_layout(eqns, facts.seq_axes.seq_len, cp)
         build_hybrid = self.schedule == "hybrid" and len(axes) == 1
         hardware = self.machine(mesh, required=self.schedule == "auto" or build_hybrid)
         limit = None if hardware is None else memory_limit_bytes(self.memory_limit, hardware)
-        log: tuple[str, ...] = ()
-        degree_note = None
-        if build_hybrid and eqns:
-            ulysses, degree_note = self.choose_degree(eqns, cp, layout, hardware, limit)
-            mesh, axes = hybrid_mesh(mesh, axes[0], ulysses), HYBRID_AXES
-            log += (degree_note,)
-        ulysses = mesh.shape[axes[0]] if len(axes) == 2 else 1
-        spans = axis_spans(mesh, axes)
-        plans = tuple(self.plan_one(i, e, cp, ulysses, layout, hardware, limit, spans,
-                                    degree_note) for i, e in enumerate(eqns))
+        forced = LOAD_BALANCES[self.load_balance]
+        options, errors = {}, {}
+        for layout in candidate_layouts(facts.seq_axes.seq_len, cp, forced):
+            try:
+                options[layout] = self.plan_layout(eqns, layout, cp, mesh, axes, build_hybrid,
+                                                   hardware, limit)
+            except PlanError as err:
+                if layout == forced:
+                    raise
+                errors[layout] = err
+        if not options:
+            raise next(iter(errors.values()))
+        choice = options[forced] if forced is not None else \
+            options[best_layout([o.balance for o in options.values()]).layout]
+        balances = tuple(replace(o.balance, chosen=o is choice) for o in options.values())
+        layout, plans, mesh, axes = choice.balance.layout, choice.plans, choice.mesh, choice.axes
 
         # The re-trace walks these same equation objects (inside bodies too): the plan is
         # found by the equation's identity, never by the order of visits.
@@ -202,18 +246,37 @@ class PlanContextParallel(Pass):
             else module.jaxpr
         sequence = None if layout == "contiguous" or facts.seq_axes.seq_len is None else \
             SequenceLayout(layout, facts.seq_axes.seq_len, cp)
-        log += tuple(p.describe() for p in plans) + (f"layout: {layout}",)
+        why = "load_balance=" + self.load_balance if forced is not None else \
+            "least predicted time over all attentions"
+        log = choice.log + tuple(p.describe() for p in plans) + (f"layout: {layout} ({why})",)
+        log += tuple(f"  {b.describe()}" for b in balances)
         return PassResult(module.with_jaxpr(new, plan=plans, layout=sequence, mesh=mesh,
-                                            cp_axes=axes), bool(eqns), log)
+                                            cp_axes=axes, balance=balances), bool(eqns), log)
 
-    def choose_layout(self, eqns, seq_len: int | None, cp: int) -> str:
-        """``load_balance`` as a layout name; ``auto``: zigzag when some attention is causal
-        and the length splits into 2·cp chunks, else contiguous."""
-        chosen = LOAD_BALANCES[self.load_balance]
-        if chosen is not None:
-            return chosen
-        causal = any(e.params["spec"].mask.band()[1] is not None for e in eqns)
-        return "zigzag" if causal and seq_len and seq_len % (2 * cp) == 0 else "contiguous"
+    def plan_layout(self, eqns, layout: str, cp: int, mesh, axes: tuple[str, ...],
+                    build_hybrid: bool, hardware: Hardware | None,
+                    limit: int | None) -> LayoutPlan:
+        """Every attention planned under ``layout``, and the program's balance under it."""
+        log: tuple[str, ...] = ()
+        degree_note = None
+        if build_hybrid and eqns:
+            ulysses, degree_note = self.choose_degree(eqns, cp, layout, hardware, limit)
+            mesh, axes = hybrid_mesh(mesh, axes[0], ulysses), HYBRID_AXES
+            log += (degree_note,)
+        ulysses = mesh.shape[axes[0]] if len(axes) == 2 else 1
+        spans = axis_spans(mesh, axes)
+        plans = tuple(self.plan_one(i, e, cp, ulysses, layout, hardware, limit, spans,
+                                    degree_note) for i, e in enumerate(eqns))
+        known = schedules()
+        flops = sum((rank_flops(known[p.schedule].work(p.shape), cp)
+                     for p in plans), np.zeros(cp))
+        times = [next((x.time_s for x in p.predictions if x.schedule == p.schedule), None)
+                 for p in plans]
+        time_s = None if None in times else sum(times)
+        data = any(p.mask.segments or p.mask.dense for p in plans)
+        balance = LayoutBalance(layout, tuple(p.schedule for p in plans),
+                                tuple(float(f) for f in flops), time_s, data)
+        return LayoutPlan(balance, plans, mesh, axes, log)
 
     def choose_degree(self, eqns, cp: int, layout: str, hardware: Hardware,
                       limit: int) -> tuple[int, str]:

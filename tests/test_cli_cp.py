@@ -3,6 +3,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -21,7 +23,10 @@ def test_plan_draws_the_ring_and_balance():
     assert chart[1].split() == ["step", "0", "1", "2", "3"]
     assert chart[2].split() == ["device", "0", "+", ".", ".", "."]
     assert chart[5].split() == ["device", "3", "+", "#", "#", "#"]
-    assert "slowest device: 1.7" in out.stdout
+    # Executed tiles (8-token tiles on 16-token shards: 3, 7, 11, 15), as the planner counts.
+    assert "slowest device: 1.67x the mean" in out.stdout
+    assert "* contiguous 0.33 0.78 1.22 1.67  max/mean 1.67x" in out.stdout
+    assert "  zigzag     1.00 1.00 1.00 1.00  max/mean 1.00x" in out.stdout
     assert "schedule: ring — requested" in out.stdout and "llama.py" in out.stdout
     assert "predicted per device (fastest first):" in out.stdout
 
@@ -66,7 +71,7 @@ def test_bad_schedule_is_one_line():
 
 def test_hybrid_over_two_named_axes():
     out = cli("opt", "examples/llama.py:make", "--axis", "uly,ring", "--mesh", "2,4",
-              "--print-ir-after=plan-context-parallel")
+              "--load-balance", "zigzag", "--print-ir-after=plan-context-parallel")
     assert out.returncode == 0, out.stderr
     assert "schedule=hybrid layout=zigzag" in out.stdout
 
@@ -76,3 +81,11 @@ def test_mesh_sizes_must_match_axes():
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         "cptransform: error: --mesh '8' must give one positive size per --axis name uly,ring"]
+
+
+def test_plan_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "plan.png"
+    out = cli("plan", "examples/llama.py:make", "--cp", "4", "--png", str(png))
+    assert out.returncode == 0, out.stderr
+    assert f"wrote {png}" in out.stdout and png.read_bytes()[:4] == b"\x89PNG"

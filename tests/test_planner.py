@@ -276,3 +276,16 @@ def test_a_record_with_only_volume_and_feasible_is_priced():
         (allgather_p.time_s, allgather_p.flops, allgather_p.bytes)
     assert bare_p.memory_bytes == (shard_bytes(shape) + allgather.volume(shape).forward_total
                                    + query_state_bytes(shape, 512, 8))
+
+
+def test_each_kernel_call_costs_the_rows_call_s():
+    """The ring makes cp kernel calls per pass, Ulysses one: a row with a per-call cost
+    adds it to each pass's compute that many times, forward and backward."""
+    shape = AttentionShape(seq_len=64, heads=8, kv_heads=8, head_dim=16, cp=8,
+                           band=(None, 0), layout="zigzag")
+    free = replace(HARDWARE["cpu-sim"], call_s=0.0)
+    costly = replace(free, call_s=1e-3)
+    for name, calls in (("ring", 8), ("ulysses", 1), ("allgather", 1)):
+        assert schedules()[name].work(shape).calls == calls
+        extra = predict(name, shape, costly).compute_s - predict(name, shape, free).compute_s
+        assert extra == pytest.approx(2 * calls * 1e-3, rel=1e-9)

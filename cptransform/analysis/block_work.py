@@ -90,11 +90,16 @@ def backward_flops(entries: int, head_dim: int, v_head_dim: int) -> int:
 @dataclass(frozen=True)
 class Work:
     """The local-step compute of one schedule for one attention: FLOPs of the slowest
-    device, forward and backward, and the load balance (slowest device / mean)."""
+    device, forward and backward, the load balance (slowest device / mean), the kernel
+    calls of the busiest device per pass (each has a fixed cost: ``Hardware.call_s``) and
+    every device's forward plus backward FLOPs (what the layout choice sums over
+    attentions)."""
 
     forward_flops: int
     backward_flops: int
     balance: float
+    calls: int = 1
+    device_flops: tuple[int, ...] = ()
 
     @property
     def flops(self) -> int:
@@ -110,14 +115,18 @@ def rank_positions(shape: AttentionShape) -> np.ndarray:
 def work_of(shape: AttentionShape, calls, heads: int) -> Work:
     """The :class:`Work` of a schedule whose device ``r`` makes the kernel calls
     ``calls[r]`` (``(q_pos, k_pos)`` pairs), each over ``heads`` heads of ``shape.batch``
-    rows."""
-    per_device = [sum(executed_entries(q, k, shape.band) for q, k in device)
-                  for device in calls]
-    slowest = max(per_device) * heads * shape.batch
-    mean = sum(per_device) / len(per_device) * heads * shape.batch
+    rows (``calls`` lists every device of the group that decides the layout's balance)."""
+    per_device = [sum(executed_entries(q, k, shape.band) for q, k in device) * heads
+                  * shape.batch for device in calls]
+    slowest = max(per_device)
+    mean = sum(per_device) / len(per_device)
+    both = [forward_flops(e, shape.head_dim, shape.dv) + backward_flops(e, shape.head_dim,
+                                                                        shape.dv)
+            for e in per_device]
     return Work(forward_flops(slowest, shape.head_dim, shape.dv),
                 backward_flops(slowest, shape.head_dim, shape.dv),
-                slowest / mean if mean else 1.0)
+                slowest / mean if mean else 1.0, max(len(device) for device in calls),
+                tuple(both))
 
 
 def gathered_work(shape: AttentionShape) -> Work:

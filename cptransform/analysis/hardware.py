@@ -56,16 +56,21 @@ class Hardware:
     memory_bytes: int
     links: tuple[LinkClass, ...]
     efficiency: float = 0.5
+    # Fixed seconds of one local-step kernel call (dispatch, loop set-up, the merge of its
+    # result): a ring pays it once per step, Ulysses and the all-gather once. Fitted where
+    # measurements exist (cpu-sim); 0 for the rows without.
+    call_s: float = 0.0
     # Simulated devices sharing one host's cores, which also do the transfers: compute
     # follows the mean device and no transfer overlaps compute.
     shared_compute: bool = False
 
-    def compute_s(self, slowest_flops: float, balance: float, dtype_bytes: int) -> float:
+    def compute_s(self, slowest_flops: float, balance: float, dtype_bytes: int,
+                  calls: int = 1) -> float:
         """Seconds of compute: the slowest device's FLOPs, or with ``shared_compute`` the
         mean device's (the host runs every simulated device's work on the same cores, so
-        an imbalance costs nothing there)."""
+        an imbalance costs nothing there), plus ``calls`` kernel calls' fixed cost."""
         flops = slowest_flops / balance if self.shared_compute else slowest_flops
-        return flops / self.flops_per_s(dtype_bytes)
+        return flops / self.flops_per_s(dtype_bytes) + calls * self.call_s
 
     def flops_per_s(self, dtype_bytes: int) -> float:
         """Matrix FLOP/s an attention kernel reaches on elements of ``dtype_bytes``."""
@@ -107,9 +112,12 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     # Fit to the forward times of bench/results/peers.json (see the module doc), per
     # simulated device, with compute priced on the mean device (they share the cores). The
     # "bandwidth" absorbs the per-byte work around a transfer (copies, merges), far below a
-    # memcpy; a per-step latency fitted negative on that data, so there is none.
-    Hardware("cpu-sim", {2: 1.32e10, 4: 1.32e10}, 8 * GiB,
-             (LinkClass("memcpy", 1.22e8, 0.0),), efficiency=1.0, shared_compute=True),
+    # memcpy; a per-step latency fitted negative on that data, so there is none. The cost
+    # per kernel call (1.8 ms: each call is a separate chunked loop with its own merge)
+    # is what lets one-call Ulysses beat the 8-call ring at these small sizes.
+    Hardware("cpu-sim", {2: 1.4e10, 4: 1.4e10}, 8 * GiB,
+             (LinkClass("memcpy", 2.06e8, 0.0),), efficiency=1.0, call_s=1.79e-3,
+             shared_compute=True),
 )}
 
 #: ``jax.Device.device_kind`` prefixes (lower case) → hardware row.

@@ -6,7 +6,8 @@ schedule that computes once) costs
 ``exposed + c/n + (n-1)·max(c/n, m/(n-1)) + latency``
 
 with ``c`` the compute of the slowest device (executed FLOPs after block skipping over the
-hardware's attention FLOP/s for the dtype), ``m`` the bytes of the ``overlapped`` transfers
+hardware's attention FLOP/s for the dtype, plus the fixed cost ``Hardware.call_s`` of each
+of its kernel calls), ``m`` the bytes of the ``overlapped`` transfers
 (sent one step ahead) and ``exposed`` those of the others, each over the bandwidth of the
 link class its mesh axis spans (:meth:`Hardware.link`), and ``latency`` one link latency
 per waited-for payload collective and per step. On simulated devices
@@ -97,8 +98,9 @@ def predict(name: str, volume: CommVolume, work: Work, memory_bytes: int, steps:
             spans: tuple[int, ...]) -> Prediction:
     """The :class:`Prediction` of schedule ``name`` from its volume, work, memory and steps
     (``spans[i]``: how many consecutive devices the groups of its mesh axis ``i`` span)."""
-    fwd_compute = hardware.compute_s(work.forward_flops, work.balance, dtype_bytes)
-    bwd_compute = hardware.compute_s(work.backward_flops, work.balance, dtype_bytes)
+    fwd_compute = hardware.compute_s(work.forward_flops, work.balance, dtype_bytes, work.calls)
+    bwd_compute = hardware.compute_s(work.backward_flops, work.balance, dtype_bytes,
+                                     work.calls)
     forward = [t for t in volume.transfers if not t.backward]
     backward = [t for t in volume.transfers if t.backward]
     fwd_s, ratio = _pass_time(forward, fwd_compute, steps, hardware, spans)

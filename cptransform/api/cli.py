@@ -14,8 +14,10 @@ Subcommands (one ``_cmd_*`` function and one ``_add_*`` parser builder each):
   ``--kernel``; ``--axis uly,ring --mesh U,R`` for a two-axis hybrid mesh) gives the
   program a CP mesh and, without ``-p``, runs the whole context-parallel pipeline;
   ``--grad`` also prints the differentiated program;
-* ``cptransform plan FILE.py:NAME --cp N`` shows each attention's schedule and draws the
-  ring (devices × steps, blocks full / partial / skipped) with the load balance.
+* ``cptransform plan FILE.py:NAME --cp N`` shows each attention's schedule and draws it
+  (ring: devices × steps; all-gather: devices × key shards; Ulysses: query × key shards;
+  hybrid: both levels; blocks full / partial / skipped), then the work per rank under
+  every candidate layout; ``--png FILE`` draws the same with matplotlib (extra ``plot``).
 
 Bad input (unknown pass or option, missing file, bad shapes) prints one line on stderr and
 exits with status 2; a failed verification exits with status 1.
@@ -397,16 +399,19 @@ def grad_text(module: Module, example_args: Sequence[Any]) -> str:
 
 
 def _add_plan(sub) -> None:
-    p = sub.add_parser("plan", help="show each attention's schedule, ring chart and balance")
+    p = sub.add_parser("plan", help="show each attention's schedule, its chart and the balance")
     add_entry_arguments(p)
     add_cp_arguments(p)
+    p.add_argument("--png", default=None, metavar="FILE",
+                   help="also draw the charts into FILE with matplotlib "
+                        "(pip install cptransform[plot])")
     p.set_defaults(handler=_cmd_plan)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from cptransform.api.context_parallel import cp_pipeline
     from cptransform.api.explain import explain_module
-    from cptransform.api.plan_chart import ring_chart
+    from cptransform.api.plan_chart import balance_table, charts_for, render_png, render_text
     from cptransform.op.layouts import SequenceLayout
 
     if args.cp is None and args.mesh is None:
@@ -416,10 +421,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     result = run_pipeline(cp_pipeline(module, options, lower=False), module).module
     print(explain_module(result, options))
     layout = result.facts.layout
+    drawn = []
     for step in result.facts.plan or ():
         lay = layout or SequenceLayout("contiguous", step.shape.seq_len, step.shape.cp)
-        print(f"\nattention #{step.index} ({step.schedule}):")
-        print(ring_chart(step.mask, lay))
+        heading = f"attention #{step.index} ({step.schedule})"
+        print(f"\n{heading}:")
+        charts = charts_for(step, lay)
+        if isinstance(charts, str):
+            print(charts)
+            continue
+        print("\n".join(render_text(chart) for chart in charts))
+        drawn += [(heading, chart) for chart in charts]
+    if result.facts.balance:
+        print("\n" + balance_table(result.facts.balance))
+    if args.png:
+        render_png(args.png, drawn, result.facts.balance)
+        print(f"\nwrote {args.png}")
     return 0
 
 

@@ -24,7 +24,8 @@ from cptransform.passes.canonicalize import Canonicalize
 from cptransform.passes.infer_seq_axes import InferSeqAxes
 from cptransform.passes.lower_context_parallel import LowerContextParallel
 from cptransform.passes.match_attention import MatchAttention
-from cptransform.passes.plan_context_parallel import LOAD_BALANCES, PlanContextParallel
+from cptransform.passes.plan_context_parallel import LOAD_BALANCES, REFUSED_LOAD_BALANCES, \
+    PlanContextParallel
 from cptransform.passes.reorder_sequence import ReorderSequence
 
 KERNELS = ("auto", "xla", "pallas")
@@ -49,6 +50,8 @@ class Options:
     memory_limit: int | str | None = None
 
     def check(self) -> None:
+        if self.load_balance in REFUSED_LOAD_BALANCES:
+            raise NotImplementedError(REFUSED_LOAD_BALANCES[self.load_balance])
         for name, value, allowed in (("schedule", self.schedule, schedule_names()),
                                      ("load_balance", self.load_balance, LOAD_BALANCES),
                                      ("kernel", self.kernel, KERNELS)):
@@ -294,9 +297,10 @@ def context_parallel(fn: Callable | None = None, **options) -> Any:
 
     Options: ``cp`` (devices; default all), ``mesh`` (an existing mesh) and ``axis`` (its CP
     axis name, or ``(ulysses_axis, ring_axis)`` for hybrid), ``schedule`` (ring | ulysses |
-    allgather | hybrid | halo | auto; auto never picks halo, the sliding-window exchange,
-    which runs on request), ``load_balance`` (zigzag | striped | none | auto: zigzag for
-    causal attention), ``kernel`` (pallas | xla | auto), ``seq_axes`` (override: a tuple
+    allgather | hybrid | halo | auto; auto prices each feasible schedule, halo included, and
+    takes the fastest), ``load_balance`` (zigzag | striped | none | auto: the layout with
+    the least predicted time over all attentions; "documents" is refused), ``kernel``
+    (pallas | xla | auto), ``seq_axes`` (override: a tuple
     mirroring the positional arguments with an int dim, a tuple of dims, or None per
     argument), ``strict`` (refuse non-equivariant ops instead of wrapping them, and a
     function with no attention), ``keep_permuted`` (leave outputs in the load-balanced

@@ -3,26 +3,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from cptransform.api.plan_chart import device_work
+from cptransform.analysis.load_balance import DATA_MASK_NOTE
 from cptransform.lowering.sharding_leaks import sequence_all_gathers
-from cptransform.op.attention_spec import MaskSpec
-from cptransform.op.layouts import SequenceLayout
 
 
-def balance_line(mask: MaskSpec, layout, seq_len: int, cp: int) -> str:
-    """``max/mean`` work per device under the chosen layout, next to contiguous."""
-    chosen = layout.name if layout is not None else "contiguous"
-    rows = []
-    for name in dict.fromkeys([chosen, "contiguous"]):
-        try:
-            lay = SequenceLayout(name, seq_len, cp)
-        except ValueError:
-            continue
-        work = device_work(mask, lay.all_positions(), seq_len)
-        if work is None:
-            return "load balance: depends on the data (segment ids / dense mask)"
-        rows.append(f"{name} {work.max() / work.mean():.2f}x")
-    return "load balance (slowest device / mean): " + ", ".join(rows)
+def balance_lines(balances) -> list[str]:
+    """The load balance of every candidate layout (``module.facts.balance``): FLOPs per
+    layout rank over all attentions under the schedules each layout leads to."""
+    if not balances:
+        return []
+    lines = ["  load balance per layout (FLOPs per rank, fwd+bwd after block skipping, summed "
+             "over attentions; max/mean):"]
+    lines += [f"    {b.describe()}" for b in balances]
+    if any(b.data_masks for b in balances):
+        lines.append(f"    note: {DATA_MASK_NOTE}")
+    return lines
 
 
 def leak_lines(hlo_text: str, seq_len: int | None) -> list[str]:
@@ -71,8 +66,7 @@ def explain_module(module, options: Any, hlo_text: str | None = None) -> str:
         if p.predictions:
             lines.append("    predicted per device (fastest first):")
             lines += [f"      {prediction.describe()}" for prediction in p.predictions]
-        if cp:
-            lines.append("    " + balance_line(p.mask, layout, p.shape.seq_len, cp))
+    lines += balance_lines(facts.balance)
     for entry in facts.reorder_log:
         lines.append(f"  {entry}")
     if hlo_text is not None:

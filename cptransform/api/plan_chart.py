@@ -1,13 +1,30 @@
-"""Text pictures of a ring schedule: devices × steps, each block skip / partial / full."""
+"""Pictures of a plan: each attention's chosen schedule as a grid of blocks, and the work per
+rank under every candidate layout.
+
+A schedule's picture is one or more :class:`Chart` grids, each cell one (query shard, key
+shard) block classified skip / partial / full by the mask's band (``?`` where segment ids
+or a dense mask decide): the ring is devices × steps; all-gather devices × key shards (one
+kernel call); Ulysses the query shards × key shards every device runs for its ``H/cp``
+heads; the hybrid both levels (ring groups × steps, then the shards inside a group). A
+schedule without an entry in :data:`CHARTS` gets a line saying so, never another
+schedule's picture. :func:`render_text` draws a chart as text, :func:`render_png` all of
+them with matplotlib (the ``plot`` extra).
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
+from cptransform.ir.errors import PlotError
+from cptransform.lowering.schedule import schedules
 from cptransform.op.attention_reference import visible
 from cptransform.op.attention_spec import MaskSpec
 from cptransform.op.layouts import SequenceLayout
 
 FULL, PARTIAL, SKIP, UNKNOWN = "#", "+", ".", "?"
+LEGEND = f"({FULL} full, {PARTIAL} partial, {SKIP} skipped, {UNKNOWN} data-dependent)"
 
 
 def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
@@ -50,24 +67,176 @@ def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
     return np.maximum(0, last - first + 1).sum(axis=-1).astype(float)
 
 
+@dataclass(frozen=True)
+class Chart:
+    """One grid: its title, what rows and columns are, the cells (one character each) and
+    optionally each row's work relative to the mean (``work``)."""
+
+    title: str
+    row_label: str
+    column_label: str
+    cells: tuple[tuple[str, ...], ...]
+    work: tuple[float, ...] = ()
+
+
+def _grid(mask: MaskSpec, rows: np.ndarray, columns,
+          segment_ids: np.ndarray | None = None) -> tuple[tuple[str, ...], ...]:
+    """Cells for query positions ``rows[i]`` against key positions ``columns(i)``."""
+    return tuple(tuple(block_kind(mask, q, k, segment_ids) for k in columns(i))
+                 for i, q in enumerate(rows))
+
+
+def _relative(device_flops: tuple[int, ...], count: int) -> tuple[float, ...]:
+    """Each of the first ``count`` devices' FLOPs over their mean (none when unknown)."""
+    if not device_flops:
+        return ()
+    work = np.asarray(device_flops, dtype=float)[:count]
+    return tuple(work / work.mean()) if work.mean() > 0 else ()
+
+
+def ring_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
+    """Devices × ring steps: step ``i`` on device ``r`` holds the KV shard of device
+    ``(r - i) mod cp``."""
+    cp, pos = layout.cp, layout.all_positions()
+    work = schedules()["ring"].work(plan.shape).device_flops
+    return (Chart(f"ring over {cp} devices, {layout.name} layout", "device", "step",
+                  _grid(plan.mask, pos, lambda r: [pos[(r - i) % cp] for i in range(cp)]),
+                  _relative(work, cp)),)
+
+
+def allgather_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
+    """Devices × key shards: each device's queries against every gathered key shard, in
+    one kernel call."""
+    cp, pos = layout.cp, layout.all_positions()
+    work = schedules()["allgather"].work(plan.shape).device_flops
+    return (Chart(f"allgather over {cp} devices, {layout.name} layout (one kernel call "
+                  "per device)", "device", "key shard", _grid(plan.mask, pos, lambda r: pos),
+                  _relative(work, cp)),)
+
+
+def ulysses_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
+    """Query shards × key shards: after the all-to-alls every device holds the whole
+    sequence for ``H/cp`` heads and runs this whole grid, so all devices do equal work."""
+    cp, pos = layout.cp, layout.all_positions()
+    heads = plan.shape.heads // cp
+    return (Chart(f"ulysses over {cp} devices, {layout.name} layout: every device runs this "
+                  f"grid for its {heads} of {plan.shape.heads} heads (equal work)",
+                  "query shard", "key shard", _grid(plan.mask, pos, lambda r: pos)),)
+
+
+def hybrid_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
+    """Ring level: groups of ``U`` consecutive layout ranks × ring steps; Ulysses level:
+    the shards inside a group (every device of group ``g`` runs row block ``g`` of the
+    shard grid for its ``H/U`` heads)."""
+    u, cp = plan.shape.ulysses, layout.cp
+    ring = cp // u
+    pos = layout.all_positions()
+    groups = pos.reshape(ring, -1)
+    work = schedules()["hybrid"].work(plan.shape).device_flops
+    outer = Chart(f"hybrid ring level: {ring} groups of {u} devices, {layout.name} layout",
+                  "group", "step",
+                  _grid(plan.mask, groups, lambda g: [groups[(g - i) % ring]
+                                                      for i in range(ring)]),
+                  _relative(work, ring))
+    inner = Chart(f"hybrid Ulysses level: group g's {u} devices each run rows "
+                  f"[g·{u}, (g+1)·{u}) for {plan.shape.heads // u} of {plan.shape.heads} heads",
+                  "query shard", "key shard", _grid(plan.mask, pos, lambda r: pos))
+    return outer, inner
+
+
+#: Schedule name → its picture (a schedule registered elsewhere adds its own entry).
+CHARTS: dict[str, Callable] = {"ring": ring_charts, "allgather": allgather_charts,
+                               "ulysses": ulysses_charts, "hybrid": hybrid_charts}
+
+
+def charts_for(plan, layout: SequenceLayout) -> tuple[Chart, ...] | str:
+    """The charts of ``plan``'s chosen schedule, or a line saying it has none."""
+    draw = CHARTS.get(plan.schedule)
+    if draw is None:
+        return f"no chart for schedule {plan.schedule!r}"
+    return draw(plan, layout)
+
+
+def render_text(chart: Chart) -> str:
+    """The chart as text: a header row of column numbers, one row per grid row, then the
+    work per row relative to the mean and the slowest row."""
+    width = len(chart.row_label) + 4
+    lines = [f"{chart.title} {LEGEND}",
+             f"{chart.column_label:>{width - 1}} "
+             + " ".join(f"{i:>2}" for i in range(len(chart.cells[0])))]
+    lines += [f"{chart.row_label} {r:>2} " + " ".join(f"{c:>2}" for c in row)
+              for r, row in enumerate(chart.cells)]
+    if chart.work:
+        lines.append(f"{'work/mean':<{width}} " + " ".join(f"{w:.2f}" for w in chart.work))
+        lines.append(f"slowest {chart.row_label}: {max(chart.work):.2f}x the mean")
+    return "\n".join(lines)
+
+
 def ring_chart(mask: MaskSpec, layout: SequenceLayout,
                segment_ids: np.ndarray | None = None) -> str:
-    """Rows = devices, columns = ring steps (step ``i`` on device ``r`` holds the KV shard
-    of device ``(r - i) mod cp``), then the work per device relative to the mean; with
-    ``segment_ids`` (``[B, S]``, natural order) both are for that batch."""
-    cp = layout.cp
-    positions = layout.all_positions()
-    lines = [f"ring over {cp} devices, {layout.name} layout "
-             f"({FULL} full, {PARTIAL} partial, {SKIP} skipped, {UNKNOWN} data-dependent)",
-             "          step " + " ".join(f"{i:>2}" for i in range(cp))]
-    for r in range(cp):
-        kinds = [block_kind(mask, positions[r], positions[(r - i) % cp], segment_ids)
-                 for i in range(cp)]
-        lines.append(f"device {r:>2}      " + " ".join(f"{k:>2}" for k in kinds))
-    work_arr = device_work(mask, positions, layout.seq_len, segment_ids)
-    if work_arr is None:
-        return "\n".join(lines)
-    if work_arr.mean() > 0:
-        lines.append("work/mean      " + " ".join(f"{w / work_arr.mean():.2f}" for w in work_arr))
-        lines.append(f"slowest device: {work_arr.max() / work_arr.mean():.2f}x the mean")
+    """The ring's devices × steps grid and the work per device relative to the mean, for
+    one batch: with ``segment_ids`` (``[B, S]``, natural order) blocks and work are those of
+    that data (the planner's charts cannot know them)."""
+    cp, pos = layout.cp, layout.all_positions()
+    work = device_work(mask, pos, layout.seq_len, segment_ids)
+    relative = () if work is None or work.mean() <= 0 else tuple(work / work.mean())
+    return render_text(Chart(
+        f"ring over {cp} devices, {layout.name} layout", "device", "step",
+        _grid(mask, pos, lambda r: [pos[(r - i) % cp] for i in range(cp)], segment_ids),
+        relative))
+
+
+def balance_table(balances) -> str:
+    """Work per layout rank under every candidate layout (all attentions, forward +
+    backward FLOPs after block skipping, relative to the mean)."""
+    lines = ["work per rank by layout (FLOPs over all attentions / mean; * chosen):"]
+    for b in balances:
+        work = np.asarray(b.rank_flops)
+        mean = work.mean() if work.mean() > 0 else 1.0
+        lines.append(f"{'*' if b.chosen else ' '} {b.layout:<10} "
+                     + " ".join(f"{w / mean:.2f}" for w in work)
+                     + f"  max/mean {b.balance:.2f}x")
     return "\n".join(lines)
+
+
+_KIND_VALUES = {SKIP: 0, PARTIAL: 1, FULL: 2, UNKNOWN: 3}
+
+
+def render_png(path: str, charts: list[tuple[str, Chart]], balances) -> None:
+    """Every chart (``(heading, chart)`` pairs) as a colour grid and the work per rank of
+    every layout as grouped bars, in one PNG at ``path``."""
+    try:
+        import matplotlib
+    except ImportError as err:
+        raise PlotError("--png needs matplotlib: pip install cptransform[plot]") from err
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import ListedColormap
+
+    panels = len(charts) + bool(balances)
+    fig, axes = plt.subplots(panels, 1, figsize=(7, 3.2 * panels), squeeze=False)
+    colours = ListedColormap(["#eeeeee", "#f4a261", "#264653", "#bbbbff"])
+    for ax, (heading, chart) in zip(axes[:, 0], charts):
+        grid = np.array([[_KIND_VALUES[c] for c in row] for row in chart.cells])
+        ax.imshow(grid, cmap=colours, vmin=0, vmax=3)
+        ax.set_xticks(range(grid.shape[1]))
+        ax.set_yticks(range(grid.shape[0]))
+        ax.set_title(f"{heading}: {chart.title}", fontsize=8)
+        ax.set_xlabel(chart.column_label)
+        ax.set_ylabel(chart.row_label)
+    if balances:
+        ax = axes[-1, 0]
+        width = 0.8 / len(balances)
+        for i, b in enumerate(balances):
+            ranks = np.arange(len(b.rank_flops))
+            ax.bar(ranks + i * width, b.rank_flops, width,
+                   label=f"{b.layout}{' (chosen)' if b.chosen else ''} {b.balance:.2f}x")
+        ax.set_xticks(np.arange(len(balances[0].rank_flops)) + 0.4 - width / 2)
+        ax.set_xticklabels(range(len(balances[0].rank_flops)))
+        ax.set_title("FLOPs per rank over all attentions, by layout", fontsize=8)
+        ax.set_xlabel("layout rank")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+

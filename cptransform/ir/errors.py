@@ -45,3 +45,7 @@ class PlanError(CPTransformError):
 
 class ReorderError(CPTransformError):
     """An op that the load-balanced layout cannot run (under ``strict``) or cannot wrap."""
+
+
+class PlotError(CPTransformError):
+    """A picture cannot be drawn (``--png`` without matplotlib installed)."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:  # types only: the records are defined in the layers above
+    from cptransform.analysis.load_balance import LayoutBalance
     from cptransform.analysis.match_report import MatchReport
     from cptransform.analysis.seq_axes_summary import SeqAxesSummary
     from cptransform.op.layouts import SequenceLayout
@@ -40,6 +41,7 @@ class Facts:
     seq_axes: SeqAxesSummary | None = None
     plan: tuple[AttentionPlan, ...] | None = None
     layout: SequenceLayout | None = None               # None: contiguous
+    balance: tuple[LayoutBalance, ...] = ()            # one per candidate layout (planner)
     reorder_log: tuple[str, ...] = ()
 
     def has(self, fact: Fact) -> bool:
