@@ -1,6 +1,6 @@
 """``Block``: the per-device operands of one attention, as one pytree.
 
-Every schedule and kernel works on the same nine canonical operands; a :class:`Block`
+Every schedule and kernel works on the same ten canonical operands; a :class:`Block`
 carries them together so that they are sharded, sent, sliced and differentiated as one
 value (``None`` fields are empty subtrees: ``jax.tree`` functions, ``lax.cond``,
 ``custom_vjp`` and ``shard_map`` skip them).
@@ -12,7 +12,10 @@ Shapes (``B`` = all batch dims flattened, a heads dim always present):
 * ``q_seg``/``kv_seg`` ``[B|1, T]`` or ``None``;
 * ``mask`` bool and ``bias`` float ``[B|1, H|1, Tq, Tkv']`` or ``None``, where ``Tkv'`` is
   the block's keys in a kernel call and *all* keys (in layout order) where a schedule
-  receives it; :meth:`Block.columns` narrows one to the other.
+  receives it; :meth:`Block.columns` narrows one to the other;
+* ``topk`` int32 ``[B|1, H|1, Tq, k]`` or ``None``: the global key positions each query
+  may see (a top-k sparse mask). It belongs to the queries: sharded with them, never
+  sent with the keys and never narrowed, since it names positions, not columns.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ KEY_FIELDS = ("k", "v", "kv_pos", "kv_seg")
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Block:
-    """Queries, keys, values, their positions and segment ids, a dense mask and a bias."""
+    """Queries, keys, values, their positions and segment ids, a dense mask, a bias and
+    top-k key positions."""
 
     q: Any = None
     k: Any = None
@@ -42,6 +46,7 @@ class Block:
     kv_seg: Any = None
     mask: Any = None
     bias: Any = None
+    topk: Any = None
 
     def replace(self, **fields) -> "Block":
         """This block with ``fields`` replaced."""

@@ -122,17 +122,25 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
             return x
         return kv_layout.permute(q_layout.permute(x, axis=2), axis=3)
 
+    def query_rows(x):
+        # Top-k indices are global key positions: only their rows follow the queries'
+        # layout; the values are compared with the keys' positions, whatever the layout.
+        x = flatten_batch(x, nb, batch_shape)
+        if x is None or in_layout_order:
+            return x
+        return q_layout.permute(x.astype(jnp.int32), axis=2)
+
     block = Block(
         q=in_order(q, q_layout), k=in_order(k, kv_layout), v=in_order(v, kv_layout),
         q_pos=positions(a["q_positions"], q_layout),
         kv_pos=positions(a["kv_positions"], kv_layout),
         q_seg=in_order(flatten_batch(a["q_segment_ids"], nb, batch_shape), q_layout),
         kv_seg=in_order(flatten_batch(a["kv_segment_ids"], nb, batch_shape), kv_layout),
-        mask=dense(a["mask"]), bias=dense(a["bias"]))
+        mask=dense(a["mask"]), bias=dense(a["bias"]), topk=query_rows(a["topk_indices"]))
     seq = sequence_mesh_axes(axes)
-    # Token operands are sharded on their sequence dim (1), dense ones on their rows (2).
+    # Token operands are sharded on their sequence dim (1), per-pair ones on their rows (2).
     sharding = block.replace(**{
-        name: P(None, None, seq) if name in ("mask", "bias") else P(None, seq)
+        name: P(None, None, seq) if name in ("mask", "bias", "topk") else P(None, seq)
         for name, x in vars(block).items() if x is not None})
     local_spec = spec.replace(q=_CANONICAL, k=_CANONICAL, v=_CANONICAL, positions=True)
 
