@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+from conftest import make_mesh
 from cptransform import attention, context_parallel
 from cptransform.lowering.block import Block
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
@@ -94,6 +95,24 @@ def test_matcher_carries_indices_not_a_mask(rng):
     topk = dict(zip(spec.operand_names(), eqn.invars))["topk_indices"]
     assert topk.aval.shape[-2:] == (S, K) and topk.aval.dtype == jnp.int32
     assert_close(jax.jit(module.as_function())(*args), sparse_loss(*args), RTOL)
+
+
+def test_scatter_of_other_indices_stays_dense(rng):
+    """Indices that are not a top-k's (here an input: any value, negative or out of range)
+    keep the scatter as a dense mask."""
+    q, k, v = (randn(rng, B, S, 2, D) for _ in range(3))
+    idx = jnp.asarray(rng.integers(0, S, (B, S, 3)), jnp.int32)
+
+    def fn(q, k, v, idx):
+        mask = scatter_mask(idx) & (jnp.arange(S)[:, None] >= jnp.arange(S)[None, :])
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        p = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    module = rewrite(fn, q, k, v, idx)
+    (spec,) = specs(module)
+    assert spec.mask.dense and not spec.mask.topk
+    assert_close(jax.jit(module.as_function())(q, k, v, idx), fn(q, k, v, idx), RTOL)
 
 
 @pytest.mark.parametrize("layout", ["none", "zigzag"])
@@ -179,3 +198,14 @@ def test_deepseek_example_matches_one_device():
     from examples import deepseek_sparse
 
     assert deepseek_sparse.demo(seq=16, batch=1, schedule="ring")
+
+
+def test_hybrid_matches_one_device(rng):
+    args = inputs(rng)
+    mesh = make_mesh((2, 4), ("uly", "ring"))
+    fn = context_parallel(mesh=mesh, axis=("uly", "ring"), schedule="hybrid",
+                          load_balance="zigzag")(sparse_loss)
+    assert relative(fn(*args), sparse_loss(*args)) <= RTOL
+    got = jax.grad(fn, argnums=tuple(range(6)))(*args)
+    want = jax.grad(sparse_loss, argnums=tuple(range(6)))(*args)
+    assert all(relative(g, w) <= RTOL for g, w in zip(got, want))

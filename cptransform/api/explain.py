@@ -20,7 +20,8 @@ def balance_line(mask: MaskSpec, layout, seq_len: int, cp: int) -> str:
             continue
         work = device_work(mask, lay.all_positions(), seq_len)
         if work is None:
-            return "load balance: depends on the data (segment ids / dense mask)"
+            return ("load balance: depends on the data (segment ids / dense mask / top-k "
+                    "indices)")
         rows.append(f"{name} {work.max() / work.mean():.2f}x")
     return "load balance (slowest device / mean): " + ", ".join(rows)
 

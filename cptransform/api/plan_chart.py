@@ -13,21 +13,21 @@ FULL, PARTIAL, SKIP, UNKNOWN = "#", "+", ".", "?"
 def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray) -> str:
     """Classify one (query shard, key shard) block by the band mask on positions.
 
-    Segment ids and dense masks depend on data: such blocks are ``?`` unless the band
-    already hides them entirely."""
-    band_only = mask.replace(segments=False, dense=False, bias=False)
+    Segment ids, dense masks and top-k indices depend on data: such blocks are ``?``
+    unless the band already hides them entirely."""
+    band_only = mask.replace(segments=False, dense=False, bias=False, topk=False)
     seen = np.asarray(visible(band_only, q_pos[None], kv_pos[None]))
     if not seen.any():
         return SKIP
-    if mask.segments or mask.dense:
+    if mask.segments or mask.dense or mask.topk:
         return UNKNOWN
     return FULL if seen.all() else PARTIAL
 
 
 def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int) -> np.ndarray | None:
     """Visible (query, key) pairs per device (rows of ``positions``) under a band mask;
-    ``None`` when the mask also depends on data (segment ids or a dense mask)."""
-    if mask.segments or mask.dense:
+    ``None`` when the mask also depends on data (segment ids, a dense mask, top-k)."""
+    if mask.segments or mask.dense or mask.topk:
         return None
     lo, hi = mask.band()
     q = positions.astype(np.int64)
