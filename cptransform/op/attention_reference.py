@@ -7,6 +7,7 @@ partial results can be merged exactly. :func:`attention_reference` is the whole
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -41,12 +42,23 @@ def visible(mask_spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, dense=N
 def selected(topk, kv_pos):
     """Boolean ``[B|1, H|1, Tq, Tkv]``: key ``j`` is one of the query's top-k positions.
 
-    A comparison of every index with every key of the tile (``Tq·Tkv·k`` booleans for the
-    tile, never ``S×S`` beyond it); a repeated index selects its key once, as a scatter of
-    True would.
+    Each query's indices are sorted and every key position looked up in them (a binary
+    search), so the memory is the tile plus the indices (never ``Tq·Tkv·k``); a repeated
+    index selects its key once, as a scatter of True would.
     """
-    hits = topk[..., :, None, :] == kv_pos[:, None, None, :, None]
-    return jnp.any(hits, axis=-1)
+    srt = jnp.sort(topk, axis=-1)
+    b = max(srt.shape[0], kv_pos.shape[0])
+    srt = jnp.broadcast_to(srt, (b, *srt.shape[1:]))
+    kv = jnp.broadcast_to(kv_pos, (b, kv_pos.shape[-1])).astype(srt.dtype)
+    last = srt.shape[-1] - 1
+
+    def row(indices, keys):
+        at = jnp.minimum(jnp.searchsorted(indices, keys), last)
+        return indices[at] == keys
+
+    per_query = jax.vmap(row, in_axes=(0, None))          # over Tq
+    per_head = jax.vmap(per_query, in_axes=(0, None))     # over H|1
+    return jax.vmap(per_head)(srt, kv)                    # over B
 
 
 def logits(spec: AttentionSpec, q, k, bias=None):

@@ -84,7 +84,8 @@ class Candidate:
     @property
     def kinds(self) -> tuple:
         """The mask parts for the match report."""
-        return tuple(k for k in self.mask_kinds if k != "dense" or self.dense) \
+        return tuple(k for k in self.mask_kinds if (k != "dense" or self.dense)
+                     and (k != "topk" or self.topk is not None)) \
             + (("padding",) if self.q_pads or self.kv_pads else ()) \
             + (("bias",) if self.biases else ())
 
@@ -157,11 +158,11 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     q_pads = tuple(d for d in parts.dense if _only_on(d, batch, q_seq))
     kv_pads = tuple(d for d in parts.dense if d not in q_pads and _only_on(d, batch, qk.kv))
     dense = tuple(d for d in parts.dense if d not in q_pads and d not in kv_pads)
-    topk = parts.topk
+    topk, kinds = parts.topk, parts.kinds
     if topk is not None and q_seq not in topk.indices.dims:
         # Indices shared by every query are no per-query selection: keep the mask as data.
         dense += (as_dense(topk, topk.origin),)
-        topk = None
+        topk, kinds = None, kinds if "dense" in kinds else kinds + ("dense",)
     return Candidate(
         root=pv.root, out=pv.out,
         q=Operand(q_in, _labels_of(qk.q_dims, qk.q_contract, Q_FEATURE, q_in)),
@@ -171,7 +172,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         sizes=sizes, out_labels=out_labels, scale=scale, softcap=softcap,
         biases=tuple(biases), empty_rows=rows, band=parts.band,
         segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
-        groups=hq // hk, mask_kinds=parts.kinds,
+        groups=hq // hk, mask_kinds=kinds,
         topk=None if topk is None else topk.indices)
 
 
