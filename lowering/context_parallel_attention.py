@@ -59,7 +59,8 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
       schedule: a name in :func:`~cptransform.lowering.schedule.schedules` (``ring``,
         ``ulysses``, ``allgather``, ``hybrid``).
       layout: ``contiguous``, ``zigzag`` or ``striped`` (which positions each rank holds).
-      kernel: local-step kernel, ``xla``, ``pallas`` or ``auto``.
+      kernel: local-step kernel, ``xla``, ``pallas`` or ``auto`` (``xla`` for a top-k
+        mask, which the Pallas kernels refuse).
       in_layout_order: the sequence axes of the operands (and of the output) are already in
         layout order; positions, if given, are then the positions of that order.
 
@@ -79,7 +80,9 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
             f"got {axes}; {MESH_AXES_HINT[want]}")
     if layout not in LAYOUTS:
         raise ContextParallelError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
-    local_kernel = get_kernel(kernel)
+    # "auto" means the fastest kernel that computes this mask: the Pallas kernels do not
+    # read top-k indices, the chunked XLA kernel does.
+    local_kernel = get_kernel("xla" if kernel == "auto" and spec.mask.topk else kernel)
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing or not axes:
         raise ContextParallelError(
