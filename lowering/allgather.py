@@ -3,7 +3,8 @@
 Forward, per device over a mesh axis of ``n`` devices: all-gathers of K, V, kv positions
 (and kv segment ids), ``(n-1)·B·Tkv_loc`` rows each; then one local kernel call of the
 local queries against all keys. Dense masks and biases already hold every key column
-(in layout order, the order of the gathered keys), so they stay local.
+(in layout order, the order of the gathered keys), so they stay local; so do top-k
+indices, which name the global positions that the gathered keys carry.
 
 Backward (a ``custom_vjp``): the kernel backward gives dQ (local) and dK, dV for *all*
 keys from the local queries; a reduce-scatter (``psum_scatter``) sums them over the

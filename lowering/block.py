@@ -16,6 +16,9 @@ Shapes (``B`` = all batch dims flattened, a heads dim always present):
 * ``sinks`` float ``[B|1, H]`` or ``None``: replicated over the CP devices. Only schedules
   read it (:func:`~cptransform.op.attention_reference.merge_sinks` once per row, after all
   keys are merged); kernels receive blocks without it.
+* ``topk`` int32 ``[B|1, H|1, Tq, k]`` or ``None``: the global key positions each query
+  may see (a top-k sparse mask). It belongs to the queries: sharded with them, never
+  sent with the keys and never narrowed, since it names positions, not columns.
 """
 from __future__ import annotations
 
@@ -34,8 +37,8 @@ KEY_FIELDS = ("k", "v", "kv_pos", "kv_seg")
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class Block:
-    """Queries, keys, values, their positions and segment ids, a dense mask, a bias and the
-    sinks."""
+    """Queries, keys, values, their positions and segment ids, a dense mask, a bias, the
+    sinks and top-k key positions."""
 
     q: Any = None
     k: Any = None
@@ -47,6 +50,7 @@ class Block:
     mask: Any = None
     bias: Any = None
     sinks: Any = None
+    topk: Any = None
 
     def replace(self, **fields) -> "Block":
         """This block with ``fields`` replaced."""

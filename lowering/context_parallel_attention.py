@@ -61,7 +61,8 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
       schedule: a name in :func:`~cptransform.lowering.schedule.schedules` (``ring``,
         ``ulysses``, ``allgather``, ``hybrid``).
       layout: ``contiguous``, ``zigzag`` or ``striped`` (which positions each rank holds).
-      kernel: local-step kernel, ``xla``, ``pallas`` or ``auto``.
+      kernel: local-step kernel, ``xla``, ``pallas`` or ``auto`` (``xla`` for a top-k
+        mask, which the Pallas kernels refuse).
       in_layout_order: the sequence axes of the operands (and of the output) are already in
         layout order; positions, if given, are then the positions of that order.
 
@@ -81,7 +82,9 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
             f"got {axes}; {MESH_AXES_HINT[want]}")
     if layout not in LAYOUTS:
         raise ContextParallelError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
-    local_kernel = get_kernel(kernel)
+    # "auto" means the fastest kernel that computes this mask: the Pallas kernels do not
+    # read top-k indices, the chunked XLA kernel does.
+    local_kernel = get_kernel("xla" if kernel == "auto" and spec.mask.topk else kernel)
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing or not axes:
         raise ContextParallelError(
@@ -128,6 +131,14 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
             return x
         return kv_layout.permute(q_layout.permute(x, axis=2), axis=3)
 
+    def query_rows(x):
+        # Top-k indices are global key positions: only their rows follow the queries'
+        # layout; the values are compared with the keys' positions, whatever the layout.
+        x = flatten_batch(x, nb, batch_shape)
+        if x is None or in_layout_order:
+            return x
+        return q_layout.permute(x.astype(jnp.int32), axis=2)
+
     block = Block(
         q=in_order(q, q_layout), k=in_order(k, kv_layout), v=in_order(v, kv_layout),
         q_pos=positions(a["q_positions"], q_layout),
@@ -135,13 +146,13 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
         q_seg=in_order(flatten_batch(a["q_segment_ids"], nb, batch_shape), q_layout),
         kv_seg=in_order(flatten_batch(a["kv_segment_ids"], nb, batch_shape), kv_layout),
         mask=dense(a["mask"]), bias=dense(a["bias"]),
-        sinks=flatten_batch(a["sinks"], nb, batch_shape))
+        sinks=flatten_batch(a["sinks"], nb, batch_shape), topk=query_rows(a["topk_indices"]))
     seq = sequence_mesh_axes(axes)
-    # Token operands are sharded on their sequence dim (1), dense ones on their rows (2);
+    # Token operands are sharded on their sequence dim (1), per-pair ones on their rows (2);
     # the sinks have no sequence dim: every device holds them all.
     sharding = block.replace(**{
         name: P() if name == "sinks" else
-        P(None, None, seq) if name in ("mask", "bias") else P(None, seq)
+        P(None, None, seq) if name in ("mask", "bias", "topk") else P(None, seq)
         for name, x in vars(block).items() if x is not None})
     local_spec = spec.replace(q=_CANONICAL, k=_CANONICAL, v=_CANONICAL, positions=True,
                               layout=layout)

@@ -15,14 +15,17 @@ skip about half the work and zigzag exactly the empty half-blocks (each zigzag r
 two chunks of the sequence, which never share a kernel chunk).
 
 Dense masks and biases hold all key columns (in layout order); step ``i`` reads the column
-block of its source rank ``(r - i) mod cp``.
+block of its source rank ``(r - i) mod cp``. Top-k indices are global key positions of the
+local queries: they never travel; each step compares them with the positions of the block
+it holds, and the kernel skips the chunks no index falls in.
 
 Communication, per device (``Tkv_loc`` local keys, ``B`` batch, element sizes in bytes):
 
 * forward: ``cp - 1`` collective-permutes of K and V (concatenated on the feature dim into
   one send when they share a dtype), of the kv positions (only when the
   mask reads them: causal or window) and the kv segment ids (with a segment mask):
-  ``(cp-1)·Tkv_loc·(B·Hkv·(D·|k| + Dv·|v|) [+ B_pos·|pos|] [+ B_seg·|seg|])`` bytes, where
+  ``(cp-1)·Tkv_loc·(B·Hkv·(D·|k| + Dv·|v|) [+ B_pos·|pos|] [+ B_seg·|seg|])`` bytes (the
+  positions also travel under a top-k mask), where
   ``B_pos``/``B_seg`` are 1 for positions / segment ids shared by the batch;
 * backward: the same ``cp - 1`` rotations of K, V, positions and segment ids, plus ``cp``
   rotations of the float32 dK and dV accumulators (one send, concatenated), which travel
@@ -81,9 +84,10 @@ def unpacked(kv, d: int):
 
 def _travelling(spec, block: Block):
     """What moves around the ring: packed K/V, segment ids, and the kv positions only when
-    the mask reads them (causal or window); positions not sent are stood in for by the
-    local ones on arrival (:meth:`Block.with_keys`)."""
-    reads_positions = spec.mask.band() != (None, None)
+    the mask reads them (causal, window or top-k); positions not sent are stood in for by
+    the local ones on arrival (:meth:`Block.with_keys`). Top-k indices stay: they belong
+    to the queries and are compared with the arriving keys' positions."""
+    reads_positions = spec.mask.band() != (None, None) or spec.mask.topk
     return (packed(block.k, block.v),
             Block(kv_pos=block.kv_pos if reads_positions else None, kv_seg=block.kv_seg))
 

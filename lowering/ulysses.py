@@ -15,7 +15,9 @@ all-gather of K and V.
 
 Dense masks and biases ``[B, H|1, Tq/n, Tkv]`` become ``[B, H/n|1, Tq, Tkv]`` (an all-to-all
 over heads, or an all-gather of the query rows when the heads dim is 1); they are the
-largest thing Ulysses moves when present (``Tq·Tkv`` per head).
+largest thing Ulysses moves when present (``Tq·Tkv`` per head). Top-k indices
+``[B, H|1, Tq/n, k]`` move the same way (``Tq·k`` per head): they are key positions, which
+the gathered keys still carry.
 
 Backward: JAX transposes the all-to-alls into all-to-alls (the same four volumes); the
 local attention is a ``custom_vjp`` over the kernel whose residuals are q, k, v, o and lse,
@@ -71,7 +73,8 @@ def gather_sequence(x, axis: str):
 
 
 def dense_to_heads(x, axis: str, n: int):
-    """A mask or bias ``[B|1, H|1, Tq/n, Tkv]`` → ``[B|1, H/n|1, Tq, Tkv]``."""
+    """A mask or bias ``[B|1, H|1, Tq/n, Tkv]`` → ``[B|1, H/n|1, Tq, Tkv]`` (top-k indices
+    ``[.., Tq/n, k]`` likewise)."""
     if x is None:
         return None
     if x.shape[1] == 1:
@@ -108,7 +111,8 @@ def ulysses_around(inner, block: Block, *, spec, axis: str):
         v=sequence_to_heads(v, axis), q_pos=gather_sequence(block.q_pos, axis),
         kv_pos=gather_sequence(block.kv_pos, axis), q_seg=gather_sequence(block.q_seg, axis),
         kv_seg=gather_sequence(block.kv_seg, axis), mask=dense_to_heads(block.mask, axis, n),
-        bias=dense_to_heads(block.bias, axis, n), sinks=heads_of(block.sinks, axis, n))
+        bias=dense_to_heads(block.bias, axis, n), sinks=heads_of(block.sinks, axis, n),
+        topk=dense_to_heads(block.topk, axis, n))
     o = inner(heads_sharded, spec)
     return heads_to_sequence(o.astype(block.q.dtype), axis)
 

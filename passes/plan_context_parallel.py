@@ -273,7 +273,7 @@ class PlanContextParallel(Pass):
         times = [next((x.time_s for x in p.predictions if x.schedule == p.schedule), None)
                  for p in plans]
         time_s = None if None in times else sum(times)
-        data = any(p.mask.segments or p.mask.dense for p in plans)
+        data = any(p.mask.segments or p.mask.dense or p.mask.topk for p in plans)
         balance = LayoutBalance(layout, tuple(p.schedule for p in plans),
                                 tuple(float(f) for f in flops), time_s, data)
         return LayoutPlan(balance, plans, mesh, axes, log)

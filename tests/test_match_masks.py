@@ -103,7 +103,8 @@ def test_dense_input_mask(rng):
 
 
 def test_topk_indexer_mask(rng):
-    """A sparse-attention indexer: top-k of scores scattered into a boolean mask."""
+    """A sparse-attention indexer: top-k of scores scattered into a boolean mask becomes
+    the top-k indices (no S×S operand)."""
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     w = randn(rng, D, 4)
 
@@ -116,7 +117,7 @@ def test_topk_indexer_mask(rng):
         return attend(q, k, v, mask[:, None] & jnp.tril(jnp.ones((T, T), bool)))
 
     (spec,) = specs(check(fn, q, k, v))
-    assert spec.mask.dense and spec.mask.causal
+    assert spec.mask.topk and spec.mask.causal and not spec.mask.dense
 
 
 def test_additive_bias_from_data(rng):

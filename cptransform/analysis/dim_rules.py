@@ -201,6 +201,25 @@ def link_sort(eqn) -> list[Link]:
             for d in range(x.aval.ndim)]
 
 
+def top_k_axis(eqn) -> int:
+    """The dim a ``top_k`` selects along (its ``axis`` param; the last dim where JAX has
+    none)."""
+    nd = eqn.invars[0].aval.ndim
+    return eqn.params.get("axis", nd - 1) % nd
+
+
+def link_top_k(eqn) -> list[Link]:
+    """The operand's dims other than the selected one to both results' (values and
+    indices); the ``k`` dim of the results is new."""
+    x, axis = eqn.invars[0], top_k_axis(eqn)
+    return [(x, d, out, d) for out in eqn.outvars for d in range(x.aval.ndim) if d != axis]
+
+
+def acts_on_top_k(eqn) -> list[set[int]]:
+    """A ``top_k`` reads across its selected dim."""
+    return [{top_k_axis(eqn)}]
+
+
 def link_concatenate(eqn) -> list[Link]:
     """Every operand keeps its dims."""
     out = eqn.outvars[0]

@@ -13,6 +13,10 @@ the value's dims tied to a top dim (or to none, for a size-1 dim that is broadca
   affine expressions turn into half-planes, and/or/not combine them), :class:`Const`,
   :class:`Segments` (``x[.., a, ..] == y[.., b, ..]`` of two data values) and
   :class:`Dense` (anything else: the mask is data), and :class:`And` of those;
+* :class:`TopK`: a boolean ``scatter`` of True into all-False whose indices are iotas
+  along every dim but one, and a ``lax.top_k``'s indices along that one (what
+  ``zeros.at[b, q, idx].set(True)`` and ``put_along_axis`` trace to): the key positions a
+  sparse-attention indexer selected;
 * :class:`Indicator`: a number that is ``on_true`` where a predicate holds and
   ``on_false`` elsewhere (``mask.astype(f32)``, ``1 - m``, ``where(m, 0, -1e9)``);
 * :class:`Opaque`: a value we do not look into (a function input, a data computation),
@@ -31,9 +35,9 @@ import numpy as np
 
 from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.intervals import complement, normalize
-from cptransform.analysis.mask_values import (AbsAffine, Affine, Band, Const, Dense, DimMap,
-                                              Indicator, Opaque, Pred, Scalar, Segments,
-                                              p_and, p_not, p_or)
+from cptransform.analysis.mask_values import (TOPK_DIM, AbsAffine, Affine, Band, Const, Dense,
+                                              DimMap, Indicator, Opaque, Pred, Scalar,
+                                              Segments, TopK, p_and, p_not, p_or)
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
@@ -134,10 +138,73 @@ class MaskAnalyzer:
             if name == "not":
                 return p_not(ps[0], here)
             return p_and(ps[0], ps[1], here) if name == "and" else p_or(ps[0], ps[1], here)
+        wrapped = _unwrapped_index(g, eqn)
+        if wrapped is not None:
+            inner = self.analyze(wrapped, dims)
+            # ``x if x >= 0 else x + n`` is ``x`` for an index that cannot be negative.
+            if isinstance(inner, Affine) and inner.const >= 0 \
+                    and all(c > 0 for _, c in inner.coeffs):
+                return inner
+        if name == "scatter" and compat.aval_of(atom).dtype == np.bool_:
+            found = self._topk_scatter(eqn, dims, here)
+            if found is not None:
+                return found
         if name == "select_n" and len(ins) == 3 and compat.aval_of(ins[0]).dtype == np.bool_:
             return self._select(self.predicate(ins[0], dims), self.analyze(ins[1], dims),
                                 self.analyze(ins[2], dims), atom, here)
         return self._opaque(atom, here)
+
+    def _topk_scatter(self, eqn, dims: DimMap, here: Opaque) -> TopK | None:
+        """The :class:`TopK` a boolean scatter of True into all-False computes, or None.
+
+        Every operand dim must be indexed by one scatter index component: an iota along
+        one update dim (``arange`` broadcast, what advanced indexing and
+        ``put_along_axis`` build) or, for exactly one dim, the indices output of a
+        ``top_k`` whose other dims are those update dims and whose ``k`` dim is the one
+        update dim no iota names. Anything else is data (None).
+        """
+        operand, indices, updates = eqn.invars
+        dn = eqn.params["dimension_numbers"]
+        nd = len(compat.aval_of(operand).shape)
+        upd_shape = compat.aval_of(updates).shape
+        if dn.update_window_dims or dn.operand_batching_dims \
+                or sorted(dn.inserted_window_dims) != list(range(nd)) \
+                or sorted(dn.scatter_dims_to_operand_dims) != list(range(nd)) \
+                or compat.aval_of(indices).shape != (*upd_shape, nd):
+            return None
+        if self.predicate(operand, dims) != Const(value=False) \
+                or self.predicate(updates, (None,) * len(upd_shape)) != Const(value=True):
+            return None
+        components = _index_components(self.graph, indices, nd)
+        if components is None:
+            return None
+        # Update dim u is labelled -1 - u while reading the components (no top dim is < 0).
+        upd_dims = tuple(-1 - u for u in range(len(upd_shape))) + (None,)
+        op_shape = compat.aval_of(operand).shape
+        by_update: dict[int, int] = {}
+        key = None
+        for component, d in zip(components, dn.scatter_dims_to_operand_dims):
+            value = self.analyze(component, upd_dims)
+            if isinstance(value, Affine) and value.const == 0 and len(value.coeffs) == 1 \
+                    and value.coeffs[0][1] == 1 and -1 - value.coeffs[0][0] not in by_update:
+                u = -1 - value.coeffs[0][0]
+                if upd_shape[u] != op_shape[d]:
+                    return None
+                by_update[u] = d
+                continue
+            selected = _topk_indices(self.graph, component, upd_shape)
+            if selected is None or key is not None or dims[d] is None:
+                return None
+            key = (selected, d)
+        if key is None:
+            return None
+        (top_k_indices, k_dim), key_d = key
+        if set(by_update) | {k_dim} != set(range(len(upd_shape))) or k_dim in by_update:
+            return None
+        idx_dims = tuple(TOPK_DIM if u == k_dim else dims[by_update[u]]
+                         for u in range(len(upd_shape)))
+        return TopK(indices=Opaque.of(top_k_indices, idx_dims), key_dim=dims[key_d],
+                    origin=here)
 
     @staticmethod
     def _opaque(atom: Any, here: Opaque) -> Any:
@@ -254,6 +321,59 @@ class MaskAnalyzer:
         else:
             return self._opaque(atom, here)
         return out if is_bool else Indicator(out, 1, 0)
+
+
+def _unwrapped_index(graph: Graph, eqn) -> Any:
+    """``x`` when ``eqn`` is ``select_n(x < 0, x, x + n)`` (how ``jnp`` indexing wraps
+    negative indices), else None."""
+    if eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
+        return None
+    pred, x, wrapped = eqn.invars
+    test, plus = graph.producer(pred), graph.producer(wrapped)
+    if test is None or plus is None or test.primitive.name != "lt" \
+            or plus.primitive.name != "add" or test.invars[0] is not x \
+            or plus.invars[0] is not x or not compat.is_literal(test.invars[1]) \
+            or compat.literal_value(test.invars[1]) != 0 or not compat.is_literal(plus.invars[1]):
+        return None
+    return x
+
+
+def _index_components(graph: Graph, indices: Any, n: int) -> list | None:
+    """The ``n`` scatter index components (each ``[..., 1]``) that a concatenate along the
+    last dim builds ``indices`` from, or None."""
+    eqn = graph.producer(indices)
+    if eqn is None or eqn.primitive.name != "concatenate" \
+            or eqn.params["dimension"] != len(compat.aval_of(indices).shape) - 1 \
+            or any(compat.aval_of(x).shape[-1] != 1 for x in eqn.invars) \
+            or len(eqn.invars) != n:
+        return None
+    return list(eqn.invars)
+
+
+def _topk_indices(graph: Graph, component: Any, upd_shape: tuple) -> tuple | None:
+    """``(indices, k_dim)`` when ``component`` (``[*upd_shape, 1]``) is the indices output
+    of a ``top_k`` of shape ``upd_shape`` (its ``k`` dim ``k_dim``), through the trailing
+    unit dim and the negative-index wrap, else None."""
+    atom = component
+    while True:
+        eqn = graph.producer(atom)
+        if eqn is None:
+            return None
+        name = eqn.primitive.name
+        if name == "broadcast_in_dim" and compat.aval_of(eqn.invars[0]).shape == upd_shape \
+                and tuple(eqn.params["broadcast_dimensions"]) == tuple(range(len(upd_shape))):
+            atom = eqn.invars[0]
+        elif name in _PASS_THROUGH or (name in _UNIT_RESHAPES and compat.aval_of(
+                eqn.invars[0]).shape == upd_shape):
+            atom = eqn.invars[0]
+        elif _unwrapped_index(graph, eqn) is not None:
+            atom = _unwrapped_index(graph, eqn)
+        elif name == "top_k" and atom is eqn.outvars[1] \
+                and compat.aval_of(atom).shape == upd_shape:
+            nd = len(upd_shape)
+            return atom, eqn.params.get("axis", nd - 1) % nd
+        else:
+            return None
 
 
 def _as_bool(value: Any, is_bool: bool) -> Pred | None:

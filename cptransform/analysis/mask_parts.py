@@ -1,7 +1,8 @@
 """What a visibility predicate means for an attention: the parts of its ``MaskSpec``.
 
 A band on ``kv - q`` becomes causal/window bounds, one ``q_ids[q] == kv_ids[kv]``
-comparison becomes segment ids, and everything else stays dense (data to be and-ed).
+comparison becomes segment ids, one top-k scatter along the key dim becomes top-k indices,
+and everything else stays dense (data to be and-ed).
 """
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from cptransform.analysis.intervals import intersect, normalize
-from cptransform.analysis.mask_values import (Band, Const, Dense, Opaque, Pred, Segments,
-                                              as_dense, conjuncts)
+from cptransform.analysis.mask_values import (TOPK_DIM, Band, Const, Dense, Opaque, Pred,
+                                              Segments, TopK, as_dense, conjuncts)
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,8 @@ class MaskParts:
     ``band``: bounds ``(lo, hi)`` on ``kv - q`` (None: open) or None; ``q_dim``: the top
     dim that is the query position (None when no analytic part says); ``segments``:
     ``(q_ids, kv_ids)`` opaque values; ``dense``: predicates kept as data (each
-    :class:`Dense`, to be and-ed); ``kinds``: names of the parts found, for reports.
+    :class:`Dense`, to be and-ed); ``topk``: the :class:`TopK` whose indices select the
+    keys (or None); ``kinds``: names of the parts found, for reports.
     """
 
     band: tuple | None
@@ -28,6 +30,7 @@ class MaskParts:
     segments: tuple | None
     dense: tuple
     kinds: tuple
+    topk: TopK | None = None
 
 
 def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[[int], int],
@@ -42,6 +45,7 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
     dense: list[Dense] = []
     bands: list[Band] = []
     segs: list[Segments] = []
+    topks: list[TopK] = []
     kinds: list[str] = []
     q_dim: int | None = None
     for term in conjuncts(pred):
@@ -57,6 +61,13 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
                     normalize(tuple((None if hi is None else -hi, None if lo is None else -lo)
                                      for lo, hi in term.intervals))
                 bands.append(Band(qd, kv_dim, ivs, origin=term.origin))
+            else:
+                dense.append(as_dense(term, term.origin))
+        elif isinstance(term, TopK):
+            used = {d for d in term.indices.dims if d not in (None, TOPK_DIM)}
+            if term.key_dim == kv_dim and kv_dim not in used and not topks \
+                    and used <= set(batch_dims) | set(q_dims):
+                topks.append(term)
             else:
                 dense.append(as_dense(term, term.origin))
         elif isinstance(term, Segments):
@@ -93,10 +104,12 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
                     kinds.append(f"window({-lo})")
     if segs:
         kinds.append("segments")
+    if topks:
+        kinds.append("topk")
     if dense:
         kinds.append("dense")
     return MaskParts(band, q_dim, (segs[0].x, segs[0].y) if segs else None, tuple(dense),
-                     tuple(kinds))
+                     tuple(kinds), topks[0] if topks else None)
 
 
 def _segment_sides(term: Segments, q_dims, kv_dim, batch_dims, q_dim):

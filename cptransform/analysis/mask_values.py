@@ -100,6 +100,21 @@ class Dense(Pred):
     negated: bool = False
 
 
+#: The label of a top-k indices value's ``k`` dim in its :class:`Opaque` dim map (it is
+#: no top dim: the indices list key positions along it).
+TOPK_DIM = "topk"
+
+
+@dataclass(frozen=True)
+class TopK(Pred):
+    """Key ``index[key_dim]`` is one of ``indices[.., :]``: a boolean scatter of True into
+    all-False at a top-k's indices along ``key_dim`` (the dims of ``indices`` map to top
+    dims, its ``k`` dim to :data:`TOPK_DIM`)."""
+
+    indices: Opaque | None = None
+    key_dim: int | None = None
+
+
 @dataclass(frozen=True)
 class And(Pred):
     """All of ``terms``."""

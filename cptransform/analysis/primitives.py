@@ -20,11 +20,13 @@ import numpy as np
 from cptransform.analysis.dim_rules import (ActsOn, Link, LinkRule, acts_on_contracting,
                                             acts_on_dynamic_slice, acts_on_gather,
                                             acts_on_nothing, acts_on_pad, acts_on_param,
-                                            acts_on_params, acts_on_slice, link_attention,
+                                            acts_on_params, acts_on_slice, acts_on_top_k,
+                                            link_attention,
                                             link_broadcast_in_dim, link_concatenate,
                                             link_dot_general, link_dropping, link_gather,
                                             link_reshape, link_same_dims, link_slice_like,
-                                            link_sort, link_split, link_transpose)
+                                            link_sort, link_split, link_top_k,
+                                            link_transpose)
 from cptransform.op.attention import attention_p
 
 
@@ -143,6 +145,10 @@ PRIMS["split"] = PrimFacts(Family.INDEXING, link_split, acts_on_param("axis"))
 PRIMS["rev"] = PrimFacts(Family.INDEXING, link_same_dims, acts_on_params("dimensions"))
 # A sort permutes along its dimension by value; its other dims keep their order.
 PRIMS["sort"] = PrimFacts(Family.INDEXING, link_sort, acts_on_param("dimension"))
+# A top-k answers with positions along its dim (like argmax): reordering the sequence there
+# changes them, so it runs in natural order; its other dims (a sparse indexer's queries)
+# keep their order.
+PRIMS["top_k"] = PrimFacts(Family.INDEXING, link_top_k, acts_on_top_k)
 
 for _name, _kind in {"pjit": CallKind.JIT, "jit": CallKind.JIT,
                      "closed_call": CallKind.CALL, "core_call": CallKind.CALL,

@@ -5,7 +5,7 @@ is dim 2 of y"); a table keyed by primitive gives those relations. They form an 
 graph over ``(value, dim)`` pairs that reaches into sub-jaxprs (scan carries, remat and
 custom-derivative bodies, cond branches, while loops). The sequence axis is the connected
 component seeded by each attention's q/k/v/out sequence dims (and the two sequence dims of
-its mask and bias). Sizes are never used to guess: a dim is sequence-carrying only if the
+its mask and bias, the query dim of its top-k indices). Sizes are never used to guess: a dim is sequence-carrying only if the
 program's dataflow connects it to attention.
 """
 from __future__ import annotations
@@ -37,6 +37,8 @@ def attention_seeds(eqn) -> list[tuple[Any, int]]:
         if name in operands:
             nd = operands[name].aval.ndim
             seeds += [(operands[name], nd - 2), (operands[name], nd - 1)]
+    if "topk_indices" in operands:  # its rows are queries; its k dim is no sequence
+        seeds.append((operands["topk_indices"], operands["topk_indices"].aval.ndim - 2))
     return [(a, d) for a, d in seeds if not compat.is_literal(a) and a.aval.shape[d] != 1]
 
 

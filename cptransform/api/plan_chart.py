@@ -31,17 +31,17 @@ def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
                segment_ids: np.ndarray | None = None) -> str:
     """Classify one (query shard, key shard) block by the band mask on positions.
 
-    Segment ids and dense masks depend on data: such blocks are ``?`` unless the band
+    Segment ids, dense masks and top-k indices depend on data: such blocks are ``?`` unless the band
     already hides them entirely — or, for segments, unless ``segment_ids`` (``[B, S]`` in
     natural order) gives the data: then the block is classified for that batch."""
     data = mask.segments and segment_ids is not None
-    known = mask.replace(segments=data, dense=False, bias=False)
+    known = mask.replace(segments=data, dense=False, bias=False, topk=False)
     seg = np.asarray(segment_ids) if data else None
     seen = np.asarray(visible(known, q_pos[None], kv_pos[None],
                               seg[:, q_pos] if data else None, seg[:, kv_pos] if data else None))
     if not seen.any():
         return SKIP
-    if mask.dense or (mask.segments and not data):
+    if mask.dense or mask.topk or (mask.segments and not data):
         return UNKNOWN
     return FULL if seen.all() else PARTIAL
 
@@ -49,10 +49,10 @@ def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
 def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
                 segment_ids: np.ndarray | None = None) -> np.ndarray | None:
     """Visible (query, key) pairs per device (rows of ``positions``); ``None`` when the mask
-    depends on data not given: a dense mask, or segment ids without ``segment_ids``
+    depends on data not given: a dense mask, top-k indices, or segment ids without ``segment_ids``
     (``[B, S]`` in natural order; the pairs are then summed over the batch, counted on a
     ``[B, S, S]`` array: for inspecting example-sized batches)."""
-    if mask.dense or (mask.segments and segment_ids is None):
+    if mask.dense or mask.topk or (mask.segments and segment_ids is None):
         return None
     if mask.segments:
         seg = np.asarray(segment_ids)

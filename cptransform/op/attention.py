@@ -84,6 +84,15 @@ def _check_shapes(spec: AttentionSpec, avals) -> None:
         expect("sinks", "(*batch, heads)", (hq,))
     if a["mask"] is not None and a["mask"].dtype != jnp.bool_:
         raise AttentionShapeError(f"mask must be boolean, got {a['mask'].dtype}")
+    topk = a["topk_indices"]
+    if topk is not None:
+        if topk.ndim < 2 or topk.shape[-2] != tq:
+            raise AttentionShapeError(
+                f"topk_indices has shape {topk.shape}; its last two dims must be (q length "
+                f"{tq}, k)")
+        expect("topk_indices", "(*batch, heads|1, Tq, k)", (hq, tq, None))
+        if not jnp.issubdtype(topk.dtype, jnp.integer):
+            raise AttentionShapeError(f"topk_indices must be integer, got {topk.dtype}")
 
 
 def _abstract_eval(*avals, spec: AttentionSpec):
@@ -146,7 +155,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
               window: tuple[int | None, int | None] | None = None,
               segment_ids=None, scale: float | None = None, softcap: float | None = None,
               layout: str | None = None, positions=None, empty_rows: str = "zero",
-              sinks=None):
+              sinks=None, topk_indices=None):
     """Attention over ``q``, ``k``, ``v`` as one ``attention_p`` equation.
 
     Args:
@@ -167,6 +176,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
       sinks: float ``[heads]`` (or ``[batch, heads]``): one extra logit per query head in
         each row's softmax whose value is 0 (gpt-oss attention sinks; see
         :class:`AttentionSpec`).
+      topk_indices: int, broadcastable to ``[batch, heads, q_len, k]``: the key positions
+        each query may see (a sparse-attention indexer's top-k; and-ed with the rest).
     """
     if layout is None:
         layout = {4: "BTHD", 3: "THD"}.get(jnp.ndim(q))
@@ -204,6 +215,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
         operands.append(lead(bias, 3))
     if sinks is not None:
         operands.append(lead(sinks, 1))
+    if topk_indices is not None:
+        operands.append(lead(topk_indices, 3).astype(jnp.int32))
     hq = q.shape[lay.heads]
     hk = k.shape[lay.heads]
     if hq % hk:
@@ -214,7 +227,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
         q=lay, k=lay, v=lay, scale=float(scale),
         softcap=None if softcap is None else float(softcap), groups=hq // hk,
         mask=MaskSpec(causal=bool(causal), window=win, segments=segment_ids is not None,
-                      dense=mask is not None, bias=bias is not None, empty_rows=empty_rows),
+                      dense=mask is not None, bias=bias is not None, empty_rows=empty_rows,
+                      topk=topk_indices is not None),
         positions=positions is not None, sinks=sinks is not None)
     return attention_p.bind(*operands, spec=spec)
 

@@ -7,17 +7,20 @@ partial results can be merged exactly. :func:`attention_reference` is the whole
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
 from cptransform.op.attention_spec import AttentionSpec, MaskSpec
 
 
-def visible(mask_spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, dense=None):
+def visible(mask_spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, dense=None,
+            topk=None):
     """Boolean ``[B|1, H|1, Tq, Tkv]``: which pairs the mask lets through.
 
     ``q_pos``/``kv_pos`` are ``[B|1, T]`` global positions; segment ids likewise; ``dense``
-    is a boolean ``[B|1, H|1, Tq, Tkv]`` tile or ``None``.
+    is a boolean ``[B|1, H|1, Tq, Tkv]`` tile or ``None``; ``topk`` int ``[B|1, H|1, Tq, k]``
+    selected key positions or ``None``.
     """
     out = jnp.ones((1, 1, q_pos.shape[-1], kv_pos.shape[-1]), dtype=bool)
     lo, hi = mask_spec.band()
@@ -31,7 +34,31 @@ def visible(mask_spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, dense=N
         out = out & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
     if mask_spec.dense:
         out = out & dense
+    if mask_spec.topk:
+        out = out & selected(topk, kv_pos)
     return out
+
+
+def selected(topk, kv_pos):
+    """Boolean ``[B|1, H|1, Tq, Tkv]``: key ``j`` is one of the query's top-k positions.
+
+    Each query's indices are sorted and every key position looked up in them (a binary
+    search), so the memory is the tile plus the indices (never ``Tq·Tkv·k``); a repeated
+    index selects its key once, as a scatter of True would.
+    """
+    srt = jnp.sort(topk, axis=-1)
+    b = max(srt.shape[0], kv_pos.shape[0])
+    srt = jnp.broadcast_to(srt, (b, *srt.shape[1:]))
+    kv = jnp.broadcast_to(kv_pos, (b, kv_pos.shape[-1])).astype(srt.dtype)
+    last = srt.shape[-1] - 1
+
+    def row(indices, keys):
+        at = jnp.minimum(jnp.searchsorted(indices, keys), last)
+        return indices[at] == keys
+
+    per_query = jax.vmap(row, in_axes=(0, None))          # over Tq
+    per_head = jax.vmap(per_query, in_axes=(0, None))     # over H|1
+    return jax.vmap(per_head)(srt, kv)                    # over B
 
 
 def logits(spec: AttentionSpec, q, k, bias=None):
@@ -50,11 +77,12 @@ def logits(spec: AttentionSpec, q, k, bias=None):
 
 
 def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
-           mask=None, bias=None):
+           mask=None, bias=None, topk=None):
     """One block of attention in canonical layout; returns ``(o, lse)``.
 
     ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``, ``v [B,Tkv,Hkv,Dv]``; positions and segment ids
-    ``[B|1, T]``; ``mask``/``bias`` ``[B|1, H|1, Tq, Tkv]`` or ``None``. ``o`` is float32
+    ``[B|1, T]``; ``mask``/``bias`` ``[B|1, H|1, Tq, Tkv]`` or ``None``; ``topk``
+    ``[B|1, H|1, Tq, k]`` selected key positions or ``None``. ``o`` is float32
     ``[B,Tq,H,Dv]`` normalised within this block; ``lse`` is float32 ``[B,H,Tq]``.
     ``spec.mask.empty_rows`` is not applied: that is a property of the whole row, see
     :func:`fill_empty_rows`.
@@ -68,7 +96,7 @@ def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
       key nobody sees) makes that (batch, head, feature) column of ``o`` NaN in every row.
     """
     s = logits(spec, q, k, bias)
-    ok = visible(spec.mask, q_pos, kv_pos, q_seg, kv_seg, mask)
+    ok = visible(spec.mask, q_pos, kv_pos, q_seg, kv_seg, mask, topk)
     s = jnp.where(ok, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     # Only the no-mass case (-inf) is shifted by 0; a NaN or +inf maximum stays and turns
@@ -177,7 +205,7 @@ def split_operands(spec: AttentionSpec, operands):
     named = dict(zip(spec.operand_names(), operands))
     return {name: named.get(name) for name in
             ("q", "k", "v", "q_positions", "kv_positions", "q_segment_ids",
-             "kv_segment_ids", "mask", "bias", "sinks")}
+             "kv_segment_ids", "mask", "bias", "sinks", "topk_indices")}
 
 
 def flatten_batch(x, nb: int, batch_shape):
@@ -210,7 +238,8 @@ def attention_reference(*operands, spec: AttentionSpec):
     q_pos = bcast(q_pos) if q_pos is not None else jnp.arange(tq, dtype=jnp.int32)[None]
     kv_pos = bcast(kv_pos) if kv_pos is not None else jnp.arange(tkv, dtype=jnp.int32)[None]
     o, lse = attend(spec, q, k, v, q_pos, kv_pos, bcast(a["q_segment_ids"]),
-                    bcast(a["kv_segment_ids"]), bcast(a["mask"]), bcast(a["bias"]))
+                    bcast(a["kv_segment_ids"]), bcast(a["mask"]), bcast(a["bias"]),
+                    bcast(a["topk_indices"]))
     if spec.sinks:
         o, lse = merge_sinks(o, lse, bcast(a["sinks"]))
     v_mean = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True)

@@ -75,7 +75,12 @@ class MaskSpec:
     * ``window=(left, right)``: ``-left <= d <= right`` (``None`` leaves a side open);
     * ``segments``: ``q_segment_ids[q] == kv_segment_ids[kv]`` (two operands);
     * ``dense``: a boolean operand ``mask[..., q, kv]``;
-    * ``bias``: an additive float operand (not a predicate; added to the logits).
+    * ``bias``: an additive float operand (not a predicate; added to the logits);
+    * ``topk``: an int operand ``indices[..., q, :]`` of selected key positions (a sparse
+      attention indexer's top-k): key ``kv`` is visible to ``q`` iff its position is one of
+      ``indices[..., q, :]``. Repeated indices select a key once; an index that is no key's
+      position selects nothing. It is and-ed with the other predicates, so the keys a
+      top-k picks among masked (``-inf``) scores stay hidden by the causal part.
 
     ``empty_rows`` says what a query with no visible key returns: ``"zero"`` (zero output,
     zero gradient; what :func:`cptransform.attention` does) or ``"uniform"`` (the mean of V
@@ -92,6 +97,7 @@ class MaskSpec:
     dense: bool = False
     bias: bool = False
     empty_rows: EmptyRows = "zero"
+    topk: bool = False
 
     def __post_init__(self):
         if self.empty_rows not in ("zero", "uniform", "nan"):
@@ -120,7 +126,8 @@ class MaskSpec:
     @property
     def is_trivial(self) -> bool:
         """True when every pair is visible and nothing is added to the logits."""
-        return self.band() == (None, None) and not (self.segments or self.dense or self.bias)
+        return self.band() == (None, None) and not (self.segments or self.dense or self.bias
+                                                    or self.topk)
 
     def describe(self) -> str:
         parts = []
@@ -134,6 +141,8 @@ class MaskSpec:
             parts.append("segments")
         if self.dense:
             parts.append("dense")
+        if self.topk:
+            parts.append("topk")
         if self.bias:
             parts.append("bias")
         if self.empty_rows != "zero":
@@ -150,14 +159,15 @@ class AttentionSpec:
 
     Operands, in order: ``q, k, v``, then ``q_positions, kv_positions`` if ``positions``,
     ``q_segment_ids, kv_segment_ids`` if ``mask.segments``, ``mask`` if ``mask.dense``,
-    ``bias`` if ``mask.bias``, ``sinks`` if ``sinks``. The output has q's layout with v's
-    feature size.
+    ``bias`` if ``mask.bias``, ``sinks`` if ``sinks``, ``topk_indices`` if ``mask.topk``.
+    The output has q's layout with v's feature size.
 
     Shapes of the optional operands, with ``nb = len(q.batch)`` leading batch dims that
     follow q's batch dims in order and may be 1 (broadcast):
     positions and segment ids ``(*batch, T)`` (int); mask and bias
     ``(*batch, heads|1, Tq, Tkv)``; sinks ``(*batch, heads)`` (float; ``heads`` is 1 for q
-    without a heads dim). Without ``positions`` they are ``arange(T)``.
+    without a heads dim); top-k indices ``(*batch, heads|1, Tq, k)`` (int32, key
+    positions). Without ``positions`` they are ``arange(T)``.
 
     ``logits = softcap(scale * q·k) + bias``; ``groups`` query heads share one KV head
     (query head ``h`` reads KV head ``h // groups``).
@@ -200,6 +210,8 @@ class AttentionSpec:
             names.append("bias")
         if self.sinks:
             names.append("sinks")
+        if self.mask.topk:
+            names.append("topk_indices")
         return tuple(names)
 
     def describe(self) -> str:

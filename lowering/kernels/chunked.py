@@ -2,8 +2,9 @@
 
 The local problem is cut into a static grid of query chunks × key chunks. Each (query
 chunk, key chunk) pair is classified once per call (:func:`chunk_kinds`) from position
-ranges (min/max per chunk against the mask band), segment-id ranges and the dense-mask
-tile (``any``/``all``):
+ranges (min/max per chunk against the mask band), segment-id ranges, the dense-mask
+tile (``any``/``all``) and the top-k indices (does any index of the query chunk fall in
+the key chunk's position range; :func:`_topk_hits`):
 
 * ``EMPTY`` pairs are skipped (``lax.switch`` runs a branch with no matmul: it only adds
   the ``0·V`` a dense softmax would, so a NaN or Inf in V still reaches every row, see
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -105,12 +107,43 @@ def chunk_kinds(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
         m = m.reshape(m.shape[0], m.shape[1], nq, cq, nk, ck)
         may = may & jnp.any(m, axis=(1, 3, 5))
         full = full & jnp.all(m, axis=(1, 3, 5))
+    if spec.mask.topk:
+        # A top-k row sees at most k keys: only a proof of emptiness is worth having.
+        may = may & _topk_hits(block.topk, block.kv_pos, cq, nq, ck, nk)
+        full = full & False
     # Padded keys must be masked, so the last key chunk is never FULL when it is padded.
     # (An iota, not a NumPy constant: a body that gains constants cannot stay under remat.)
     complete = jnp.arange(nk) * ck + ck <= block.k.shape[1]
     full = full & complete
     return jnp.where(jnp.any(may, axis=0),
                      jnp.where(jnp.all(full, axis=0), FULL, PARTIAL), EMPTY).astype(jnp.int32)
+
+
+def _topk_hits(topk, kv_pos, cq: int, nq: int, ck: int, nk: int):
+    """Bool ``[B|1, nq, nk]``: some index of query chunk ``i`` (any head) lies in the
+    position range of key chunk ``j``.
+
+    Each query chunk's indices are sorted once and the key chunks' ranges looked up in
+    them (two ``searchsorted``), so the work is ``Tq·k·log`` and the memory ``Tq·k``,
+    never ``Tq·k·nk``.
+    """
+    k_min, k_max = _ranges(kv_pos, ck, nk)
+    idx = _pad(topk, 2, cq * nq)
+    bi, h, _, k = idx.shape
+    idx = jnp.moveaxis(idx.reshape(bi, h, nq, cq * k), 1, 2).reshape(bi, nq, h * cq * k)
+    idx = jnp.sort(idx, axis=-1)
+    b = max(bi, k_min.shape[0])
+    idx = jnp.broadcast_to(idx, (b, *idx.shape[1:]))
+    k_min = jnp.broadcast_to(k_min, (b, nk))
+    k_max = jnp.broadcast_to(k_max, (b, nk))
+
+    def row(sorted_idx, lo, hi):
+        return jnp.searchsorted(sorted_idx, hi, side="right") \
+            > jnp.searchsorted(sorted_idx, lo, side="left")
+
+    # vmap over batch rows, then query chunks; the key chunks' bounds are a vector.
+    per_chunk = lambda s, lo, hi: jax.vmap(row, in_axes=(0, None, None))(s, lo, hi)  # noqa: E731
+    return jax.vmap(per_chunk)(idx, k_min, k_max)
 
 
 def executed_fraction(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
@@ -161,7 +194,8 @@ class _Problem:
             q_pos=_pad(block.q_pos, 1, tqp), kv_pos=_pad(block.kv_pos, 1, tkp),
             q_seg=_pad(block.q_seg, 1, tqp), kv_seg=_pad(block.kv_seg, 1, tkp),
             mask=None if block.mask is None else pad_rows(block.mask),
-            bias=None if block.bias is None else pad_rows(block.bias))
+            bias=None if block.bias is None else pad_rows(block.bias),
+            topk=_pad(block.topk, 2, tqp))
         return cls(padded, spec, q, k, v, cq, nq, ck, nk, block.k.shape[1], kinds)
 
     @property
@@ -209,8 +243,10 @@ class _Problem:
         kcut = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
             x, j * ck, ck, axis=1)
         dense = None if blk.mask is None else self._tile(blk.mask, i, j)
+        topk = None if blk.topk is None else lax.dynamic_slice_in_dim(
+            blk.topk, i * cq, cq, axis=2)
         ok = visible(self.spec.mask, qcut(blk.q_pos), kcut(blk.kv_pos), qcut(blk.q_seg),
-                     kcut(blk.kv_seg), dense)
+                     kcut(blk.kv_seg), dense, topk)
         ok = _rows(ok, self.groups)
         if self.ck * self.nk != self.tkv:
             ok = ok & (j * ck + jnp.arange(ck) < self.tkv)

@@ -73,7 +73,15 @@ def tokens_major(x, length: int):
 
 
 def prepare(block: Block, spec: AttentionSpec, bq: int, bk: int) -> Operands:
-    """Pad and transpose ``block`` for kernels with ``bq × bk`` tiles; builds the table."""
+    """Pad and transpose ``block`` for kernels with ``bq × bk`` tiles; builds the table.
+
+    Raises ``NotImplementedError`` for a top-k mask: its tiles are built from indices, which
+    the Pallas kernels do not read yet (the ``"xla"`` kernel does).
+    """
+    if spec.mask.topk:
+        raise NotImplementedError(
+            "the Pallas kernels do not support top-k sparse masks (topk_indices); use "
+            "kernel='xla', whose chunked local step builds the tiles from the indices")
     tq, tkv = block.q.shape[1], block.k.shape[1]
     tqp, tkvp = -(-tq // bq) * bq, -(-tkv // bk) * bk
     table = block_table(spec.mask, block.q_pos, block.kv_pos, block.q_seg, block.kv_seg,

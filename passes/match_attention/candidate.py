@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from cptransform.analysis.mask_parts import MaskParts, classify
-from cptransform.analysis.mask_values import And
+from cptransform.analysis.mask_values import And, as_dense
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
@@ -48,8 +48,10 @@ class Candidate:
     ``out``'s dims, in order; ``biases``: ``(operand, coefficient)`` pairs; ``band``:
     bounds on ``kv - q`` (or None); ``segments``: ``(q ids, kv ids)`` or ``()``;
     ``q_pads``/``kv_pads``: keep-masks of one sequence only, folded into segment ids;
-    ``dense``: the rest of the mask, as data; ``mask_kinds``: the parts found, for reports;
-    ``sink``: the array the sink logits come from (None without a sink column).
+    ``dense``: the rest of the mask, as data; ``topk``: the top-k indices selecting the
+    keys (an :class:`Opaque` whose ``k`` dim is labelled ``TOPK_DIM``) or None;
+    ``mask_kinds``: the parts found, for reports; ``sink``: the array the sink logits come
+    from (None without a sink column).
     """
 
     root: Any
@@ -76,6 +78,7 @@ class Candidate:
     groups: int
     mask_kinds: tuple
     sink: Operand | None = None
+    topk: Any = None
 
     @property
     def heads(self) -> tuple:
@@ -85,7 +88,8 @@ class Candidate:
     @property
     def kinds(self) -> tuple:
         """The mask parts for the match report."""
-        return tuple(k for k in self.mask_kinds if k != "dense" or self.dense) \
+        return tuple(k for k in self.mask_kinds if (k != "dense" or self.dense)
+                     and (k != "topk" or self.topk is not None)) \
             + (("padding",) if self.q_pads or self.kv_pads else ()) \
             + (("bias",) if self.biases else ()) + (("sinks",) if self.sink else ())
 
@@ -104,7 +108,8 @@ class Candidate:
             causal_offset=hi if hi is not None and not two_sided else 0,
             window=(-lo, hi if two_sided else None) if lo is not None else None,
             segments=bool(self.segments) or bool(self.q_pads or self.kv_pads),
-            dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows)
+            dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows,
+            topk=self.topk is not None)
         return AttentionSpec(q=canonical, k=k_layout, v=k_layout, scale=float(self.scale),
                              softcap=self.softcap, groups=self.groups, mask=mask,
                              sinks=self.sink is not None)
@@ -127,7 +132,8 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     scale, softcap, biases = visible_form(qk.steps, q_scale * k_scale)
     rows, preds = empty_rows(qk.steps)
     parts = _mask_parts(qk, preds, batch, stats)
-    sides = [d.source for d in parts.dense] + [b for b, _ in biases] + list(parts.segments or ())
+    sides = [d.source for d in parts.dense] + [b for b, _ in biases] \
+        + list(parts.segments or ()) + ([parts.topk.indices] if parts.topk else [])
     if any(set(side.dims) & set(qk.merged) for side in sides):
         raise NotAttention("a mask or bias varies along dims merged by a reshape of the logits")
     q_seq = parts.q_dim
@@ -159,6 +165,11 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     q_pads = tuple(d for d in parts.dense if _only_on(d, batch, q_seq))
     kv_pads = tuple(d for d in parts.dense if d not in q_pads and _only_on(d, batch, qk.kv))
     dense = tuple(d for d in parts.dense if d not in q_pads and d not in kv_pads)
+    topk, kinds = parts.topk, parts.kinds
+    if topk is not None and q_seq not in topk.indices.dims:
+        # Indices shared by every query are no per-query selection: keep the mask as data.
+        dense += (as_dense(topk, topk.origin),)
+        topk, kinds = None, kinds if "dense" in kinds else kinds + ("dense",)
     return Candidate(
         root=pv.root, out=pv.out,
         q=Operand(q_in, _labels_of(qk.q_dims, qk.q_contract, Q_FEATURE, q_in)),
@@ -168,7 +179,8 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         sizes=sizes, out_labels=out_labels, scale=scale, softcap=softcap,
         biases=tuple(biases), empty_rows=rows, band=parts.band,
         segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
-        groups=hq // hk, mask_kinds=parts.kinds, sink=sink)
+        groups=hq // hk, mask_kinds=kinds, sink=sink,
+        topk=None if topk is None else topk.indices)
 
 
 def _sink_operand(graph: Graph, column: SinkColumn, qk: QKProduct, batch: list, q_seq,

@@ -15,6 +15,7 @@ from jax import lax
 from cptransform.ir import compat
 from cptransform.ir.rewrite import Replacement
 from cptransform.op.attention import attention_p
+from cptransform.analysis.mask_values import TOPK_DIM
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.passes.match_attention.candidate import (K_FEATURE, Q_FEATURE, V_FEATURE,
                                                           Candidate)
@@ -23,7 +24,7 @@ from cptransform.passes.match_attention.candidate import (K_FEATURE, Q_FEATURE, 
 def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     """The rewrite of ``c.root``: one ``attention_p`` with ``spec`` and the arranging around
     it. Its inputs are q, k, v, then the segment ids, the padding and dense mask parts, the
-    biases and the sink source, in that order."""
+    biases, the sink source and the top-k indices, in that order."""
     sizes, nbl = c.sizes, len(c.batch)
     batch, heads = list(c.batch), c.heads
     q_target = [*batch, c.q_seq, heads, Q_FEATURE]
@@ -67,8 +68,15 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
                 term = lax.mul(term, jnp.float32(coef)) if coef != 1 else term
                 total = term if total is None else lax.add(total, term)
             operands.append(total)
+        vals = vals[len(c.biases):]
         if c.sink is not None:
-            operands.append(_sinks(vals[-1], c.sink.labels, [*batch, heads], sizes))
+            operands.append(_sinks(vals[0], c.sink.labels, [*batch, heads], sizes))
+            vals = vals[1:]
+        if c.topk is not None:
+            k = compat.aval_of(c.topk.var).shape[c.topk.dims.index(TOPK_DIM)]
+            operands.append(arrange(lax.convert_element_type(vals[0], jnp.int32), c.topk.dims,
+                                    [*batch, heads, c.q_seq, TOPK_DIM],
+                                    {**sizes, TOPK_DIM: k}, (c.q_seq, TOPK_DIM)))
         out = attention_p.bind(*operands, spec=spec)
         split = out.shape[:nbl + 1] + tuple(sizes[lab] for lab in heads) + out.shape[-1:]
         if split != out.shape:
@@ -82,6 +90,7 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     sides += [d.source.var for d in c.q_pads + c.kv_pads + c.dense]
     sides += [b.var for b, _ in c.biases]
     sides += [] if c.sink is None else [c.sink.atom]
+    sides += [c.topk.var] if c.topk is not None else []
     return Replacement(c.root, (c.q.atom, c.k.atom, c.v.atom, *sides), build)
 
 

@@ -1,0 +1,211 @@
+"""Top-k sparse attention (DeepSeek V3.2 style): indices instead of an S×S mask.
+
+The reference against the dense mask a scatter builds, the matcher turning that scatter
+into ``topk_indices``, every schedule × layout against one device (forward and the
+gradients of q, k, v and the indexer's parameters), the chunked kernel's block skipping,
+top-k larger than the causal keys, duplicate indices, and the Pallas refusal.
+"""
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from conftest import make_mesh
+from cptransform import attention, context_parallel
+from cptransform.lowering.block import Block
+from cptransform.lowering.context_parallel_attention import context_parallel_attention
+from cptransform.lowering.kernels.chunked import EMPTY, ChunkedKernel, chunk_kinds
+from cptransform.op.attention import attention_p
+from cptransform.op.attention_reference import attend
+from test_match_support import assert_close, randn, rewrite, specs
+
+B, S, H, D, HI, DI, K = 1, 64, 8, 8, 2, 8, 8
+RTOL = 1e-5
+
+
+def scatter_mask(idx, s=S):
+    """The dense mask ``zeros.at[b, q, idx].set(True)`` of indices ``[b, q, k]``."""
+    b, q = idx.shape[:2]
+    return jnp.zeros((b, q, s), bool).at[
+        jnp.arange(b)[:, None, None], jnp.arange(q)[None, :, None], idx].set(True)
+
+
+def indexer(x_q, x_k, w):
+    """DeepSeek's lightning indexer: ``sum_h w_h · relu(q_h · k)``, causal (``-inf``)."""
+    scores = jnp.einsum("bshd,btd->bsht", x_q, x_k)
+    scores = jnp.sum(jax.nn.relu(scores) * w[..., None], axis=2)
+    causal = jnp.arange(S)[:, None] >= jnp.arange(S)[None, :]
+    return jnp.where(causal, scores, -jnp.inf), causal
+
+
+def sparse_loss(q, k, v, qi, ki, w, top=K):
+    """Sparse attention picked by the indexer, plus the indexer's auxiliary loss (KL from
+    the main attention's head-summed distribution, held constant, to the indexer's)."""
+    scores, causal = indexer(qi, ki, w)
+    _, idx = lax.top_k(scores, top)
+    mask = scatter_mask(idx) & causal
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+    p = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), axis=-1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    dense = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+    target = lax.stop_gradient(jnp.sum(dense, axis=1) / H)
+    log_p = jax.nn.log_softmax(scores, axis=-1)
+    aux = -jnp.sum(jnp.where(causal, target * log_p, 0.0)) / S
+    return jnp.sum(jnp.sin(out)) + aux
+
+
+def inputs(rng):
+    shapes = [(B, S, H, D)] * 3 + [(B, S, HI, DI), (B, S, DI), (B, S, HI)]
+    return tuple(randn(rng, *s) for s in shapes)
+
+
+def relative(got, want):
+    return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+
+
+@pytest.mark.parametrize("k", [5, 2 * S])  # 2·S: more indices than keys, duplicates galore
+def test_reference_matches_dense_mask(rng, k):
+    q, kk, v = (randn(rng, 2, 16, 2, D) for _ in range(3))
+    idx = jnp.asarray(rng.integers(0, 16, (2, 1, 16, k)), jnp.int32)
+    dense = scatter_mask(idx[:, 0], 16)[:, None]
+
+    def both(q, kk, v):
+        return (attention(q, kk, v, topk_indices=idx, causal=True),
+                attention(q, kk, v, mask=dense, causal=True))
+
+    sparse, masked = both(q, kk, v)
+    assert_close(sparse, masked, RTOL)
+    grads = jax.grad(lambda *a: jnp.sum(jnp.sin(both(*a)[0])), argnums=(0, 1, 2))(q, kk, v)
+    want = jax.grad(lambda *a: jnp.sum(jnp.sin(both(*a)[1])), argnums=(0, 1, 2))(q, kk, v)
+    jax.tree.map(lambda g, w: assert_close(g, w, RTOL), grads, want)
+
+
+def test_matcher_carries_indices_not_a_mask(rng):
+    args = inputs(rng)
+    module = rewrite(sparse_loss, *args)
+    (spec,) = specs(module)
+    assert spec.mask.topk and spec.mask.causal and not spec.mask.dense
+    (eqn,) = [e for e in module.jaxpr.jaxpr.eqns if e.primitive is attention_p]
+    square = [a for a in eqn.invars if a.aval.dtype == jnp.bool_ or a.aval.shape[-2:] == (S, S)]
+    assert not square, f"an S×S operand is left on attention_p: {square}"
+    topk = dict(zip(spec.operand_names(), eqn.invars))["topk_indices"]
+    assert topk.aval.shape[-2:] == (S, K) and topk.aval.dtype == jnp.int32
+    assert_close(jax.jit(module.as_function())(*args), sparse_loss(*args), RTOL)
+
+
+def test_scatter_of_other_indices_stays_dense(rng):
+    """Indices that are not a top-k's (here an input: any value, negative or out of range)
+    keep the scatter as a dense mask."""
+    q, k, v = (randn(rng, B, S, 2, D) for _ in range(3))
+    idx = jnp.asarray(rng.integers(0, S, (B, S, 3)), jnp.int32)
+
+    def fn(q, k, v, idx):
+        mask = scatter_mask(idx) & (jnp.arange(S)[:, None] >= jnp.arange(S)[None, :])
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        p = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    module = rewrite(fn, q, k, v, idx)
+    (spec,) = specs(module)
+    assert spec.mask.dense and not spec.mask.topk
+    assert_close(jax.jit(module.as_function())(q, k, v, idx), fn(q, k, v, idx), RTOL)
+
+
+@pytest.mark.parametrize("layout", ["none", "zigzag"])
+@pytest.mark.parametrize("schedule", ["ring", "allgather", "ulysses"])
+def test_schedules_match_one_device(rng, schedule, layout):
+    args = inputs(rng)
+    fn = context_parallel(cp=8, schedule=schedule, load_balance=layout, kernel="xla")(
+        sparse_loss)
+    assert relative(fn(*args), sparse_loss(*args)) <= RTOL
+    got = jax.grad(fn, argnums=tuple(range(6)))(*args)
+    want = jax.grad(sparse_loss, argnums=tuple(range(6)))(*args)
+    for name, g, w in zip(("q", "k", "v", "q_index", "k_index", "w_index"), got, want):
+        assert relative(g, w) <= RTOL, (name, relative(g, w))
+    assert "topk" in fn.explain(*args)
+
+
+def test_more_indices_than_causal_keys(rng):
+    """k = 24 > the causal keys of the first 23 queries: top_k then picks masked (-inf)
+    keys, which the causal part keeps hidden."""
+    args = inputs(rng)
+    fn = context_parallel(cp=8, schedule="ring", load_balance="zigzag")(
+        lambda *a: sparse_loss(*a, top=24))
+    want = sparse_loss(*args, top=24)
+    assert relative(fn(*args), want) <= RTOL
+    got = jax.grad(fn, argnums=(0, 3))(*args)
+    ref = jax.grad(lambda *a: sparse_loss(*a, top=24), argnums=(0, 3))(*args)
+    assert all(relative(g, w) <= RTOL for g, w in zip(got, ref))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_duplicate_indices_under_the_ring(rng, mesh8, layout):
+    q, k, v = (randn(rng, B, S, 2, D) for _ in range(3))
+    idx = jnp.asarray(rng.integers(0, S, (B, 1, S, 4)), jnp.int32)
+    idx = jnp.concatenate([idx, idx[..., :2]], axis=-1)  # every row repeats two indices
+    spec = jax.make_jaxpr(lambda *a: attention(*a, topk_indices=idx, causal=True))(
+        q, k, v).eqns[-1].params["spec"]
+
+    def sharded(q, k, v):
+        return context_parallel_attention(q, k, v, idx, spec=spec, mesh=mesh8, axes="cp",
+                                          schedule="ring", layout=layout)
+
+    def dense(q, k, v):
+        return attention(q, k, v, mask=scatter_mask(idx[:, 0])[:, None], causal=True)
+
+    assert relative(sharded(q, k, v), dense(q, k, v)) <= RTOL
+    got = jax.grad(lambda *a: jnp.sum(jnp.sin(sharded(*a))), argnums=(0, 1, 2))(q, k, v)
+    want = jax.grad(lambda *a: jnp.sum(jnp.sin(dense(*a))), argnums=(0, 1, 2))(q, k, v)
+    assert all(relative(g, w) <= RTOL for g, w in zip(got, want))
+
+
+def test_chunked_kernel_skips_chunks_no_index_falls_in(rng):
+    q, k, v = (randn(rng, 1, 32, 2, D) for _ in range(3))
+    pos = jnp.arange(32, dtype=jnp.int32)[None]
+    # Every query picks keys 0..3 and itself: key chunks of 8 between hold no index
+    # for the queries of other chunks.
+    idx = jnp.concatenate([jnp.broadcast_to(jnp.arange(4), (32, 4)), pos[0][:, None]], -1)
+    block = Block(q=q, k=k, v=v, q_pos=pos, kv_pos=pos, topk=idx[None, None].astype(jnp.int32))
+    spec = jax.make_jaxpr(lambda *a: attention(*a, topk_indices=idx[None, None]))(
+        q, k, v).eqns[-1].params["spec"].replace(positions=True)
+    kinds = np.asarray(chunk_kinds(block, spec, target=8))
+    empty = kinds == EMPTY
+    assert empty.sum() == 9  # of 4×4 chunks only column 0 and the diagonal are needed
+    assert not empty[:, 0].any() and not np.diag(empty).any()
+    o, lse = ChunkedKernel(chunk=8).forward(block, spec)
+    o_ref, lse_ref = attend(spec, q, k, v, pos, pos, topk=block.topk)
+    assert_close(o, o_ref, RTOL)
+    assert_close(lse, lse_ref, RTOL)
+
+
+def test_pallas_refuses_indices(rng):
+    q, k, v = (randn(rng, 1, S, H, D) for _ in range(3))
+    idx = jnp.zeros((1, 1, S, 2), jnp.int32)
+    fn = context_parallel(cp=8, schedule="ring", kernel="pallas")(
+        lambda q, k, v: attention(q, k, v, topk_indices=idx, causal=True))
+    with pytest.raises(NotImplementedError, match="top-k"):
+        fn(q, k, v)
+
+
+def test_deepseek_example_matches_one_device():
+    """``examples/deepseek_sparse.py``'s check at its smallest size (one zigzag chunk per
+    device half, top-k larger than most rows' causal keys)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from examples import deepseek_sparse
+
+    assert deepseek_sparse.demo(seq=16, batch=1, schedule="ring")
+
+
+def test_hybrid_matches_one_device(rng):
+    args = inputs(rng)
+    mesh = make_mesh((2, 4), ("uly", "ring"))
+    fn = context_parallel(mesh=mesh, axis=("uly", "ring"), schedule="hybrid",
+                          load_balance="zigzag")(sparse_loss)
+    assert relative(fn(*args), sparse_loss(*args)) <= RTOL
+    got = jax.grad(fn, argnums=tuple(range(6)))(*args)
+    want = jax.grad(sparse_loss, argnums=tuple(range(6)))(*args)
+    assert all(relative(g, w) <= RTOL for g, w in zip(got, want))
