@@ -25,7 +25,7 @@ from jax import lax
 from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
 from cptransform.lowering.block import Block
-from cptransform.lowering.schedule import Schedule, divides_sequence, register_schedule
+from cptransform.lowering.schedule import Schedule, any_length, key_count, register_schedule
 from cptransform.lowering.ulysses import gather_sequence
 from cptransform.op.attention_reference import fill_empty_rows
 
@@ -47,7 +47,9 @@ def _forward(block: Block, spec, axis, kernel):
         v=lax.all_gather(block.v, axis, axis=1, tiled=True),
         kv_pos=gather_sequence(block.kv_pos, axis), kv_seg=gather_sequence(block.kv_seg, axis))
     o, lse = kernel.forward(gathered, spec)
-    v_mean = jnp.mean(gathered.v.astype(jnp.float32), axis=1, keepdims=True)
+    # Pad keys' V is zero: the sum over all keys divided by the real ones is their mean.
+    v_mean = jnp.sum(gathered.v.astype(jnp.float32), axis=1, keepdims=True) \
+        / key_count(spec, gathered.v.shape[1])
     return (o, lse, v_mean), (gathered, o, lse)
 
 
@@ -55,7 +57,7 @@ def _bwd(spec, axis, kernel, residuals, cotangents):
     gathered, o, lse = residuals
     do, dlse, dv_mean = cotangents
     dq, dk_all, dv_all, dbias = kernel.backward(gathered, o, lse, do, spec, dlse)
-    dv_all = dv_all + dv_mean / gathered.v.shape[1]
+    dv_all = dv_all + dv_mean / key_count(spec, gathered.v.shape[1])
     dk, dv = (lax.psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=1, tiled=True)
               for g in (dk_all, dv_all))
     bias = gathered.bias
@@ -77,18 +79,18 @@ def allgather_volume(shape: AttentionShape) -> CommVolume:
     """All-gathers of K, V (and kv positions / segment ids) over ``shape.cp`` devices
     forward; reduce-scatters of dK and dV in ``grad_bytes`` backward."""
     cp = shape.cp
-    rows = shape.batch * shape.seq_len // cp
+    rows = shape.batch * shape.kv_padded // cp
     kv_elems = kv_elements(shape)
     transfers = [Transfer(name, "all_gather", rows * e * shape.dtype_bytes * (cp - 1))
                  for name, e in kv_elems.items()]
-    transfers += [Transfer(name, "all_gather", shape.seq_len // cp * b * (cp - 1),
-                           payload=False) for name, b in metadata(shape, ("kv",))]
+    transfers += [Transfer(name, "all_gather", b * (cp - 1), payload=False)
+                  for name, b in metadata(shape, ("kv",))]
     transfers += [Transfer("d" + name, "reduce_scatter",
-                           shape.batch * shape.seq_len * e * shape.grad_bytes * (cp - 1) // cp,
+                           shape.batch * shape.kv_padded * e * shape.grad_bytes * (cp - 1) // cp,
                            backward=True) for name, e in kv_elems.items()]
     return CommVolume("allgather", tuple(transfers))
 
 
 ALLGATHER = register_schedule(Schedule("allgather", mesh_axes=1, run=allgather,
-                                       volume=allgather_volume, feasible=divides_sequence,
+                                       volume=allgather_volume, feasible=any_length,
                                        order=2))

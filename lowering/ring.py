@@ -44,8 +44,8 @@ from jax import lax
 from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
 from cptransform.lowering.block import Block
-from cptransform.lowering.schedule import Schedule, divides_sequence, \
-    fill_empty_rows_sharded, register_schedule
+from cptransform.lowering.schedule import Schedule, any_length, fill_empty_rows_sharded, \
+    register_schedule
 from cptransform.lowering.kernels import row_delta
 from cptransform.op.attention_reference import merge
 
@@ -190,22 +190,22 @@ def ring_volume(shape: AttentionShape) -> CommVolume:
     ``cp-1`` hops forward; the backward rotates K, V (and metadata) again ``cp-1`` times and
     the float32 dK/dV accumulators ``cp`` times, so that they arrive home."""
     cp = shape.cp
-    rows = shape.batch * shape.seq_len // cp
+    rows = shape.batch * shape.kv_padded // cp
     kv_elems = kv_elements(shape)
     hops = cp - 1
     transfers = [Transfer(name, "collective_permute", hops * rows * e * shape.dtype_bytes)
                  for name, e in kv_elems.items()]
     meta = metadata(shape, ("kv",))
-    transfers += [Transfer(name, "collective_permute", hops * shape.seq_len // cp * b,
-                           payload=False) for name, b in meta]
+    transfers += [Transfer(name, "collective_permute", hops * b, payload=False)
+                  for name, b in meta]
     transfers += [Transfer(name, "collective_permute", hops * rows * e * shape.dtype_bytes,
                            backward=True) for name, e in kv_elems.items()]
-    transfers += [Transfer(name, "collective_permute", hops * shape.seq_len // cp * b,
-                           backward=True, payload=False) for name, b in meta]
+    transfers += [Transfer(name, "collective_permute", hops * b, backward=True,
+                           payload=False) for name, b in meta]
     transfers += [Transfer("d" + name, "collective_permute", cp * rows * e * shape.grad_bytes,
                            backward=True) for name, e in kv_elems.items()]
     return CommVolume("ring", tuple(transfers))
 
 
 RING = register_schedule(Schedule("ring", mesh_axes=1, run=ring, volume=ring_volume,
-                                  feasible=divides_sequence, overlaps=True, order=0))
+                                  feasible=any_length, overlaps=True, order=0))

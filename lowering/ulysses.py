@@ -33,8 +33,8 @@ from jax import lax
 from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
 from cptransform.lowering.block import Block
-from cptransform.lowering.schedule import Schedule, divides_sequence, \
-    fill_empty_rows_sharded, register_schedule
+from cptransform.lowering.schedule import Schedule, fill_empty_rows_sharded, \
+    register_schedule
 
 
 def kv_head_repeats(kv_heads: int, n: int) -> int:
@@ -144,21 +144,25 @@ def ulysses_volume(shape: AttentionShape) -> CommVolume:
     repeated, see :func:`kv_head_repeats`) and all-gathers of positions / segment ids
     forward; the transposed all-to-alls of dq, dk, dv, do backward."""
     cp = shape.cp
-    rows = shape.batch * shape.seq_len // cp
     kv = kv_elements(shape, shape.kv_heads * kv_head_repeats(shape.kv_heads, cp))
-    a2a = lambda elements: rows * elements * shape.dtype_bytes * (cp - 1) // cp  # noqa: E731
-    payload = [("q", a2a(shape.heads * shape.head_dim)), ("k", a2a(kv["k"])),
-               ("v", a2a(kv["v"])), ("o", a2a(shape.heads * shape.dv))]
+
+    def a2a(length, elements):
+        return shape.batch * length // cp * elements * shape.dtype_bytes * (cp - 1) // cp
+
+    q_len, kv_len = shape.q_padded, shape.kv_padded
+    payload = [("q", a2a(q_len, shape.heads * shape.head_dim)), ("k", a2a(kv_len, kv["k"])),
+               ("v", a2a(kv_len, kv["v"])), ("o", a2a(q_len, shape.heads * shape.dv))]
     transfers = [Transfer(name, "all_to_all", b) for name, b in payload]
-    transfers += [Transfer(name, "all_gather", shape.seq_len // cp * b * (cp - 1),
-                           payload=False) for name, b in metadata(shape, ("q", "kv"))]
+    transfers += [Transfer(name, "all_gather", b * (cp - 1), payload=False)
+                  for name, b in metadata(shape, ("q", "kv"))]
     transfers += [Transfer("d" + name, "all_to_all", b, backward=True) for name, b in payload]
     return CommVolume("ulysses", tuple(transfers))
 
 
 def ulysses_feasible(shape: AttentionShape) -> str | None:
-    """The sequence and the query heads must both split over ``shape.cp`` devices."""
-    return divides_sequence(shape) or heads_problem(shape.heads, shape.cp)
+    """The query heads must split over ``shape.cp`` devices (any length: the entry point
+    pads it)."""
+    return heads_problem(shape.heads, shape.cp)
 
 
 ULYSSES = register_schedule(Schedule("ulysses", mesh_axes=1, run=ulysses,

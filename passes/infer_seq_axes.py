@@ -45,11 +45,12 @@ def check_overrides(module: Module, summary) -> None:
         name = summary.input_names[index]
         shape = module.in_avals[index].shape
         for d in dims:
-            if summary.seq_len is not None and shape[d] != summary.seq_len:
+            if summary.lengths and shape[d] not in summary.lengths:
                 raise SeqAxisError(
                     f"seq_axes says dim {d} of {name} (shape {shape}) is the sequence, but "
-                    f"the attention's sequence length is {summary.seq_len}; point seq_axes "
-                    "at the dim of that length, or leave the argument to inference (None)")
+                    f"the attentions' sequence lengths are {list(summary.lengths)}; point "
+                    "seq_axes at the dim of that length, or leave the argument to inference "
+                    "(None)")
         if inferred[index] and tuple(inferred[index]) != tuple(dims):
             raise SeqAxisError(
                 f"seq_axes gives {name} (shape {shape}) sequence dims {list(dims)}, but "

@@ -5,12 +5,22 @@ ring, Ulysses, all-gather or hybrid — the one asked for, or under ``auto`` the
 moving the fewest bytes per device (ties and near-ties go to a schedule that overlaps its
 transfers with compute: the ring). Volumes and feasibility come from each schedule's
 :class:`~cptransform.lowering.schedule.Schedule` record. It also picks the sequence layout
-for the whole program (``load_balance``; ``auto``: zigzag when an attention is causal).
+for the whole program (``load_balance``; ``auto``: zigzag when an attention is causal and
+the program's one sequence splits into ``2·cp`` chunks).
 Both decisions are written onto each ``attention_p`` equation (``spec.schedule``,
 ``spec.layout``), where ``lower-context-parallel`` reads them; the readable account, one
 :class:`AttentionPlan` per attention, goes to ``module.facts.plan`` for ``explain()``, and
 the layout to ``module.facts.layout`` for ``reorder-sequence``. The CP size comes from the
 mesh only.
+
+The program is reordered (``facts.layout``) only when it has one sequence whose length the
+layout divides. A zigzag or striped layout over a length it does not divide, or over two
+sequences (cross-attention), is applied inside each attention instead: the lowering pads
+and permutes the attention's operands and un-permutes its output, and the rest of the
+program stays in natural order. That costs a permutation of q, k, v and o per attention
+(communication the program-level reorder avoids), but it is exact: a permutation of the
+real tokens alone cannot be cut into equal zigzag shards, and the pad tokens live only
+inside the attention.
 """
 from __future__ import annotations
 
@@ -26,7 +36,7 @@ from cptransform.ir.rewrite import Rewriter
 from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import MaskSpec
-from cptransform.op.layouts import SequenceLayout
+from cptransform.op.layouts import SequenceLayout, layout_multiple
 
 #: ``load_balance`` option → the layout it names (``auto`` is decided per program).
 LOAD_BALANCES = {"auto": None, "zigzag": "zigzag", "striped": "striped",
@@ -44,11 +54,13 @@ class AttentionPlan:
     reason: str
     shape: AttentionShape
     bytes_per_device: dict
+    layout: str = "contiguous"
 
     def describe(self) -> str:
         mib = {k: f"{v / 2**20:.2f} MiB" for k, v in self.bytes_per_device.items()}
         return (f"attention #{self.index} at {self.source}: {self.schedule} ({self.reason}); "
-                f"mask {self.mask.describe()}; forward bytes/device {mib}")
+                f"mask {self.mask.describe()}; forward bytes/device {mib}; padding "
+                f"{self.shape.describe_padding()}")
 
 
 def mesh_problem(schedule: Schedule, ulysses: int) -> str | None:
@@ -88,8 +100,9 @@ class PlanContextParallel(Pass):
         cp = facts.cp
         ulysses = facts.mesh.shape[facts.cp_axes[0]] if len(facts.cp_axes) == 2 else 1
         eqns = [e for e in iter_eqns(module.jaxpr) if e.primitive is attention_p]
-        plans = tuple(self.plan_one(i, e, cp, ulysses) for i, e in enumerate(eqns))
-        layout = self.choose_layout(eqns, facts.seq_axes.seq_len, cp)
+        seq_len = facts.seq_axes.seq_len
+        layout = self.choose_layout(eqns, seq_len, cp)
+        plans = tuple(self.plan_one(i, e, cp, ulysses, layout) for i, e in enumerate(eqns))
 
         # The re-trace walks these same equation objects (inside bodies too): the plan is
         # found by the equation's identity, never by the order of visits.
@@ -101,9 +114,15 @@ class PlanContextParallel(Pass):
 
         new = Rewriter(rules={attention_p.name: decide}).run(module.jaxpr) if eqns \
             else module.jaxpr
-        sequence = None if layout == "contiguous" or facts.seq_axes.seq_len is None else \
-            SequenceLayout(layout, facts.seq_axes.seq_len, cp)
-        log = tuple(p.describe() for p in plans) + (f"layout: {layout}",)
+        reordered = layout != "contiguous" and seq_len is not None \
+            and seq_len % layout_multiple(layout, cp) == 0
+        sequence = SequenceLayout(layout, seq_len, cp) if reordered else None
+        where = "" if reordered or layout == "contiguous" else \
+            " (inside each attention only: " + (
+                f"{len(facts.seq_axes.lengths)} sequences" if seq_len is None else
+                f"length {seq_len} is not a multiple of {layout_multiple(layout, cp)}") + \
+            "; the program stays in natural order)"
+        log = tuple(p.describe() for p in plans) + (f"layout: {layout}{where}",)
         return PassResult(module.with_jaxpr(new, plan=plans, layout=sequence), bool(eqns),
                           log)
 
@@ -116,11 +135,12 @@ class PlanContextParallel(Pass):
         causal = any(e.params["spec"].mask.band()[1] is not None for e in eqns)
         return "zigzag" if causal and seq_len and seq_len % (2 * cp) == 0 else "contiguous"
 
-    def plan_one(self, index: int, eqn, cp: int, ulysses: int) -> AttentionPlan:
-        """The plan of one attention equation (a function of the equation and the mesh)."""
+    def plan_one(self, index: int, eqn, cp: int, ulysses: int, layout: str) -> AttentionPlan:
+        """The plan of one attention equation (a function of the equation, the mesh and the
+        layout, which sets the lengths the sequences are padded to)."""
         spec = eqn.params["spec"]
         shape = attention_shape(spec, *(x.aval for x in eqn.invars[:3]), cp=cp,
-                                ulysses=ulysses)
+                                ulysses=ulysses, layout=layout)
         known = schedules()
         # Candidates run over as many mesh axes as the requested schedule, or under auto
         # as the mesh has CP axes.
@@ -135,7 +155,7 @@ class PlanContextParallel(Pass):
             if problem:
                 raise PlanError(f"attention at {where}: {problem}")
             return AttentionPlan(index, where, spec.mask, self.schedule,
-                                 "requested", shape, costs)
+                                 "requested", shape, costs, layout)
         problems = {name: s.feasible(shape) for name, s in candidates.items()}
         ok = {name: c for name, c in costs.items() if problems[name] is None}
         if not ok:
@@ -152,4 +172,4 @@ class PlanContextParallel(Pass):
         skipped = [f"{name}: {problems[name]}" for name in costs if name not in ok]
         if skipped:
             reason += "; not feasible: " + "; ".join(skipped)
-        return AttentionPlan(index, where, spec.mask, best, reason, shape, costs)
+        return AttentionPlan(index, where, spec.mask, best, reason, shape, costs, layout)

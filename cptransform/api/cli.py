@@ -395,7 +395,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from cptransform.api.context_parallel import cp_pipeline
     from cptransform.api.explain import explain_module
     from cptransform.api.plan_chart import ring_chart
-    from cptransform.op.layouts import SequenceLayout
+    from cptransform.op.layouts import SequenceLayout, padded_length
 
     if args.cp is None and args.mesh is None:
         raise CLIError("plan needs --cp N (or --axis and --mesh)")
@@ -403,10 +403,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     module, options = prepare_cp(trace_program(fn, example_args, name), args)
     result = run_pipeline(cp_pipeline(module, options, lower=False), module).module
     print(explain_module(result, options))
-    layout = result.facts.layout
     for step in result.facts.plan or ():
-        lay = layout or SequenceLayout("contiguous", step.shape.seq_len, step.shape.cp)
         print(f"\nattention #{step.index} ({step.schedule}):")
+        if step.shape.kv_len != step.shape.seq_len:
+            print("cross-attention: the chart draws self-attention only")
+            continue
+        cp = step.shape.cp
+        lay = SequenceLayout(step.layout, padded_length(step.shape.seq_len, step.layout, cp), cp)
         print(ring_chart(step.mask, lay))
     return 0
 

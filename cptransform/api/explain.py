@@ -6,30 +6,29 @@ from typing import Any
 from cptransform.api.plan_chart import device_work
 from cptransform.lowering.sharding_leaks import sequence_all_gathers
 from cptransform.op.attention_spec import MaskSpec
-from cptransform.op.layouts import SequenceLayout
+from cptransform.op.layouts import SequenceLayout, padded_length
 
 
-def balance_line(mask: MaskSpec, layout, seq_len: int, cp: int) -> str:
-    """``max/mean`` work per device under the chosen layout, next to contiguous."""
-    chosen = layout.name if layout is not None else "contiguous"
+def balance_line(mask: MaskSpec, chosen: str, seq_len: int, cp: int) -> str:
+    """``max/mean`` work per device under the chosen layout, next to contiguous (for the
+    length each layout pads the sequence to)."""
     rows = []
     for name in dict.fromkeys([chosen, "contiguous"]):
-        try:
-            lay = SequenceLayout(name, seq_len, cp)
-        except ValueError:
-            continue
-        work = device_work(mask, lay.all_positions(), seq_len)
+        padded = padded_length(seq_len, name, cp)
+        lay = SequenceLayout(name, padded, cp)
+        work = device_work(mask, lay.all_positions(), padded)
         if work is None:
             return "load balance: depends on the data (segment ids / dense mask)"
         rows.append(f"{name} {work.max() / work.mean():.2f}x")
     return "load balance (slowest device / mean): " + ", ".join(rows)
 
 
-def leak_lines(hlo_text: str, seq_len: int | None) -> list[str]:
-    """The "sharding leaks:" lines for the compiled program ``hlo_text``."""
-    if seq_len is None:
+def leak_lines(hlo_text: str, lengths: tuple[int, ...]) -> list[str]:
+    """The "sharding leaks:" lines for the compiled program ``hlo_text`` whose sequences
+    have ``lengths``."""
+    if not lengths:
         return ["  sharding leaks: no sequence axis, nothing is sharded"]
-    gathers = sequence_all_gathers(hlo_text, seq_len)
+    gathers = [g for n in sorted(set(lengths)) for g in sequence_all_gathers(hlo_text, n)]
     if not gathers:
         return ["  sharding leaks: none (no all-gather of the whole sequence outside the "
                 "attention schedules in the compiled program)"]
@@ -48,7 +47,7 @@ def explain_module(module, options: Any, hlo_text: str | None = None) -> str:
              f"{dict(mesh.shape) if mesh is not None else '?'}",
              f"  layout: {layout.name if layout is not None else 'contiguous'}"
              f" (load_balance={options.load_balance}); kernel: {options.kernel}"]
-    if seq is not None and seq.seq_len is not None:
+    if seq is not None and seq.lengths:
         lines.append(f"  sequence axis: {seq.describe()}")
     matches = facts.matches or []
     if matches:
@@ -66,13 +65,19 @@ def explain_module(module, options: Any, hlo_text: str | None = None) -> str:
         lines += [f"  attention #{p.index} at {p.source}",
                   f"    schedule: {p.schedule} — {p.reason}",
                   f"    mask: {p.mask.describe()}; heads {p.shape.heads} / kv heads {p.shape.kv_heads}, "
-                  f"head dim {p.shape.head_dim}, sequence {p.shape.seq_len}",
+                  f"head dim {p.shape.head_dim}, " + (
+                      f"sequence {p.shape.seq_len}" if p.shape.kv_len == p.shape.seq_len else
+                      f"cross-attention: {p.shape.seq_len} queries, {p.shape.kv_len} keys"),
+                  f"    layout: {p.layout}" + (
+                      "" if p.layout == "contiguous" or (layout is not None) else
+                      " (applied inside this attention; the program stays in natural order)"),
+                  f"    padding: {p.shape.describe_padding()}",
                   f"    forward communication per device: {bytes_line}"]
-        if cp:
-            lines.append("    " + balance_line(p.mask, layout, p.shape.seq_len, cp))
+        if cp and p.shape.kv_len == p.shape.seq_len:
+            lines.append("    " + balance_line(p.mask, p.layout, p.shape.seq_len, cp))
     for entry in facts.reorder_log:
         lines.append(f"  {entry}")
     if hlo_text is not None:
-        lines += leak_lines(hlo_text, seq.seq_len if seq is not None else None)
+        lines += leak_lines(hlo_text, seq.lengths if seq is not None else ())
     return "\n".join(lines)
 
