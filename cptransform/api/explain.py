@@ -43,10 +43,13 @@ def explain_module(module, options: Any, hlo_text: str | None = None) -> str:
     facts = module.facts
     mesh, axes, layout, seq = facts.mesh, facts.cp_axes, facts.layout, facts.seq_axes
     cp = facts.cp if mesh is not None else None
+    inside = sorted({p.layout for p in facts.plan or ()} - {"contiguous"})
+    program = layout.name if layout is not None else "contiguous" if not inside else \
+        f"{', '.join(inside)} inside the attentions, the program in natural order"
     lines = [f"context_parallel over mesh axes {tuple(axes)} (cp={cp}) of mesh "
              f"{dict(mesh.shape) if mesh is not None else '?'}",
-             f"  layout: {layout.name if layout is not None else 'contiguous'}"
-             f" (load_balance={options.load_balance}); kernel: {options.kernel}"]
+             f"  layout: {program} (load_balance={options.load_balance}); kernel: "
+             f"{options.kernel}"]
     if seq is not None and seq.lengths:
         lines.append(f"  sequence axis: {seq.describe()}")
     matches = facts.matches or []
