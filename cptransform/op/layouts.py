@@ -53,9 +53,9 @@ class SequenceLayout:
             need = "2·cp" if self.name == "zigzag" else "cp"
             raise LayoutError(
                 f"sequence length {self.seq_len} is not divisible by {need} = {parts} "
-                f"({self.name} layout over cp={self.cp}); pad the sequence to a multiple of "
-                f"{parts}" + (" or use load_balance='none'/'striped'"
-                              if self.name == "zigzag" else " or choose a cp that divides it"))
+                f"({self.name} layout over cp={self.cp}); a layout is defined on lengths it "
+                f"divides: pad to {padded_length(self.seq_len, self.name, self.cp)} first "
+                "(context_parallel and context_parallel_attention pad internally)")
 
     @property
     def local_len(self) -> int:
