@@ -87,8 +87,8 @@ def pad_block(block: Block, spec: AttentionSpec, tq: int, tkv: int) -> tuple[Blo
         q_pos=_extend(q_pos, tq, kv_pos[:, :1] - _inside_band(spec)),
         # Pad keys continue after the last real one: position ranges (and so the kernels'
         # skipping of empty chunk pairs) stay as tight as the real keys allow.
-        kv_pos=_extend(kv_pos, tkv, last + 1 + jnp.arange(tkv - real_kv, dtype=last.dtype)[
-            None, :]) if tkv > real_kv else kv_pos,
+        kv_pos=_extend(kv_pos, tkv,
+                       last + 1 + jnp.arange(tkv - real_kv, dtype=last.dtype)[None, :]),
         q_seg=_extend(q_seg, tq, kv_seg[:, :1]), kv_seg=_extend(kv_seg, tkv, hidden),
         mask=_pad_dense(block.mask, tq, tkv, True), bias=_pad_dense(block.bias, tq, tkv, 0))
     return padded, spec.replace(mask=spec.mask.replace(segments=True), real_keys=real_kv)

@@ -14,6 +14,7 @@ from schedule_cases import check_schedule, make_case
 from cptransform import context_parallel
 from cptransform.ir.module import iter_eqns
 from cptransform.op.attention import attention_p
+from cptransform.passes.reorder_sequence import ReorderError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples import llama  # noqa: E402
@@ -132,3 +133,14 @@ def test_llama_with_an_uneven_length():
     np.testing.assert_allclose(got[0], want[0], rtol=RTOL)
     assert_tree_close(got[1], want[1])
     assert_sharded(f, params, tokens, schedule="ring")
+
+
+def test_keep_permuted_needs_a_reordered_program():
+    """With an uneven length zigzag runs inside the attention and outputs come back in
+    natural order: asking for them permuted is refused, not silently ignored."""
+    def hidden(x):
+        return jax.nn.dot_product_attention(x, x, x, is_causal=True)
+
+    x = jax.random.normal(jax.random.key(7), (1, 19, 2, 4))
+    with pytest.raises(ReorderError, match="keep_permuted=True .* natural order"):
+        context_parallel(hidden, cp=8, load_balance="zigzag", keep_permuted=True)(x)
