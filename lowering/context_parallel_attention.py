@@ -30,12 +30,12 @@ from cptransform.analysis.attention_shape import attention_shape
 from cptransform.ir.errors import ContextParallelError
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import get_kernel
+from cptransform.lowering.padding import pad_block
 from cptransform.lowering.schedule import MESH_AXES_HINT, schedules
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_reference import flatten_batch, from_canonical, split_operands, \
     to_canonical
 from cptransform.op.attention_spec import AttentionSpec, Layout
-from cptransform.lowering.padding import pad_block
 from cptransform.op.layouts import LAYOUTS, SequenceLayout, layout_multiple, padded_length
 
 _CANONICAL = Layout.parse("BTHD")
@@ -47,8 +47,8 @@ def sequence_mesh_axes(axes: Sequence[str]) -> tuple[str, ...]:
 
 
 def permute_block(block: Block, q_layout: SequenceLayout, kv_layout: SequenceLayout) -> Block:
-    """``block``'s token operands and dense ones from natural order to
-    layout order: queries by ``q_layout``, keys by ``kv_layout``."""
+    """``block``'s token and dense operands from natural order to layout order: queries
+    by ``q_layout``, keys by ``kv_layout``."""
     def side(x, lay):
         return None if x is None else lay.permute(x, axis=1)
 
@@ -144,9 +144,9 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     # In natural order (the operands' own order) the block is padded at the end; then it
     # is brought to layout order, unless it already is (then it needs no padding).
     block = Block(q=q, k=k, v=v, q_pos=positions(a["q_positions"], q_layout, tq),
-                  kv_pos=positions(a["kv_positions"], kv_layout, tkv), q_seg=flat(a["q_segment_ids"]),
-                  kv_seg=flat(a["kv_segment_ids"]), mask=flat(a["mask"]),
-                  bias=flat(a["bias"]))
+                  kv_pos=positions(a["kv_positions"], kv_layout, tkv),
+                  q_seg=flat(a["q_segment_ids"]), kv_seg=flat(a["kv_segment_ids"]),
+                  mask=flat(a["mask"]), bias=flat(a["bias"]))
     if not in_layout_order:
         block, spec = pad_block(block, spec, tq_pad, tkv_pad)
         block = permute_block(block, q_layout, kv_layout)
