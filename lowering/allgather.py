@@ -29,7 +29,7 @@ from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, m
 from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
     tile_bytes
 from cptransform.lowering.block import Block
-from cptransform.lowering.schedule import Schedule, divides_sequence, register_schedule, \
+from cptransform.lowering.schedule import Schedule, any_length, key_count, register_schedule, \
     with_sinks
 from cptransform.lowering.ulysses import gather_sequence
 from cptransform.op.attention_reference import fill_empty_rows
@@ -52,7 +52,9 @@ def _forward(block: Block, spec, axis, kernel):
         v=lax.all_gather(block.v, axis, axis=1, tiled=True),
         kv_pos=gather_sequence(block.kv_pos, axis), kv_seg=gather_sequence(block.kv_seg, axis))
     o, lse = kernel.forward(gathered, spec)
-    v_mean = jnp.mean(gathered.v.astype(jnp.float32), axis=1, keepdims=True)
+    # Pad keys' V is zero: the sum over all keys divided by the real ones is their mean.
+    v_mean = jnp.sum(gathered.v.astype(jnp.float32), axis=1, keepdims=True) \
+        / key_count(spec, gathered.v.shape[1])
     return (o, lse, v_mean), (gathered, o, lse)
 
 
@@ -60,7 +62,7 @@ def _bwd(spec, axis, kernel, residuals, cotangents):
     gathered, o, lse = residuals
     do, dlse, dv_mean = cotangents
     dq, dk_all, dv_all, dbias = kernel.backward(gathered, o, lse, do, spec, dlse)
-    dv_all = dv_all + dv_mean / gathered.v.shape[1]
+    dv_all = dv_all + dv_mean / key_count(spec, gathered.v.shape[1])
     dk, dv = (lax.psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=1, tiled=True)
               for g in (dk_all, dv_all))
     bias = gathered.bias
@@ -83,14 +85,14 @@ def allgather_volume(shape: AttentionShape) -> CommVolume:
     """All-gathers of K, V (and kv positions / segment ids) over ``shape.cp`` devices
     forward; reduce-scatters of dK and dV in ``grad_bytes`` backward."""
     cp = shape.cp
-    rows = shape.batch * shape.seq_len // cp
+    rows = shape.batch * shape.kv_padded // cp
     kv_elems = kv_elements(shape)
     transfers = [Transfer(name, "all_gather", rows * e * shape.dtype_bytes * (cp - 1))
                  for name, e in kv_elems.items()]
-    transfers += [Transfer(name, "all_gather", shape.seq_len // cp * b * (cp - 1),
-                           payload=False) for name, b in metadata(shape, ("kv",))]
+    transfers += [Transfer(name, "all_gather", b * (cp - 1), payload=False)
+                  for name, b in metadata(shape, ("kv",))]
     transfers += [Transfer("d" + name, "reduce_scatter",
-                           shape.batch * shape.seq_len * e * shape.grad_bytes * (cp - 1) // cp,
+                           shape.batch * shape.kv_padded * e * shape.grad_bytes * (cp - 1) // cp,
                            backward=True) for name, e in kv_elems.items()]
     return CommVolume("allgather", tuple(transfers))
 
@@ -98,7 +100,7 @@ def allgather_volume(shape: AttentionShape) -> CommVolume:
 def allgather_memory(shape: AttentionShape) -> int:
     """Its shards, K and V of the whole sequence (kept as residuals), the float32 query
     state, float32 dK/dV of every key before the reduce-scatter, and one score tile."""
-    s, local = shape.seq_len, shape.seq_len // shape.cp
+    s, local = shape.kv_padded, shape.q_padded // shape.cp
     return (shard_bytes(shape) + kv_bytes(shape, s, shape.kv_heads, shape.dtype_bytes)
             + query_state_bytes(shape, local, shape.heads)
             + kv_bytes(shape, s, shape.kv_heads, shape.grad_bytes)
@@ -106,6 +108,6 @@ def allgather_memory(shape: AttentionShape) -> int:
 
 
 ALLGATHER = register_schedule(Schedule("allgather", mesh_axes=1, run=allgather,
-                                       volume=allgather_volume, feasible=divides_sequence,
+                                       volume=allgather_volume, feasible=any_length,
                                        order=2, work=gathered_work,
                                        memory=allgather_memory))

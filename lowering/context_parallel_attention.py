@@ -32,12 +32,13 @@ from cptransform.analysis.attention_shape import attention_shape
 from cptransform.ir.errors import ContextParallelError
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import get_kernel
+from cptransform.lowering.padding import pad_block
 from cptransform.lowering.schedule import MESH_AXES_HINT, schedules
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_reference import flatten_batch, from_canonical, split_operands, \
     to_canonical
 from cptransform.op.attention_spec import AttentionSpec, Layout
-from cptransform.op.layouts import LAYOUTS, LayoutError, SequenceLayout
+from cptransform.op.layouts import LAYOUTS, SequenceLayout, layout_multiple, padded_length
 
 _CANONICAL = Layout.parse("BTHD")
 
@@ -45,6 +46,25 @@ _CANONICAL = Layout.parse("BTHD")
 def sequence_mesh_axes(axes: Sequence[str]) -> tuple[str, ...]:
     """The mesh axes the sequence dim is sharded over, major first (``axes`` reversed)."""
     return tuple(reversed(tuple(axes)))
+
+
+def permute_block(block: Block, q_layout: SequenceLayout, kv_layout: SequenceLayout) -> Block:
+    """``block``'s token and dense operands from natural order to layout order: queries
+    by ``q_layout``, keys by ``kv_layout``."""
+    def side(x, lay):
+        return None if x is None else lay.permute(x, axis=1)
+
+    def dense(x):
+        return None if x is None else kv_layout.permute(q_layout.permute(x, axis=2), axis=3)
+
+    # Top-k indices are global key positions: only their rows follow the queries' layout;
+    # the values are compared with the keys' positions, whatever the layout.
+    topk = None if block.topk is None else q_layout.permute(block.topk, axis=2)
+    return block.replace(q=side(block.q, q_layout), k=side(block.k, kv_layout),
+                         v=side(block.v, kv_layout), q_pos=side(block.q_pos, q_layout),
+                         kv_pos=side(block.kv_pos, kv_layout), q_seg=side(block.q_seg, q_layout),
+                         kv_seg=side(block.kv_seg, kv_layout), mask=dense(block.mask),
+                         bias=dense(block.bias), topk=topk)
 
 
 def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
@@ -64,7 +84,13 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
       kernel: local-step kernel, ``xla``, ``pallas`` or ``auto`` (``xla`` for a top-k
         mask, which the Pallas kernels refuse).
       in_layout_order: the sequence axes of the operands (and of the output) are already in
-        layout order; positions, if given, are then the positions of that order.
+        layout order; positions, if given, are then the positions of that order. The
+        lengths must then be divisible by the layout's multiple.
+
+    Queries and keys may differ in length (cross-attention); each is laid out by its own
+    :class:`SequenceLayout`. A length the layout does not divide (``cp``, zigzag ``2·cp``)
+    is padded at the end with masked positions (:mod:`cptransform.lowering.padding`) and
+    the output is cut back to the real queries.
 
     Returns the output in q's layout, dtype and (unless ``in_layout_order``) order.
     Differentiable and jit-able.
@@ -98,12 +124,14 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     q, k, v = (flatten_batch(x, nb, batch_shape) for x in (q, k, v))
     tq, tkv = q.shape[1], k.shape[1]
     cp = math.prod(mesh.shape[name] for name in axes)
-    try:
-        q_layout = SequenceLayout(layout, tq, cp)
-        kv_layout = SequenceLayout(layout, tkv, cp)
-    except LayoutError as err:
-        raise ContextParallelError(f"{err} (schedule {schedule!r} over mesh axes {axes})") \
-            from None
+    tq_pad, tkv_pad = padded_length(tq, layout, cp), padded_length(tkv, layout, cp)
+    if in_layout_order and (tq_pad, tkv_pad) != (tq, tkv):
+        raise ContextParallelError(
+            f"operands in {layout} order must have lengths divisible by "
+            f"{layout_multiple(layout, cp)} (got {tq} queries, {tkv} keys): a program is "
+            "only reordered for lengths its layout divides; lower it in natural order")
+    q_layout = SequenceLayout(layout, tq_pad, cp)
+    kv_layout = SequenceLayout(layout, tkv_pad, cp)
     # Checked here, outside shard_map, so the error names the mesh axes and their sizes.
     ulysses = mesh.shape[axes[0]] if len(axes) == 2 else 1
     shape = attention_shape(spec, a["q"], a["k"], a["v"], cp=cp, ulysses=ulysses,
@@ -116,37 +144,26 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
         sizes = ", ".join(f"{name!r} of size {mesh.shape[name]}" for name in axes)
         raise ContextParallelError(f"{schedule}: {problem} (mesh axes {sizes})")
 
-    def positions(given, lay):
+    def flat(x):
+        return flatten_batch(x, nb, batch_shape)
+
+    def positions(given, lay, length):
         if given is not None:
-            pos = flatten_batch(given, nb, batch_shape).astype(jnp.int32)
-            return pos if in_layout_order else lay.permute(pos, axis=1)
-        return jnp.asarray(lay.permutation(), dtype=jnp.int32)[None]
+            return flat(given).astype(jnp.int32)
+        slots = jnp.arange(length, dtype=jnp.int32)[None]
+        return lay.position_of_slot(slots) if in_layout_order else slots
 
-    def in_order(x, lay):
-        return x if x is None or in_layout_order else lay.permute(x, axis=1)
-
-    def dense(x):
-        x = flatten_batch(x, nb, batch_shape)
-        if x is None or in_layout_order:
-            return x
-        return kv_layout.permute(q_layout.permute(x, axis=2), axis=3)
-
-    def query_rows(x):
-        # Top-k indices are global key positions: only their rows follow the queries'
-        # layout; the values are compared with the keys' positions, whatever the layout.
-        x = flatten_batch(x, nb, batch_shape)
-        if x is None or in_layout_order:
-            return x
-        return q_layout.permute(x.astype(jnp.int32), axis=2)
-
-    block = Block(
-        q=in_order(q, q_layout), k=in_order(k, kv_layout), v=in_order(v, kv_layout),
-        q_pos=positions(a["q_positions"], q_layout),
-        kv_pos=positions(a["kv_positions"], kv_layout),
-        q_seg=in_order(flatten_batch(a["q_segment_ids"], nb, batch_shape), q_layout),
-        kv_seg=in_order(flatten_batch(a["kv_segment_ids"], nb, batch_shape), kv_layout),
-        mask=dense(a["mask"]), bias=dense(a["bias"]),
-        sinks=flatten_batch(a["sinks"], nb, batch_shape), topk=query_rows(a["topk_indices"]))
+    # In natural order (the operands' own order) the block is padded at the end; then it
+    # is brought to layout order, unless it already is (then it needs no padding).
+    block = Block(q=q, k=k, v=v, q_pos=positions(a["q_positions"], q_layout, tq),
+                  kv_pos=positions(a["kv_positions"], kv_layout, tkv),
+                  q_seg=flat(a["q_segment_ids"]), kv_seg=flat(a["kv_segment_ids"]),
+                  mask=flat(a["mask"]), bias=flat(a["bias"]), sinks=flat(a["sinks"]),
+                  topk=None if a["topk_indices"] is None
+                  else flat(a["topk_indices"]).astype(jnp.int32))
+    if not in_layout_order:
+        block, spec = pad_block(block, spec, tq_pad, tkv_pad)
+        block = permute_block(block, q_layout, kv_layout)
     seq = sequence_mesh_axes(axes)
     # Token operands are sharded on their sequence dim (1), per-pair ones on their rows (2);
     # the sinks have no sequence dim: every device holds them all.
@@ -168,7 +185,7 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     o = jax.shard_map(run, mesh=mesh, in_specs=(sharding,), out_specs=P(None, seq),
                       axis_names=set(axes))(block)
     if not in_layout_order:
-        o = q_layout.unpermute(o, axis=1)
+        o = q_layout.unpermute(o, axis=1)[:, :tq]
     o = o.reshape(tuple(batch_shape) + o.shape[1:]) if nb else o[0]
     return from_canonical(spec, o).astype(a["q"].dtype)
 

@@ -68,7 +68,7 @@ from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import row_delta, zero_times
 from cptransform.lowering.ring import packed, unpacked
-from cptransform.lowering.schedule import Schedule, divides_sequence, with_sinks, \
+from cptransform.lowering.schedule import Schedule, with_sinks, \
     fill_empty_rows_sharded, register_schedule
 
 #: The position of a halo key that has no sender: ``kv_pos - q_pos`` is below ``-left``
@@ -278,9 +278,13 @@ def halo(block: Block, *, spec, axes, kernel):
 def halo_feasible(shape: AttentionShape) -> str | None:
     """Halo needs a window finite on both sides whose sides fit in one chunk of a contiguous
     or zigzag layout, and positions that are the token indices."""
-    problem = divides_sequence(shape)
-    if problem:
-        return problem
+    if shape.kv_len != shape.seq_len:
+        return ("halo exchanges the neighbours of one sequence, but this attention has "
+                f"{shape.seq_len} queries and {shape.kv_len} keys; use schedule='ring'")
+    if shape.q_padded != shape.seq_len:
+        return (f"sequence length {shape.seq_len} is not a multiple of {shape.multiple} "
+                f"({shape.layout}, cp={shape.cp}) and halo does not pad (a pad query would "
+                "need a key from the far end); pad it or use schedule='ring'")
     if shape.layout not in CHUNKS_PER_RANK:
         return (f"the {shape.layout} layout puts every neighbour of a token on another rank, "
                 "so halo would send everything; use load_balance='none' (contiguous) or "
@@ -310,14 +314,16 @@ def halo_volume(shape: AttentionShape) -> CommVolume:
     """The halo exchange over ``shape.cp`` devices (see the module doc); a side that is open
     or wider than a chunk (an infeasible shape) is priced at a whole chunk."""
     chunks = CHUNKS_PER_RANK.get(shape.layout, 1)
-    chunk = shape.seq_len // (shape.cp * chunks)
+    chunk = shape.q_padded // (shape.cp * chunks)
     left, right = halo_sides(shape.band) or (chunk, chunk)
     keys = chunks * (min(left, chunk) + min(right, chunk))
     rows = shape.batch * keys
     kv_elems = kv_elements(shape)
     transfers = [Transfer(name, "collective_permute", rows * e * shape.dtype_bytes)
                  for name, e in kv_elems.items()]
-    transfers += [Transfer(name, "collective_permute", keys * b, payload=False)
+    # metadata() gives a device's bytes of its local keys; the halos carry ``keys`` of them.
+    local = shape.kv_padded // shape.cp
+    transfers += [Transfer(name, "collective_permute", keys * b // local, payload=False)
                   for name, b in metadata(shape, ("kv",))]
     transfers += [Transfer("d" + name, "collective_permute", rows * e * shape.grad_bytes,
                            backward=True) for name, e in kv_elems.items()]
@@ -335,7 +341,7 @@ def _kernel_keys(shape: AttentionShape) -> tuple[int, tuple[Piece, ...]]:
     """How many keys the kernel call of a rank holds, and their pieces (an infeasible side
     is priced at a whole chunk, as in :func:`halo_volume`)."""
     chunks = CHUNKS_PER_RANK.get(shape.layout, 1)
-    local = shape.seq_len // shape.cp
+    local = shape.q_padded // shape.cp
     chunk = local // chunks
     left, right = (min(side, chunk) for side in halo_sides(shape.band) or (chunk, chunk))
     runs = pieces("zigzag" if chunks == 2 else "contiguous", local, left, right)
@@ -359,7 +365,7 @@ def halo_work(shape: AttentionShape) -> Work:
 def halo_memory(shape: AttentionShape) -> int:
     """Its shards, the halos received (kept as residuals), the float32 query state, float32
     dK/dV of the kernel's keys and one score tile."""
-    local = shape.seq_len // shape.cp
+    local = shape.q_padded // shape.cp
     keys, _ = _kernel_keys(shape)
     return (shard_bytes(shape) + kv_bytes(shape, keys - local, shape.kv_heads, shape.dtype_bytes)
             + query_state_bytes(shape, local, shape.heads)

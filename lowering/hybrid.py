@@ -24,7 +24,7 @@ from cptransform.analysis.cost_model import CommVolume
 from cptransform.analysis.local_memory import shard_bytes
 from cptransform.lowering.block import Block
 from cptransform.lowering.ring import ring, ring_memory, ring_volume
-from cptransform.lowering.schedule import Schedule, divides_sequence, register_schedule
+from cptransform.lowering.schedule import Schedule, register_schedule
 from cptransform.lowering.ulysses import kv_head_repeats, ulysses_around, ulysses_volume
 
 
@@ -43,7 +43,8 @@ def hybrid_volume(shape: AttentionShape) -> CommVolume:
     ``R = cp / ulysses`` groups across (on the ``H/U`` heads and ``Hkv·f/U`` KV heads each
     device holds after the all-to-all)."""
     u, r = shape.ulysses, shape.cp // shape.ulysses
-    inner = ulysses_volume(replace(shape, seq_len=shape.seq_len // r, cp=u))
+    inner = ulysses_volume(replace(shape, seq_len=shape.q_padded // r,
+                                   kv_seq_len=shape.kv_padded // r, multiple=1, cp=u))
     outer = ring_volume(_ring_shape(shape))
     # The ring's rotations run over the second mesh axis (the ring axis).
     return CommVolume("hybrid", inner.transfers
@@ -73,10 +74,10 @@ def hybrid_memory(shape: AttentionShape) -> int:
 
 
 def hybrid_feasible(shape: AttentionShape) -> str | None:
-    """The sequence must split over ``cp`` devices and the query heads over the Ulysses
-    degree."""
-    problem = divides_sequence(shape)
-    if problem is None and shape.heads % shape.ulysses:
+    """The query heads must split over the Ulysses degree (any length: the entry point
+    pads it)."""
+    problem = None
+    if shape.heads % shape.ulysses:
         problem = (f"{shape.heads} query heads cannot be split over the Ulysses degree "
                 f"{shape.ulysses} (hybrid needs heads % {shape.ulysses} == 0); use a Ulysses "
                 f"axis whose size divides {shape.heads}, or schedule='ring'")

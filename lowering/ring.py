@@ -50,8 +50,8 @@ from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, m
 from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
     tile_bytes
 from cptransform.lowering.block import Block
-from cptransform.lowering.schedule import Schedule, divides_sequence, \
-    fill_empty_rows_sharded, register_schedule, with_sinks
+from cptransform.lowering.schedule import Schedule, any_length, fill_empty_rows_sharded, \
+    register_schedule, with_sinks
 from cptransform.lowering.kernels import row_delta
 from cptransform.op.attention_reference import merge
 
@@ -199,18 +199,18 @@ def ring_volume(shape: AttentionShape) -> CommVolume:
     the float32 dK/dV accumulators ``cp`` times, so that they arrive home. Every rotation is
     sent one step ahead of its compute (``overlapped``)."""
     cp = shape.cp
-    rows = shape.batch * shape.seq_len // cp
+    rows = shape.batch * shape.kv_padded // cp
     kv_elems = kv_elements(shape)
     hops = cp - 1
     hop = partial(Transfer, kind="collective_permute", overlapped=True)
     transfers = [hop(name, bytes=hops * rows * e * shape.dtype_bytes)
                  for name, e in kv_elems.items()]
     meta = metadata(shape, ("kv",))
-    transfers += [hop(name, bytes=hops * shape.seq_len // cp * b, payload=False)
+    transfers += [hop(name, bytes=hops * b, payload=False)
                   for name, b in meta]
     transfers += [hop(name, bytes=hops * rows * e * shape.dtype_bytes, backward=True)
                   for name, e in kv_elems.items()]
-    transfers += [hop(name, bytes=hops * shape.seq_len // cp * b, backward=True,
+    transfers += [hop(name, bytes=hops * b, backward=True,
                       payload=False) for name, b in meta]
     transfers += [hop("d" + name, bytes=cp * rows * e * shape.grad_bytes, backward=True)
                   for name, e in kv_elems.items()]
@@ -226,7 +226,7 @@ def ring_work(shape: AttentionShape) -> Work:
 def ring_memory(shape: AttentionShape) -> int:
     """Its shards, the KV block computed on and the one arriving, the float32 query state,
     the float32 dK/dV accumulators (held and in flight) and one score tile."""
-    local = shape.seq_len // shape.cp
+    local = shape.q_padded // shape.cp
     return (shard_bytes(shape) + 2 * kv_bytes(shape, local, shape.kv_heads, shape.dtype_bytes)
             + query_state_bytes(shape, local, shape.heads)
             + 2 * kv_bytes(shape, local, shape.kv_heads, shape.grad_bytes)
@@ -234,6 +234,6 @@ def ring_memory(shape: AttentionShape) -> int:
 
 
 RING = register_schedule(Schedule("ring", mesh_axes=1, run=ring, volume=ring_volume,
-                                  feasible=divides_sequence, overlaps=True, order=0,
+                                  feasible=any_length, overlaps=True, order=0,
                                   work=ring_work, memory=ring_memory,
                                   steps=lambda shape: shape.cp))

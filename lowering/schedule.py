@@ -85,7 +85,7 @@ class Schedule:
         if self.memory is not None:
             return self.memory(shape)
         return (shard_bytes(shape) + self.volume(shape).forward_total
-                + query_state_bytes(shape, shape.seq_len // shape.cp, shape.heads))
+                + query_state_bytes(shape, shape.q_padded // shape.cp, shape.heads))
 
     def predict(self, shape: AttentionShape, hardware: Hardware,
                 spans: tuple[int, ...] | None = None) -> Prediction:
@@ -95,7 +95,7 @@ class Schedule:
         if spans is None:
             spans = (shape.ulysses, shape.cp) if self.mesh_axes == 2 else (shape.cp,)
         return predict(self.name, self.volume(shape), self.work(shape),
-                       self.peak_memory(shape), self.steps(shape), shape.seq_len,
+                       self.peak_memory(shape), self.steps(shape), shape.q_padded,
                        shape.dtype_bytes, hardware, spans)
 
 
@@ -119,13 +119,17 @@ def schedules() -> dict[str, Schedule]:
     return dict(sorted(SCHEDULES.items(), key=lambda item: (item[1].order, item[0])))
 
 
-def divides_sequence(shape: AttentionShape) -> str | None:
-    """Why the sequence cannot be split over ``shape.cp`` devices (``None`` when it can):
-    the feasibility every schedule starts from."""
-    if shape.seq_len % shape.cp:
-        return (f"sequence length {shape.seq_len} is not divisible by cp={shape.cp}; pad it "
-                "to a multiple of cp")
+def any_length(shape: AttentionShape) -> str | None:
+    """``None``: the feasibility of a schedule that runs every shape. No length is refused,
+    since the entry point pads both sequences to their layout's multiple (and queries and
+    keys may differ in length)."""
     return None
+
+
+def key_count(spec: AttentionSpec, padded: int) -> int:
+    """The number of real keys of an attention whose keys were padded to ``padded``: what
+    the ``"uniform"`` fill divides the sum of V by (pad V rows are zero)."""
+    return padded if spec.real_keys is None else spec.real_keys
 
 
 #: How to fix a schedule given the wrong number of CP mesh axes, by the number it needs.
@@ -156,13 +160,14 @@ def fill_empty_rows_sharded(spec: AttentionSpec, o, lse, v, axes, kv_len: int):
     """``spec.mask.empty_rows`` for a schedule whose V is sharded over ``axes``.
 
     Empty rows (:func:`~cptransform.op.attention_reference.empty_rows_of`) take the mean of
-    V over all ``kv_len`` keys (a psum of the local sums) for ``"uniform"``, NaN times it for
-    ``"nan"``; with ``"zero"`` ``o`` is returned unchanged. Pass ``axes=()`` when ``v``
-    already holds every key.
+    V over all ``kv_len`` keys (a psum of the local sums; padded keys, whose V is zero, are
+    not counted: :func:`key_count`) for ``"uniform"``, NaN times it for ``"nan"``; with
+    ``"zero"`` ``o`` is returned unchanged. Pass ``axes=()`` when ``v`` already holds every
+    key.
     """
     if spec.mask.empty_rows == "zero":
         return o
     total = jnp.sum(v.astype(jnp.float32), axis=1, keepdims=True)
     if axes:
         total = lax.psum(total, tuple(axes))
-    return fill_empty_rows(spec, o, lse, total / kv_len).astype(o.dtype)
+    return fill_empty_rows(spec, o, lse, total / key_count(spec, kv_len)).astype(o.dtype)

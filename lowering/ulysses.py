@@ -38,8 +38,8 @@ from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, m
 from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
     tile_bytes
 from cptransform.lowering.block import Block
-from cptransform.lowering.schedule import Schedule, divides_sequence, \
-    fill_empty_rows_sharded, register_schedule, with_sinks
+from cptransform.lowering.schedule import Schedule, fill_empty_rows_sharded, \
+    register_schedule, with_sinks
 
 
 def kv_head_repeats(kv_heads: int, n: int) -> int:
@@ -161,14 +161,17 @@ def ulysses_volume(shape: AttentionShape) -> CommVolume:
     repeated, see :func:`kv_head_repeats`) and all-gathers of positions / segment ids
     forward; the transposed all-to-alls of dq, dk, dv, do backward."""
     cp = shape.cp
-    rows = shape.batch * shape.seq_len // cp
     kv = kv_elements(shape, shape.kv_heads * kv_head_repeats(shape.kv_heads, cp))
-    a2a = lambda elements: rows * elements * shape.dtype_bytes * (cp - 1) // cp  # noqa: E731
-    payload = [("q", a2a(shape.heads * shape.head_dim)), ("k", a2a(kv["k"])),
-               ("v", a2a(kv["v"])), ("o", a2a(shape.heads * shape.dv))]
+
+    def a2a(length, elements):
+        return shape.batch * length // cp * elements * shape.dtype_bytes * (cp - 1) // cp
+
+    q_len, kv_len = shape.q_padded, shape.kv_padded
+    payload = [("q", a2a(q_len, shape.heads * shape.head_dim)), ("k", a2a(kv_len, kv["k"])),
+               ("v", a2a(kv_len, kv["v"])), ("o", a2a(q_len, shape.heads * shape.dv))]
     transfers = [Transfer(name, "all_to_all", b) for name, b in payload]
-    transfers += [Transfer(name, "all_gather", shape.seq_len // cp * b * (cp - 1),
-                           payload=False) for name, b in metadata(shape, ("q", "kv"))]
+    transfers += [Transfer(name, "all_gather", b * (cp - 1), payload=False)
+                  for name, b in metadata(shape, ("q", "kv"))]
     transfers += [Transfer("d" + name, "all_to_all", b, backward=True) for name, b in payload]
     return CommVolume("ulysses", tuple(transfers))
 
@@ -184,7 +187,7 @@ def ulysses_memory(shape: AttentionShape) -> int:
     and gradients, and one score tile over ``H/cp`` heads."""
     n = shape.cp
     heads, kv = shape.heads // n, shape.kv_heads * kv_head_repeats(shape.kv_heads, n) // n
-    s = shape.seq_len
+    s = shape.q_padded
     gathered = shape.batch * s * heads * (shape.head_dim + shape.dv) * shape.dtype_bytes
     return (shard_bytes(shape) + gathered + kv_bytes(shape, s, kv, shape.dtype_bytes)
             + query_state_bytes(shape, s, heads) + kv_bytes(shape, s, kv, shape.grad_bytes)
@@ -192,8 +195,9 @@ def ulysses_memory(shape: AttentionShape) -> int:
 
 
 def ulysses_feasible(shape: AttentionShape) -> str | None:
-    """The sequence and the query heads must both split over ``shape.cp`` devices."""
-    return divides_sequence(shape) or heads_problem(shape.heads, shape.cp)
+    """The query heads must split over ``shape.cp`` devices (any length: the entry point
+    pads it)."""
+    return heads_problem(shape.heads, shape.cp)
 
 
 ULYSSES = register_schedule(Schedule("ulysses", mesh_axes=1, run=ulysses,

@@ -40,16 +40,19 @@ class InferSeqAxes(Pass):
 def check_overrides(module: Module, summary) -> None:
     """Refuse a ``seq_axes`` override whose dim is not the attention's sequence length, or
     that contradicts what dataflow proves about that input."""
-    inferred = summarize(module, infer_seq_axes(module.jaxpr)).inputs
+    # Without the overrides, every sequence is an attention's: the lengths to match.
+    plain = infer_seq_axes(module.jaxpr)
+    inferred, lengths = summarize(module, plain).inputs, plain.lengths
     for index, dims in module.facts.seq_axes_overrides.items():
         name = summary.input_names[index]
         shape = module.in_avals[index].shape
         for d in dims:
-            if summary.seq_len is not None and shape[d] != summary.seq_len:
+            if lengths and shape[d] not in lengths:
                 raise SeqAxisError(
                     f"seq_axes says dim {d} of {name} (shape {shape}) is the sequence, but "
-                    f"the attention's sequence length is {summary.seq_len}; point seq_axes "
-                    "at the dim of that length, or leave the argument to inference (None)")
+                    f"the attentions' sequence lengths are {list(lengths)}; point "
+                    "seq_axes at the dim of that length, or leave the argument to inference "
+                    "(None)")
         if inferred[index] and tuple(inferred[index]) != tuple(dims):
             raise SeqAxisError(
                 f"seq_axes gives {name} (shape {shape}) sequence dims {list(dims)}, but "

@@ -30,8 +30,9 @@ from cptransform.op.attention import attention_p
 class _Lowerer(Rewriter):
     """Re-trace with attention replaced and sequence shardings constrained."""
 
-    def __init__(self, axes: SeqAxes, mesh, cp_axes, kernel: str):
+    def __init__(self, axes: SeqAxes, mesh, cp_axes, kernel: str, reordered: bool):
         super().__init__()
+        self.reordered = reordered
         self.axes, self.mesh = axes, mesh
         self.cp_axes, self.kernel = tuple(cp_axes), kernel
         self.seq = sequence_mesh_axes(self.cp_axes)
@@ -55,7 +56,8 @@ class _Lowerer(Rewriter):
                 out = context_parallel_attention(
                     *invals, spec=spec, mesh=self.mesh, axes=self.cp_axes,
                     schedule=spec.schedule, layout=spec.layout, kernel=self.kernel,
-                    in_layout_order=spec.positions and spec.layout != "contiguous")
+                    in_layout_order=self.reordered and spec.positions
+                    and spec.layout != "contiguous")
             outs = [out]
         else:
             outs = super().eval_eqn(eqn, invals)
@@ -77,8 +79,10 @@ class LowerContextParallel(Pass):
 
     def run(self, module: Module) -> PassResult:
         n = sum(1 for e in iter_eqns(module.jaxpr) if e.primitive is attention_p)
+        # Attentions are in layout order only where reorder-sequence permuted the program
+        # (``facts.layout``); otherwise a zigzag/striped attention permutes its operands.
         lowerer = _Lowerer(analyse(module), module.facts.mesh, module.facts.cp_axes,
-                           self.kernel)
+                           self.kernel, reordered=module.facts.layout is not None)
         jaxpr = compat.open_jaxpr(module.jaxpr)
         consts = compat.consts_of(module.jaxpr)
 

@@ -24,6 +24,15 @@ decisions are written onto each ``attention_p`` equation (``spec.schedule``,
 and the layout to ``module.facts.layout`` for ``reorder-sequence``. The CP size comes from
 the mesh only. Per-document zigzag (``load_balance="documents"``) is refused: see
 :data:`REFUSED_LOAD_BALANCES`.
+
+The program is reordered (``facts.layout``) only when it has one sequence whose length the
+layout divides. A zigzag or striped layout over a length it does not divide, or over two
+sequences (cross-attention), is applied inside each attention instead: the lowering pads
+and permutes the attention's operands and un-permutes its output, and the rest of the
+program stays in natural order. That costs a permutation of q, k, v and o per attention
+(communication the program-level reorder avoids), but it is exact: a permutation of the
+real tokens alone cannot be cut into equal zigzag shards, and the pad tokens live only
+inside the attention.
 """
 from __future__ import annotations
 
@@ -48,7 +57,7 @@ from cptransform.ir.rewrite import Rewriter
 from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import MaskSpec
-from cptransform.op.layouts import LAYOUTS, SequenceLayout
+from cptransform.op.layouts import LAYOUTS, SequenceLayout, layout_multiple
 
 #: ``load_balance`` option → the layout it names (``auto`` is decided per program).
 LOAD_BALANCES = {"auto": None, "zigzag": "zigzag", "striped": "striped",
@@ -89,11 +98,13 @@ class AttentionPlan:
     bytes_per_device: dict
     predictions: tuple[Prediction, ...] = ()
     runner_up: str | None = None
+    layout: str = "contiguous"
 
     def describe(self) -> str:
         mib = {k: f"{v / MiB:.2f} MiB" for k, v in self.bytes_per_device.items()}
         return (f"attention #{self.index} at {self.source}: {self.schedule} ({self.reason}); "
-                f"mask {self.mask.describe()}; forward bytes/device {mib}")
+                f"mask {self.mask.describe()}; forward bytes/device {mib}; padding "
+                f"{self.shape.describe_padding()}")
 
 
 def mesh_problem(schedule: Schedule, ulysses: int) -> str | None:
@@ -130,20 +141,12 @@ def hybrid_mesh(mesh, axis: str, ulysses: int) -> Mesh:
     return Mesh(grid, HYBRID_AXES, axis_types=(AxisType.Auto,) * 2)
 
 
-def priced_layout(shape: AttentionShape) -> AttentionShape:
-    """``shape``, as contiguous when its layout cannot cut its length (reorder-sequence or
-    the schedule's own check refuses that with the fix; the prices stay defined)."""
-    parts = 2 * shape.cp if shape.layout == "zigzag" else shape.cp
-    return shape if shape.seq_len % parts == 0 else replace(shape, layout="contiguous")
-
-
-def candidate_layouts(seq_len: int | None, cp: int, forced: str | None) -> list[str]:
-    """The layouts to plan under: ``forced`` (a ``load_balance`` other than ``auto``) and
-    every layout of :data:`LAYOUTS` that can cut ``seq_len`` over ``cp`` ranks (only
-    contiguous without a sequence axis)."""
-    legal = [name for name in LAYOUTS if seq_len is not None and
-             seq_len % (2 * cp if name == "zigzag" else cp) == 0] or ["contiguous"]
-    return list(dict.fromkeys(([forced] if forced else []) + legal))
+def candidate_layouts(forced: str | None) -> list[str]:
+    """The layouts to plan under: ``forced`` (a ``load_balance`` other than ``auto``) first,
+    then every layout of :data:`LAYOUTS`. Each is legal for any length: one the program's
+    length does not divide, or a program of several sequences, is applied inside each
+    attention (padded there; the permutation it then costs per attention is not priced)."""
+    return list(dict.fromkeys(([forced] if forced else []) + list(LAYOUTS)))
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,7 @@ class PlanContextParallel(Pass):
         limit = None if hardware is None else memory_limit_bytes(self.memory_limit, hardware)
         forced = LOAD_BALANCES[self.load_balance]
         options, errors = {}, {}
-        for layout in candidate_layouts(facts.seq_axes.seq_len, cp, forced):
+        for layout in candidate_layouts(forced):
             try:
                 options[layout] = self.plan_layout(eqns, layout, cp, mesh, axes, build_hybrid,
                                                    hardware, limit)
@@ -244,11 +247,19 @@ class PlanContextParallel(Pass):
 
         new = Rewriter(rules={attention_p.name: decide}).run(module.jaxpr) if eqns \
             else module.jaxpr
-        sequence = None if layout == "contiguous" or facts.seq_axes.seq_len is None else \
-            SequenceLayout(layout, facts.seq_axes.seq_len, cp)
+        seq_len = facts.seq_axes.seq_len
+        reordered = layout != "contiguous" and seq_len is not None \
+            and seq_len % layout_multiple(layout, cp) == 0
+        sequence = SequenceLayout(layout, seq_len, cp) if reordered else None
+        where = "" if reordered or layout == "contiguous" else \
+            " inside each attention only: " + (
+                f"{len(facts.seq_axes.lengths)} sequences" if seq_len is None else
+                f"length {seq_len} is not a multiple of {layout_multiple(layout, cp)}") + \
+            "; the program stays in natural order"
         why = "load_balance=" + self.load_balance if forced is not None else \
             "least predicted time over all attentions"
-        log = choice.log + tuple(p.describe() for p in plans) + (f"layout: {layout} ({why})",)
+        log = choice.log + tuple(p.describe() for p in plans) + (
+            f"layout: {layout} ({why}{';' if where else ''}{where})",)
         log += tuple(f"  {b.describe()}" for b in balances)
         return PassResult(module.with_jaxpr(new, plan=plans, layout=sequence, mesh=mesh,
                                             cp_axes=axes, balance=balances), bool(eqns), log)
@@ -283,8 +294,8 @@ class PlanContextParallel(Pass):
         """The Ulysses degree of a hybrid built from one CP axis, and why: the divisor
         ``1 < U < cp`` of cp dividing every attention's KV heads (so none is repeated) with
         the least predicted total time among those that fit the memory limit."""
-        shapes = [priced_layout(attention_shape(e.params["spec"], *(x.aval for x in e.invars[:3]),
-                                                cp=cp, layout=layout)) for e in eqns]
+        shapes = [attention_shape(e.params["spec"], *(x.aval for x in e.invars[:3]), cp=cp,
+                                  layout=layout) for e in eqns]
         kv = math.gcd(*(s.kv_heads for s in shapes))
         hybrid = schedules()["hybrid"]
         degrees = [u for u in range(2, cp) if cp % u == 0 and kv % u == 0]
@@ -321,7 +332,6 @@ class PlanContextParallel(Pass):
         spec = eqn.params["spec"]
         shape = attention_shape(spec, *(x.aval for x in eqn.invars[:3]), cp=cp,
                                 ulysses=ulysses, layout=layout)
-        shape = priced_layout(shape)
         known = schedules()
         # Candidates run over as many mesh axes as the requested schedule, or under auto
         # as the mesh has CP axes.
@@ -338,6 +348,7 @@ class PlanContextParallel(Pass):
         ranked = tuple(sorted(predictions.values(), key=lambda p: p.time_s))
         where = compat.source_line(eqn)
         plan = partial(AttentionPlan, index=index, source=where, mask=spec.mask, shape=shape,
+                       layout=layout,
                        bytes_per_device=costs, predictions=ranked)
         if self.schedule != "auto":
             chosen = known[self.schedule]

@@ -373,6 +373,14 @@ class ReorderSequence(Pass):
 
     def run(self, module: Module) -> PassResult:
         layout = module.facts.layout
+        inside = sorted({p.layout for p in module.facts.plan or ()} - {"contiguous"})
+        if layout is None and inside and self.keep_permuted:
+            raise ReorderError(
+                f"keep_permuted=True asks for outputs in {inside[0]} order, but the program "
+                f"is not reordered: {inside[0]} runs inside the attentions only (a sequence "
+                "length the layout does not divide, or several sequences), so outputs come "
+                "back in natural order; drop keep_permuted, or pad the sequence to a "
+                "multiple of the layout's")
         if layout is None:
             return PassResult(module, False, ("reorder-sequence: contiguous layout, nothing "
                                               "to do",))

@@ -56,20 +56,40 @@ def test_override_seeds_and_cuts():
     assert axes.dims(table) == (0,)
 
 
-def test_different_lengths_are_refused():
+def test_unconnected_attentions_are_two_sequences():
+    """Two attentions that dataflow does not connect are two sequences, even of one
+    length: sizes are never evidence."""
     def two(a, b):
         return (jax.nn.dot_product_attention(a, a, a).sum()
                 + jax.nn.dot_product_attention(b, b, b).sum())
 
-    module = matched(two, jnp.ones((1, 8, 2, 4)), jnp.ones((1, 16, 2, 4)))
-    with pytest.raises(SeqAxisError, match=r"different sequence lengths \[8, 16\]"):
-        infer_seq_axes(module.jaxpr)
+    for shapes, lengths in ((((1, 8, 2, 4), (1, 16, 2, 4)), (8, 16)),
+                            (((1, 8, 2, 4), (1, 8, 2, 4)), (8, 8))):
+        module = matched(two, *(jnp.ones(s) for s in shapes))
+        axes = infer_seq_axes(module.jaxpr)
+        a, b = compat.open_jaxpr(module.jaxpr).invars
+        assert axes.lengths == lengths and axes.seq_len is None
+        assert axes.sequence[(a, 1)] != axes.sequence[(b, 1)]
 
 
-def test_cross_attention_is_not_supported():
+def test_cross_attention_has_a_query_and_a_key_sequence():
     def cross(q, kv):
         return jax.nn.dot_product_attention(q, kv, kv).sum()
 
     module = matched(cross, jnp.ones((1, 8, 2, 4)), jnp.ones((1, 16, 2, 4)))
-    with pytest.raises(NotImplementedError, match="8 queries and 16 keys"):
+    axes = infer_seq_axes(module.jaxpr)
+    q, kv = compat.open_jaxpr(module.jaxpr).invars
+    assert axes.lengths == (8, 16)
+    assert axes.full_dims(q) == (1,) and axes.full_dims(kv) == (1,)
+
+
+def test_one_sequence_of_two_lengths_is_refused():
+    """A KV cache concatenated to the new keys: the query side and the key side are one
+    sequence by dataflow, of two lengths."""
+    def cached(x, cache):
+        k = jnp.concatenate([cache, x], axis=1)
+        return jax.nn.dot_product_attention(x, k, k).sum()
+
+    module = matched(cached, jnp.ones((1, 8, 2, 4)), jnp.ones((1, 4, 2, 4)))
+    with pytest.raises(SeqAxisError, match="lengths 8 and 12|lengths 12 and 8"):
         infer_seq_axes(module.jaxpr)

@@ -10,13 +10,15 @@ import math
 from dataclasses import dataclass
 
 from cptransform.op.attention_spec import AttentionSpec
+from cptransform.op.layouts import layout_multiple
 
 
 @dataclass(frozen=True)
 class AttentionShape:
     """One attention's sizes and the CP degree it is planned for.
 
-    ``seq_len`` tokens, ``heads``/``kv_heads`` of ``head_dim`` (``v_head_dim`` for V, default
+    ``seq_len`` queries and ``kv_seq_len`` keys (default ``seq_len``; they differ for
+    cross-attention), ``heads``/``kv_heads`` of ``head_dim`` (``v_head_dim`` for V, default
     ``head_dim``), ``batch`` sequences, ``dtype_bytes`` per q/k/v element, over ``cp`` devices
     of which ``ulysses`` form a Ulysses group (hybrid; 1 otherwise). Gradients of K/V are
     reduced in ``grad_bytes``. Positions (int32 ``[position_batch, seq_len]``) travel only
@@ -27,6 +29,8 @@ class AttentionShape:
     work the chunked kernel skips.
     ``explicit_positions`` says the positions are operands of the caller rather than the
     token indices (so a key in the window may sit anywhere in the sequence).
+    Schedules move both sequences padded to ``multiple`` (the layout's: ``cp``, zigzag
+    ``2·cp``; see :attr:`q_padded`), so the volumes are those of the padded lengths.
     """
 
     seq_len: int
@@ -47,6 +51,41 @@ class AttentionShape:
     band: tuple[int | None, int | None] = (None, None)
     layout: str = "contiguous"
     explicit_positions: bool = False
+    kv_seq_len: int | None = None
+    multiple: int = 1
+
+    @property
+    def kv_len(self) -> int:
+        """Keys (``seq_len`` unless cross-attention)."""
+        return self.seq_len if self.kv_seq_len is None else self.kv_seq_len
+
+    @property
+    def q_padded(self) -> int:
+        """Queries after padding to ``multiple``."""
+        return -(-self.seq_len // self.multiple) * self.multiple
+
+    @property
+    def kv_padded(self) -> int:
+        """Keys after padding to ``multiple``."""
+        return -(-self.kv_len // self.multiple) * self.multiple
+
+    @property
+    def padding_bytes(self) -> int:
+        """Bytes of the pad tokens' q, o, k and v over all devices (what padding adds to
+        the activations the schedule holds)."""
+        q_side = (self.q_padded - self.seq_len) * self.heads * (self.head_dim + self.dv)
+        kv_side = (self.kv_padded - self.kv_len) * self.kv_heads * (self.head_dim + self.dv)
+        return self.batch * (q_side + kv_side) * self.dtype_bytes
+
+    def describe_padding(self) -> str:
+        """``queries 19 -> 24 (+5), keys …; +N bytes``, or ``none``."""
+        sides = [f"{name} {n} -> {p} (+{p - n})" for name, n, p in (
+            ("queries", self.seq_len, self.q_padded), ("keys", self.kv_len, self.kv_padded))
+            if p != n]
+        if not sides:
+            return "none"
+        return (", ".join(sides) + f" to a multiple of {self.multiple}; "
+                f"+{self.padding_bytes} bytes of q/k/v/o over all devices")
 
     @property
     def dv(self) -> int:
@@ -58,7 +97,7 @@ def attention_shape(spec: AttentionSpec, q, k, v, *, cp: int, ulysses: int = 1,
                     layout: str = "contiguous") -> AttentionShape:
     """The :class:`AttentionShape` of an attention with operands ``q, k, v`` (anything with
     ``shape`` and ``dtype``, in ``spec``'s layouts: an equation's avals or arrays) over
-    ``cp`` devices, ``ulysses`` of them per Ulysses group, in sequence ``layout``."""
+    ``cp`` devices, ``ulysses`` of them per Ulysses group, in sequence layout ``layout``."""
     def heads(x, layout):
         return x.shape[layout.heads] if layout.heads is not None else 1
 
@@ -67,4 +106,5 @@ def attention_shape(spec: AttentionSpec, q, k, v, *, cp: int, ulysses: int = 1,
         head_dim=q.shape[spec.q.feature], v_head_dim=v.shape[spec.v.feature],
         batch=math.prod(q.shape[d] for d in spec.q.batch), dtype_bytes=q.dtype.itemsize,
         cp=cp, ulysses=ulysses, band=spec.mask.band(), layout=layout,
-        explicit_positions=spec.positions)
+        explicit_positions=spec.positions, kv_seq_len=k.shape[spec.k.seq],
+        multiple=layout_multiple(layout, cp))

@@ -108,8 +108,9 @@ class Work:
 
 
 def rank_positions(shape: AttentionShape) -> np.ndarray:
-    """``[cp, seq_len / cp]``: the global positions each rank holds under ``shape.layout``."""
-    return SequenceLayout(shape.layout, shape.seq_len, shape.cp).all_positions()
+    """``[cp, q_padded / cp]``: the global positions each rank holds under ``shape.layout``
+    (the sequence padded to the layout's multiple; pad tokens are counted as real ones)."""
+    return SequenceLayout(shape.layout, shape.q_padded, shape.cp).all_positions()
 
 
 def work_of(shape: AttentionShape, calls, heads: int) -> Work:

@@ -81,14 +81,17 @@ class CommVolume:
 
 
 def metadata(shape: AttentionShape, names: tuple[str, ...]) -> list[tuple[str, int]]:
-    """The ``(name, bytes per token)`` of the int operands (positions, segment ids) that
-    travel with the operands ``names`` (``"q"``, ``"kv"``)."""
+    """The ``(name, bytes per local token)`` of the int operands (positions, segment ids)
+    that travel with the operands ``names`` (``"q"``, ``"kv"``), times the side's local
+    (padded) length: the bytes one device holds of each."""
     out = []
     for side in names:
+        local = (shape.q_padded if side == "q" else shape.kv_padded) // shape.cp
         if shape.positions:
-            out.append((f"{side}_positions", shape.position_batch * POSITION_BYTES))
+            out.append((f"{side}_positions", local * shape.position_batch * POSITION_BYTES))
         if shape.segments:
-            out.append((f"{side}_segment_ids", shape.segment_batch * shape.segment_bytes))
+            out.append((f"{side}_segment_ids",
+                        local * shape.segment_batch * shape.segment_bytes))
     return out
 
 

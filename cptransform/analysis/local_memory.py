@@ -18,7 +18,7 @@ F32 = 4
 
 def shard_bytes(shape: AttentionShape) -> int:
     """q, k, v and o of the local ``seq_len / cp`` tokens (the inputs and the output)."""
-    rows = shape.batch * shape.seq_len // shape.cp
+    rows = shape.batch * shape.q_padded // shape.cp
     per_token = shape.heads * (shape.head_dim + shape.dv) + shape.kv_heads * (
         shape.head_dim + shape.dv)
     return rows * per_token * shape.dtype_bytes

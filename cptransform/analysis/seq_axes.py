@@ -3,10 +3,12 @@
 Every equation relates dimensions of its inputs to dimensions of its outputs ("dim 1 of x
 is dim 2 of y"); a table keyed by primitive gives those relations. They form an undirected
 graph over ``(value, dim)`` pairs that reaches into sub-jaxprs (scan carries, remat and
-custom-derivative bodies, cond branches, while loops). The sequence axis is the connected
-component seeded by each attention's q/k/v/out sequence dims (and the two sequence dims of
-its mask and bias, the query dim of its top-k indices). Sizes are never used to guess: a dim is sequence-carrying only if the
-program's dataflow connects it to attention.
+custom-derivative bodies, cond branches, while loops). Each connected component seeded by
+an attention's q/out (query side) or k/v (key side) sequence dims, their positions and
+segment ids, the two sequence dims of its mask and bias, and the query dim of its top-k
+indices, is one *sequence*: one for a self-attention program, two for an encoder-decoder (queries of the decoder, keys of the
+encoder). Sizes are never used to guess: a dim is sequence-carrying only if the program's
+dataflow connects it to attention, and two sequences of equal length stay two.
 """
 from __future__ import annotations
 
@@ -21,25 +23,32 @@ from cptransform.ir import compat
 from cptransform.op.attention import attention_p
 from cptransform.ir.errors import SeqAxisError
 
-def attention_seeds(eqn) -> list[tuple[Any, int]]:
-    """The ``(atom, dim)`` pairs of one attention equation that are the sequence axis.
 
-    The sinks (one logit per batch entry and head) have none: they are no seed, and
-    :func:`~cptransform.analysis.dim_rules.link_attention` links no dim of theirs."""
+def attention_sides(eqn) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
+    """The ``(atom, dim)`` pairs of one attention equation that are its query sequence (q,
+    the output, q positions and segment ids, mask and bias rows) and its key sequence (k,
+    v, kv positions and segment ids, mask and bias columns). Top-k indices' rows are
+    queries (their ``k`` dim is no sequence); the sinks (one logit per batch entry and
+    head) have no sequence dim, and
+    :func:`~cptransform.analysis.dim_rules.link_attention` links none of theirs."""
     spec = eqn.params["spec"]
     operands = dict(zip(spec.operand_names(), eqn.invars))
-    seeds = [(operands["q"], spec.q.seq), (operands["k"], spec.k.seq),
-             (operands["v"], spec.v.seq), (eqn.outvars[0], spec.q.seq)]
-    for name in ("q_positions", "kv_positions", "q_segment_ids", "kv_segment_ids"):
-        if name in operands:
-            seeds.append((operands[name], operands[name].aval.ndim - 1))
+    q_side = [(operands["q"], spec.q.seq), (eqn.outvars[0], spec.q.seq)]
+    kv_side = [(operands["k"], spec.k.seq), (operands["v"], spec.v.seq)]
+    for side, prefix in ((q_side, "q_"), (kv_side, "kv_")):
+        for name in (prefix + "positions", prefix + "segment_ids"):
+            if name in operands:
+                side.append((operands[name], operands[name].aval.ndim - 1))
     for name in ("mask", "bias"):
         if name in operands:
             nd = operands[name].aval.ndim
-            seeds += [(operands[name], nd - 2), (operands[name], nd - 1)]
-    if "topk_indices" in operands:  # its rows are queries; its k dim is no sequence
-        seeds.append((operands["topk_indices"], operands["topk_indices"].aval.ndim - 2))
-    return [(a, d) for a, d in seeds if not compat.is_literal(a) and a.aval.shape[d] != 1]
+            q_side.append((operands[name], nd - 2))
+            kv_side.append((operands[name], nd - 1))
+    if "topk_indices" in operands:
+        q_side.append((operands["topk_indices"], operands["topk_indices"].aval.ndim - 2))
+    keep = lambda seeds: [(a, d) for a, d in seeds  # noqa: E731
+                          if not compat.is_literal(a) and a.aval.shape[d] != 1]
+    return keep(q_side), keep(kv_side)
 
 
 def _body_links(eqn) -> list[Link]:
@@ -92,26 +101,44 @@ def _body_links(eqn) -> list[Link]:
 class SeqAxes:
     """The result of :func:`infer_seq_axes` for one program.
 
-    ``dims(atom)`` is the set of sequence-carrying dims of a value (of any jaxpr nested in
-    the program); ``seq_len`` the attention sequence length; ``attentions`` the
+    A program holds one or more *sequences*: each is one connected component of the
+    dimension graph, seeded by attention operands (a query side and a key side that
+    dataflow does not connect are two sequences — cross-attention — whatever their sizes;
+    sizes are never evidence). ``lengths[i]`` is sequence ``i``'s length, ``sequence`` maps
+    each sequence-carrying ``(atom, dim)`` to its sequence; ``attentions`` are the
     ``attention_p`` equations.
     """
 
-    seq_len: int | None
-    component: set = field(default_factory=set)
+    lengths: tuple[int, ...] = ()
+    sequence: dict = field(default_factory=dict)
     attentions: list = field(default_factory=list)
+
+    @property
+    def seq_len(self) -> int | None:
+        """The sequence length when the program has exactly one sequence, else ``None``."""
+        return self.lengths[0] if len(self.lengths) == 1 else None
 
     def dims(self, atom: Any) -> tuple[int, ...]:
         if compat.is_literal(atom):
             return ()
-        return tuple(d for d in range(atom.aval.ndim) if (atom, d) in self.component)
+        return tuple(d for d in range(atom.aval.ndim) if (atom, d) in self.sequence)
 
     def full_dims(self, atom: Any) -> tuple[int, ...]:
-        """Sequence dims whose size is the whole sequence (shardable, permutable)."""
-        return tuple(d for d in self.dims(atom) if atom.aval.shape[d] == self.seq_len)
+        """Sequence dims whose size is the whole of their sequence (shardable, permutable)."""
+        return tuple(d for d in self.dims(atom)
+                     if atom.aval.shape[d] == self.lengths[self.sequence[(atom, d)]])
 
     def carries(self, atom: Any) -> bool:
         return bool(self.dims(atom))
+
+
+def _where(seed, attentions) -> str:
+    """Where a seed comes from, for errors: the attention it belongs to, or an input."""
+    atom, dim = seed
+    for eqn in attentions:
+        if any(atom is x for x in list(eqn.invars) + list(eqn.outvars)):
+            return f"dim {dim} of an operand of the attention at {compat.source_line(eqn)}"
+    return f"dim {dim} of a seq_axes input"
 
 
 def _walk(jaxpr) -> Iterable[Any]:
@@ -122,10 +149,12 @@ def _walk(jaxpr) -> Iterable[Any]:
 
 
 def infer_seq_axes(closed: Any, overrides: dict[int, tuple[int, ...]] | None = None) -> SeqAxes:
-    """Infer sequence-carrying dims of every value of ``closed``.
+    """Infer sequence-carrying dims of every value of ``closed``, sequence by sequence.
 
     ``overrides`` maps a flat input index to its sequence dims (``()`` = none); such inputs
-    are seeded (or cut off) explicitly, the rest follows from dataflow.
+    are seeded (or cut off) explicitly, the rest follows from dataflow. Two seeds of one
+    component with different sizes (a KV cache concatenated to the new keys, say) are
+    refused: one sequence has one length.
     """
     graph = nx.Graph()
     seeds: list[tuple[Any, int]] = []
@@ -136,35 +165,39 @@ def infer_seq_axes(closed: Any, overrides: dict[int, tuple[int, ...]] | None = N
             graph.add_edge((a, da), (b, db))
         if eqn.primitive is attention_p:
             attentions.append(eqn)
-            seeds += attention_seeds(eqn)
+            # The operands of one side are one sequence by the attention's own meaning
+            # (a mask input's rows are the queries), whatever dataflow says.
+            for side in attention_sides(eqn):
+                graph.add_edges_from(zip(side, side[1:]))
+                seeds += side
     jaxpr = compat.open_jaxpr(closed)
     blocked = set()
     for index, dims in (overrides or {}).items():
         var = jaxpr.invars[index]
         seeds += [(var, d) for d in dims]
         blocked |= {(var, d) for d in range(var.aval.ndim) if d not in dims}
-    lengths = {a.aval.shape[d] for a, d in seeds if (a, d) not in blocked}
-    seq_lens = {e.invars[0].aval.shape[e.params["spec"].q.seq] for e in attentions}
-    for e in attentions:
-        spec = e.params["spec"]
-        tq = e.invars[0].aval.shape[spec.q.seq]
-        tk = e.invars[1].aval.shape[spec.k.seq]
-        if tq != tk:
-            raise NotImplementedError(
-                f"attention at {compat.source_line(e)} has {tq} queries and {tk} keys "
-                "(cross-attention or KV cache): context parallelism needs self-attention "
-                "over one sequence; leave it out of the transformed function")
-    if len(seq_lens) > 1:
-        raise SeqAxisError(
-            f"attentions use different sequence lengths {sorted(seq_lens)}; cptransform "
-            "shards one sequence axis — transform each part separately")
-    seq_len = next(iter(seq_lens), None) or (min(lengths) if lengths else None)
     graph.remove_nodes_from(blocked)
-    component: set = set()
+    sequence: dict = {}
+    lengths: list[int] = []
+    first_seed: list = []
     for seed in seeds:
-        if seed in blocked or seed in component:
+        if seed in blocked:
             continue
-        component.add(seed)
-        if seed in graph:
-            component |= nx.node_connected_component(graph, seed)
-    return SeqAxes(seq_len, component, attentions)
+        size = seed[0].aval.shape[seed[1]]
+        if seed in sequence:
+            index = sequence[seed]
+            if size != lengths[index]:
+                raise SeqAxisError(
+                    f"dataflow connects sequence dims of lengths {lengths[index]} and {size} "
+                    f"({_where(first_seed[index], attentions)}; {_where(seed, attentions)}):"
+                    " one sequence cannot have two lengths (a KV cache or a concatenation of "
+                    "sequences feeding one attention); leave that attention out of the "
+                    "transformed function, or pass seq_axes= to cut the link")
+            continue
+        index = len(lengths)
+        lengths.append(size)
+        first_seed.append(seed)
+        members = nx.node_connected_component(graph, seed) if seed in graph else set()
+        for member in members | {seed}:
+            sequence[member] = index
+    return SeqAxes(tuple(lengths), sequence, attentions)

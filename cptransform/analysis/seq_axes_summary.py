@@ -13,20 +13,28 @@ from cptransform.ir.module import Module
 
 @dataclass(frozen=True)
 class SeqAxesSummary:
-    """Stable per-program facts: sequence length and the sequence dims of each flat
-    input/output (``()`` for values that do not carry it)."""
+    """Stable per-program facts: the length of each sequence (one, or more for
+    cross-attention) and the sequence dims of each flat input/output (``()`` for values
+    that do not carry one)."""
 
-    seq_len: int | None
+    lengths: tuple[int, ...]
     inputs: tuple[tuple[int, ...], ...]
     outputs: tuple[tuple[int, ...], ...]
     input_names: tuple[str, ...] = ()
     output_names: tuple[str, ...] = ()
 
+    @property
+    def seq_len(self) -> int | None:
+        """The length when the program has exactly one sequence, else ``None``."""
+        return self.lengths[0] if len(self.lengths) == 1 else None
+
     def describe(self) -> str:
         def side(dims, names, prefix):
             return ", ".join(f"{names[i] if i < len(names) else f'{prefix}{i}'} dim {list(d)}"
                              for i, d in enumerate(dims) if d) or "none"
-        return (f"length {self.seq_len}; inputs: {side(self.inputs, self.input_names, 'in')}; "
+        length = f"length {self.seq_len}" if self.seq_len is not None else \
+            f"{len(self.lengths)} sequences of lengths {list(self.lengths)}"
+        return (f"{length}; inputs: {side(self.inputs, self.input_names, 'in')}; "
                 f"outputs: {side(self.outputs, self.output_names, 'out')}")
 
 
@@ -56,7 +64,7 @@ def leaf_names(tree, prefix: str) -> tuple[str, ...]:
 def summarize(module: Module, axes: SeqAxes) -> SeqAxesSummary:
     """The stable summary of ``axes`` for ``module``'s flat inputs and outputs."""
     jaxpr = compat.open_jaxpr(module.jaxpr)
-    return SeqAxesSummary(axes.seq_len,
+    return SeqAxesSummary(axes.lengths,
                           tuple(axes.dims(v) for v in jaxpr.invars),
                           tuple(axes.dims(v) for v in jaxpr.outvars),
                           leaf_names(module.in_tree, "args"),

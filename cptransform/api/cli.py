@@ -412,7 +412,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from cptransform.api.context_parallel import cp_pipeline
     from cptransform.api.explain import explain_module
     from cptransform.api.plan_chart import balance_table, charts_for, render_png, render_text
-    from cptransform.op.layouts import SequenceLayout
+    from cptransform.op.layouts import SequenceLayout, padded_length
 
     if args.cp is None and args.mesh is None:
         raise CLIError("plan needs --cp N (or --axis and --mesh)")
@@ -420,12 +420,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     module, options = prepare_cp(trace_program(fn, example_args, name), args)
     result = run_pipeline(cp_pipeline(module, options, lower=False), module).module
     print(explain_module(result, options))
-    layout = result.facts.layout
     drawn = []
     for step in result.facts.plan or ():
-        lay = layout or SequenceLayout("contiguous", step.shape.seq_len, step.shape.cp)
         heading = f"attention #{step.index} ({step.schedule})"
         print(f"\n{heading}:")
+        if step.shape.kv_len != step.shape.seq_len:
+            print("cross-attention: the charts draw self-attention only")
+            continue
+        cp = step.shape.cp
+        lay = SequenceLayout(step.layout, padded_length(step.shape.seq_len, step.layout, cp), cp)
         charts = charts_for(step, lay)
         if isinstance(charts, str):
             print(charts)

@@ -20,11 +20,12 @@ def balance_lines(balances) -> list[str]:
     return lines
 
 
-def leak_lines(hlo_text: str, seq_len: int | None) -> list[str]:
-    """The "sharding leaks:" lines for the compiled program ``hlo_text``."""
-    if seq_len is None:
+def leak_lines(hlo_text: str, lengths: tuple[int, ...]) -> list[str]:
+    """The "sharding leaks:" lines for the compiled program ``hlo_text`` whose sequences
+    have ``lengths``."""
+    if not lengths:
         return ["  sharding leaks: no sequence axis, nothing is sharded"]
-    gathers = sequence_all_gathers(hlo_text, seq_len)
+    gathers = [g for n in sorted(set(lengths)) for g in sequence_all_gathers(hlo_text, n)]
     if not gathers:
         return ["  sharding leaks: none (no all-gather of the whole sequence outside the "
                 "attention schedules in the compiled program)"]
@@ -39,11 +40,14 @@ def explain_module(module, options: Any, hlo_text: str | None = None) -> str:
     facts = module.facts
     mesh, axes, layout, seq = facts.mesh, facts.cp_axes, facts.layout, facts.seq_axes
     cp = facts.cp if mesh is not None else None
+    inside = sorted({p.layout for p in facts.plan or ()} - {"contiguous"})
+    program = layout.name if layout is not None else "contiguous" if not inside else \
+        f"{', '.join(inside)} inside the attentions, the program in natural order"
     lines = [f"context_parallel over mesh axes {tuple(axes)} (cp={cp}) of mesh "
              f"{dict(mesh.shape) if mesh is not None else '?'}",
-             f"  layout: {layout.name if layout is not None else 'contiguous'}"
-             f" (load_balance={options.load_balance}); kernel: {options.kernel}"]
-    if seq is not None and seq.seq_len is not None:
+             f"  layout: {program} (load_balance={options.load_balance}); kernel: "
+             f"{options.kernel}"]
+    if seq is not None and seq.lengths:
         lines.append(f"  sequence axis: {seq.describe()}")
     matches = facts.matches or []
     if matches:
@@ -61,7 +65,13 @@ def explain_module(module, options: Any, hlo_text: str | None = None) -> str:
         lines += [f"  attention #{p.index} at {p.source}",
                   f"    schedule: {p.schedule} — {p.reason}",
                   f"    mask: {p.mask.describe()}; heads {p.shape.heads} / kv heads {p.shape.kv_heads}, "
-                  f"head dim {p.shape.head_dim}, sequence {p.shape.seq_len}",
+                  f"head dim {p.shape.head_dim}, " + (
+                      f"sequence {p.shape.seq_len}" if p.shape.kv_len == p.shape.seq_len else
+                      f"cross-attention: {p.shape.seq_len} queries, {p.shape.kv_len} keys"),
+                  f"    layout: {p.layout}" + (
+                      "" if p.layout == "contiguous" or (layout is not None) else
+                      " (applied inside this attention; the program stays in natural order)"),
+                  f"    padding: {p.shape.describe_padding()}",
                   f"    forward communication per device: {bytes_line}"]
         if p.predictions:
             lines.append("    predicted per device (fastest first):")
@@ -70,6 +80,6 @@ def explain_module(module, options: Any, hlo_text: str | None = None) -> str:
     for entry in facts.reorder_log:
         lines.append(f"  {entry}")
     if hlo_text is not None:
-        lines += leak_lines(hlo_text, seq.seq_len if seq is not None else None)
+        lines += leak_lines(hlo_text, seq.lengths if seq is not None else ())
     return "\n".join(lines)
 

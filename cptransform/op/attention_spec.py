@@ -184,6 +184,11 @@ class AttentionSpec:
     written onto the equation by ``plan-context-parallel`` and read by
     ``lower-context-parallel`` (``None`` until planned): a decision travels with its
     equation through nesting, re-tracing and repetition, never by visit order.
+
+    ``real_keys`` is set only on the spec a context-parallel schedule receives when the
+    lowering padded the keys to the layout's multiple: how many keys are real (padded keys
+    are masked out and their V rows are zero, so the ``"uniform"`` fill divides the sum of
+    V by this count, not by the padded length).
     """
 
     q: Layout
@@ -197,6 +202,7 @@ class AttentionSpec:
     sinks: bool = False
     schedule: str | None = None
     layout: str | None = None
+    real_keys: int | None = None
 
     def operand_names(self) -> tuple[str, ...]:
         names = ["q", "k", "v"]

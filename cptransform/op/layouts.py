@@ -19,6 +19,18 @@ LayoutName = Literal["contiguous", "zigzag", "striped"]
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
 
 
+def layout_multiple(name: str, cp: int) -> int:
+    """The multiple a sequence's length must be for layout ``name`` over ``cp`` ranks:
+    ``2·cp`` for zigzag (two chunks per rank), ``cp`` otherwise."""
+    return 2 * cp if name == "zigzag" else cp
+
+
+def padded_length(seq_len: int, name: str, cp: int) -> int:
+    """``seq_len`` rounded up to :func:`layout_multiple` (what the CP lowering pads to)."""
+    parts = layout_multiple(name, cp)
+    return -(-seq_len // parts) * parts
+
+
 @dataclass(frozen=True)
 class SequenceLayout:
     """How a sequence of ``seq_len`` tokens is spread over ``cp`` ranks.
@@ -36,14 +48,14 @@ class SequenceLayout:
     def __post_init__(self):
         if self.name not in LAYOUTS:
             raise LayoutError(f"unknown layout {self.name!r}; use one of {', '.join(LAYOUTS)}")
-        parts = 2 * self.cp if self.name == "zigzag" else self.cp
+        parts = layout_multiple(self.name, self.cp)
         if self.seq_len % parts:
             need = "2·cp" if self.name == "zigzag" else "cp"
             raise LayoutError(
                 f"sequence length {self.seq_len} is not divisible by {need} = {parts} "
-                f"({self.name} layout over cp={self.cp}); pad the sequence to a multiple of "
-                f"{parts}" + (" or use load_balance='none'/'striped'"
-                              if self.name == "zigzag" else " or choose a cp that divides it"))
+                f"({self.name} layout over cp={self.cp}); a layout is defined on lengths it "
+                f"divides: pad to {padded_length(self.seq_len, self.name, self.cp)} first "
+                "(context_parallel and context_parallel_attention pad internally)")
 
     @property
     def local_len(self) -> int:

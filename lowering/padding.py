@@ -1,0 +1,106 @@
+"""Padding a sequence to its layout's multiple, with masked positions.
+
+A layout splits a sequence into ``cp`` (zigzag: ``2·cp``) equal parts, so a length it does
+not divide is padded at the end (natural order) before the layout permutes it; the user's
+program never sees the padding. :func:`pad_block` pads one attention's canonical operands
+so that the result, cut back to the real queries, is exactly the unpadded attention:
+
+* **pad keys are invisible to every real query**: they get a segment id that no real
+  query has (the segment mask is switched on with all-zero ids when the attention had
+  none; with the user's ids, the sentinel is the smallest non-negative int that no real
+  query uses, which exists among ``0 … n`` for ``n`` query ids). K and V of pad keys are
+  zero, so the ``"uniform"`` fill, which sums V and divides by ``spec.real_keys``, and the
+  ``0·V`` an empty row adds, stay those of the real keys;
+* **pad queries see a real key** (key 0: the position ``kv_pos[0] - d`` with ``d`` inside
+  the mask's band, key 0's segment id, an all-True dense-mask row, key 0's position as
+  every top-k index), so no pad row is empty
+  and none turns into NaN under ``empty_rows="nan"``; their outputs are dropped and their
+  cotangents are zero, so they add nothing to any gradient.
+
+Dense masks are padded with True (the segment mask hides pad keys), biases with 0.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from cptransform.lowering.block import Block
+from cptransform.op.attention_spec import AttentionSpec
+
+
+def _extend(x, to: int, fill):
+    """``x [N, T, …]`` followed by ``fill`` (broadcast to ``[N, to - T, …]``) on dim 1."""
+    extra = to - x.shape[1]
+    if extra == 0:
+        return x
+    tail = jnp.broadcast_to(fill, (x.shape[0], extra) + x.shape[2:]).astype(x.dtype)
+    return jnp.concatenate([x, tail], axis=1)
+
+
+def _pad_dense(x, tq: int, tkv: int, fill):
+    """A ``[B|1, H|1, Tq, Tkv]`` mask or bias padded to ``[…, tq, tkv]`` with ``fill``."""
+    if x is None:
+        return None
+    widths = ((0, 0), (0, 0), (0, tq - x.shape[2]), (0, tkv - x.shape[3]))
+    return jnp.pad(x, widths, constant_values=fill)
+
+
+def _pad_rows(x, tq: int, fill):
+    """Top-k indices ``[B|1, H|1, Tq, k]`` padded to ``tq`` rows of ``fill`` (``[N, 1]``)."""
+    if x is None or x.shape[2] == tq:
+        return x
+    n = max(x.shape[0], fill.shape[0])
+    x = jnp.broadcast_to(x, (n,) + x.shape[1:])
+    tail = jnp.broadcast_to(fill.reshape(-1, 1, 1, 1), (n, x.shape[1], tq - x.shape[2], x.shape[3]))
+    return jnp.concatenate([x, tail.astype(x.dtype)], axis=2)
+
+
+def _inside_band(spec: AttentionSpec) -> int:
+    """A ``d = kv_pos - q_pos`` the mask's band lets through (0 when it can)."""
+    lo, hi = spec.mask.band()
+    d = 0 if lo is None else max(0, lo)
+    return d if hi is None else min(d, hi)
+
+
+def _unused_id(ids):
+    """The smallest non-negative id not in ``ids`` (traced; at most ``ids.size``)."""
+    flat = ids.reshape(-1).astype(jnp.int32)
+    n = flat.shape[0]
+    seen = jnp.zeros((n + 2,), bool).at[jnp.where((flat >= 0) & (flat <= n), flat, n + 1)] \
+        .set(True)
+    return jnp.argmin(seen[:n + 1]).astype(ids.dtype)
+
+
+def _batch_of(*xs) -> int:
+    return max(x.shape[0] for x in xs)
+
+
+def pad_block(block: Block, spec: AttentionSpec, tq: int, tkv: int) -> tuple[Block, AttentionSpec]:
+    """``block`` (canonical operands in natural order, positions given) padded to ``tq``
+    queries and ``tkv`` keys as the module doc says, and the spec that reads it (segments
+    on, ``real_keys`` set). A block that needs no padding is returned unchanged."""
+    real_q, real_kv = block.q.shape[1], block.k.shape[1]
+    if (real_q, real_kv) == (tq, tkv):
+        return block, spec
+    if spec.mask.segments:
+        q_seg, kv_seg = block.q_seg, block.kv_seg
+        hidden = _unused_id(q_seg)
+    else:
+        q_seg = jnp.zeros((1, real_q), jnp.int32)
+        kv_seg = jnp.zeros((1, real_kv), jnp.int32)
+        hidden = jnp.ones((), jnp.int32)
+    n = _batch_of(q_seg, kv_seg)
+    q_seg, kv_seg = (jnp.broadcast_to(x, (n, x.shape[1])) for x in (q_seg, kv_seg))
+    n = _batch_of(block.q_pos, block.kv_pos)
+    q_pos, kv_pos = (jnp.broadcast_to(x, (n, x.shape[1])) for x in (block.q_pos, block.kv_pos))
+    last = kv_pos[:, -1:]
+    padded = Block(
+        q=_extend(block.q, tq, 0), k=_extend(block.k, tkv, 0), v=_extend(block.v, tkv, 0),
+        q_pos=_extend(q_pos, tq, kv_pos[:, :1] - _inside_band(spec)),
+        # Pad keys continue after the last real one: position ranges (and so the kernels'
+        # skipping of empty chunk pairs) stay as tight as the real keys allow.
+        kv_pos=_extend(kv_pos, tkv,
+                       last + 1 + jnp.arange(tkv - real_kv, dtype=last.dtype)[None, :]),
+        q_seg=_extend(q_seg, tq, kv_seg[:, :1]), kv_seg=_extend(kv_seg, tkv, hidden),
+        mask=_pad_dense(block.mask, tq, tkv, True), bias=_pad_dense(block.bias, tq, tkv, 0),
+        sinks=block.sinks, topk=_pad_rows(block.topk, tq, kv_pos[:, :1]))
+    return padded, spec.replace(mask=spec.mask.replace(segments=True), real_keys=real_kv)

@@ -1,0 +1,146 @@
+"""Sequence lengths that the layout does not divide: padded inside the attention with
+masked positions, exact against the single-device function (output and every gradient)."""
+import math
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from schedule_cases import check_schedule, make_case
+
+from cptransform import context_parallel
+from cptransform.ir.module import iter_eqns
+from cptransform.op.attention import attention_p
+from cptransform.passes.reorder_sequence import ReorderError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from examples import llama  # noqa: E402
+
+RTOL = 1e-5
+HEADS = 8
+
+
+def assert_tree_close(actual, expected, rtol=RTOL):
+    """Each leaf equal within ``rtol`` of the leaf's largest magnitude."""
+    for path, a, e in zip(jax.tree_util.tree_flatten_with_path(expected)[0],
+                          jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
+        scale = float(jnp.max(jnp.abs(e))) or 1.0
+        err = float(jnp.max(jnp.abs(a - e)))
+        assert err <= rtol * scale, f"{jax.tree_util.keystr(path[0])}: {err} > {rtol} * {scale}"
+
+
+def assert_sharded(f, *args, schedule: str):
+    """The transform lowered every attention to a ``shard_map`` schedule: no
+    ``attention_p`` left, one ``shard_map`` per attention, and the plan names ``schedule``."""
+    module = f.module(*args)
+    names = [e.primitive.name for e in iter_eqns(module.jaxpr)]
+    assert attention_p.name not in names and "shard_map" in names
+    assert [p.schedule for p in module.facts.plan] == [schedule] * len(module.facts.plan)
+
+
+# -- the entry point: every schedule, layout and mask kind at lengths cp does not divide --
+
+@pytest.mark.parametrize("schedule,layout,kind,empty_rows,seq", [
+    ("ring", "zigzag", "causal", "nan", 19),           # 2·cp + 3
+    ("ring", "none", "window", "uniform", 5),          # shorter than cp: ranks of padding only
+    ("ring", "striped", "dense_causal", "zero", 19),
+    ("allgather", "zigzag", "segments", "uniform", 19),
+    ("allgather", "none", "dense", "uniform", 13),    # its dense mask has an empty row
+    ("ulysses", "zigzag", "causal_window", "uniform", 5),
+    ("ulysses", "none", "bias", "nan", 19),
+])
+def test_schedules_pad_uneven_lengths(rng, schedule, layout, kind, empty_rows, seq):
+    case = make_case(rng, kind, "gqa", batch=1, seq=seq, empty_rows=empty_rows)
+    check_schedule(case, mesh=make_mesh((8,), ("cp",)), axes="cp", schedule=schedule,
+                   layout="contiguous" if layout == "none" else layout)
+
+
+def test_hybrid_pads_uneven_lengths(rng):
+    case = make_case(rng, "causal", "mha", batch=1, seq=19, empty_rows="uniform")
+    check_schedule(case, mesh=make_mesh((2, 4), ("uly", "ring")), axes=("uly", "ring"),
+                   schedule="hybrid", layout="zigzag")
+
+
+# -- the transform: the user's program needs no change --
+
+def self_attention(params, x, segments, *, causal: bool, window: int | None):
+    """One attention layer written by hand: segment, causal and window masks from iotas,
+    filled with a finite minimum (so an empty row is the uniform mean of V)."""
+    b, s, d = x.shape
+    split = lambda w: (x @ w).reshape(b, s, HEADS, d // HEADS)  # noqa: E731
+    q, k, v = split(params["wq"]), split(params["wk"]), split(params["wv"])
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d // HEADS)
+    pos = jnp.arange(s)
+    allowed = segments[:, None, :, None] == segments[:, None, None, :]
+    if causal:
+        allowed = allowed & (pos[:, None] >= pos[None, :])
+    if window is not None:
+        allowed = allowed & (pos[:, None] - pos[None, :] <= window)
+    logits = jnp.where(allowed, logits, jnp.finfo(jnp.float32).min)
+    o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v).reshape(b, s, d)
+    return jnp.mean(jnp.tanh(x + o @ params["wo"]) ** 2)
+
+
+def layer_args(seq: int, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 6)
+    d = 16
+    params = {n: jax.random.normal(k, (d, d)) / 4
+              for n, k in zip(("wq", "wk", "wv", "wo"), keys)}
+    x = jax.random.normal(keys[4], (2, seq, d))
+    segments = jnp.cumsum(jax.random.bernoulli(keys[5], 0.2, (2, seq)), axis=1)
+    return params, x, segments
+
+
+@pytest.mark.parametrize("schedule,load_balance,seq,causal,window", [
+    ("ring", "zigzag", 19, True, None),
+    ("allgather", "none", 5, False, 2),
+    ("ulysses", "zigzag", 13, True, 4),
+])
+def test_transform_pads_uneven_lengths(schedule, load_balance, seq, causal, window):
+    args = layer_args(seq)
+    fn = lambda p, x, s: self_attention(p, x, s, causal=causal, window=window)  # noqa: E731
+    want = jax.value_and_grad(fn, argnums=(0, 1))(*args)
+    f = context_parallel(fn, cp=8, schedule=schedule, load_balance=load_balance)
+    got = jax.value_and_grad(f, argnums=(0, 1))(*args)
+    np.testing.assert_allclose(got[0], want[0], rtol=RTOL)
+    assert_tree_close(got[1], want[1])
+    assert_sharded(f, *args, schedule=schedule)
+
+
+def test_explain_reports_the_padding():
+    args = layer_args(19)
+    fn = lambda p, x, s: self_attention(p, x, s, causal=True, window=None)  # noqa: E731
+    text = context_parallel(fn, cp=8, schedule="ring", load_balance="zigzag").explain(*args)
+    # 19 tokens to a multiple of 2·cp = 16: 13 pad tokens of q, o (8 heads × 2 × 2 floats)
+    # and k, v, for 2 sequences: 2·13·(16·2 + 16·2)·4 bytes.
+    assert "padding: queries 19 -> 32 (+13), keys 19 -> 32 (+13) to a multiple of 16; " \
+           f"+{2 * 13 * 64 * 4} bytes" in text
+    assert "layout: zigzag (applied inside this attention" in text
+
+
+def test_llama_with_an_uneven_length():
+    """The Llama example at 27 tokens (26 predicted) over cp=8 with zigzag: RoPE from
+    ``arange``, the next-token shift and the causal mask all see the real positions."""
+    cfg = llama.Config(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, mlp_dim=64)
+    params, tokens = llama.example_args(cfg, batch=2, seq=27, seed=1)
+    loss = lambda p, t: llama.loss(p, t, cfg)  # noqa: E731
+    want = jax.value_and_grad(loss)(params, tokens)
+    f = context_parallel(loss, cp=8, schedule="ring", load_balance="zigzag")
+    got = jax.value_and_grad(f)(params, tokens)
+    np.testing.assert_allclose(got[0], want[0], rtol=RTOL)
+    assert_tree_close(got[1], want[1])
+    assert_sharded(f, params, tokens, schedule="ring")
+
+
+def test_keep_permuted_needs_a_reordered_program():
+    """With an uneven length zigzag runs inside the attention and outputs come back in
+    natural order: asking for them permuted is refused, not silently ignored."""
+    def hidden(x):
+        return jax.nn.dot_product_attention(x, x, x, is_causal=True)
+
+    x = jax.random.normal(jax.random.key(7), (1, 19, 2, 4))
+    with pytest.raises(ReorderError, match="keep_permuted=True .* natural order"):
+        context_parallel(hidden, cp=8, load_balance="zigzag", keep_permuted=True)(x)
