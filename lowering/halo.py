@@ -348,18 +348,21 @@ def _kernel_keys(shape: AttentionShape) -> tuple[int, tuple[Piece, ...]]:
     return sum(p.width for p in runs), runs
 
 
-def halo_work(shape: AttentionShape) -> Work:
-    """One kernel call per rank: its queries against its halos and local keys, in the
-    kernel's key order; a missing neighbour's halo sits at :data:`NO_KEY` (never seen)."""
+def key_pieces(shape: AttentionShape) -> list[list[np.ndarray]]:
+    """``[rank][piece]``: the positions of each piece of keys a rank's kernel call holds, in
+    the kernel's key order; a missing neighbour's halo sits at :data:`NO_KEY` (never seen)."""
     ranks = rank_positions(shape)
     cp = shape.cp
     _, runs = _kernel_keys(shape)
+    return [[ranks[r + p.shift, p.offset:p.offset + p.width] if 0 <= r + p.shift < cp
+             else np.full(p.width, NO_KEY) for p in runs] for r in range(cp)]
 
-    def keys(r):
-        return np.concatenate([
-            ranks[r + p.shift, p.offset:p.offset + p.width] if 0 <= r + p.shift < cp
-            else np.full(p.width, NO_KEY) for p in runs])
-    return work_of(shape, [[(ranks[r], keys(r))] for r in range(cp)], shape.heads)
+
+def halo_work(shape: AttentionShape) -> Work:
+    """One kernel call per rank: its queries against its halos and local keys."""
+    ranks = rank_positions(shape)
+    return work_of(shape, [[(ranks[r], np.concatenate(keys))]
+                           for r, keys in enumerate(key_pieces(shape))], shape.heads)
 
 
 def halo_memory(shape: AttentionShape) -> int:

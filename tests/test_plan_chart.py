@@ -95,8 +95,31 @@ def test_work_per_rank_for_every_layout():
 
 def test_a_schedule_without_a_chart_says_so():
     plan, _ = planned("ring")
-    assert charts_for(replace(plan, schedule="halo"), CONTIGUOUS) == \
-        "no chart for schedule 'halo'"
+    assert charts_for(replace(plan, schedule="unregistered"), CONTIGUOUS) == \
+        "no chart for schedule 'unregistered'"
+
+
+HALO = f"""halo over 4 devices, contiguous layout (one kernel call per device: neighbours' halos \
+and local keys) {LEGEND}
+key piece  0  1
+device  0  .  +
+device  1  +  +
+device  2  +  +
+device  3  +  +
+work/mean  1.00 1.00 1.00 1.00
+slowest device: 1.00x the mean"""
+
+
+def test_halo_chart():
+    """A causal window of 3: each device's one call holds its left neighbour's last 3 keys
+    (none on device 0: skipped) and its own 16, both partial."""
+    def windowed(q, k, v):
+        return jnp.sum(attention(q, k, v, causal=True, window=(3, 0)))
+
+    x = jax.random.normal(jax.random.key(0), (1, 64, 4, 16))
+    (plan,) = context_parallel(windowed, cp=4, schedule="halo", load_balance="none",
+                               hardware="h100").module(x, x, x).facts.plan
+    assert "\n".join(render_text(c) for c in charts_for(plan, CONTIGUOUS)) == HALO
 
 
 def test_png_needs_matplotlib(monkeypatch, tmp_path):

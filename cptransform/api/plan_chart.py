@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from cptransform.ir.errors import PlotError
+from cptransform.lowering.halo import key_pieces
 from cptransform.lowering.schedule import schedules
 from cptransform.op.attention_reference import visible
 from cptransform.op.attention_spec import MaskSpec
@@ -144,9 +145,21 @@ def hybrid_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
     return outer, inner
 
 
+def halo_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
+    """Devices × the pieces of keys of their one kernel call (halos from the neighbours and
+    the local chunks, in position order; a missing neighbour's halo is skipped)."""
+    cp, pos = layout.cp, layout.all_positions()
+    work = schedules()["halo"].work(plan.shape).device_flops
+    return (Chart(f"halo over {cp} devices, {layout.name} layout (one kernel call per device: "
+                  "neighbours' halos and local keys)", "device", "key piece",
+                  _grid(plan.mask, pos, lambda r: key_pieces(plan.shape)[r]),
+                  _relative(work, cp)),)
+
+
 #: Schedule name → its picture (a schedule registered elsewhere adds its own entry).
 CHARTS: dict[str, Callable] = {"ring": ring_charts, "allgather": allgather_charts,
-                               "ulysses": ulysses_charts, "hybrid": hybrid_charts}
+                               "ulysses": ulysses_charts, "hybrid": hybrid_charts,
+                               "halo": halo_charts}
 
 
 def charts_for(plan, layout: SequenceLayout) -> tuple[Chart, ...] | str:
