@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
-from schedule_cases import Case, check_schedule, make_case, pairwise_cases, relative_error
+from schedule_cases import POSITION_MASKS, Case, check_schedule, make_case, pairwise_cases, \
+    position_case, relative_error
 
 from cptransform.op.attention_reference import attention_reference
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
@@ -150,39 +151,20 @@ def test_causal_skips_fully_masked_tiles(rng, monkeypatch, layout, per_rank):
     assert sum(per_rank) == 36 < 64
 
 
-POSITION_MASKS = {"causal": MaskSpec(causal=True), "window": MaskSpec(window=(3, 2)),
-                  "topk": MaskSpec(causal=True, topk=True)}
-
-
-def _position_case(rng, kind, seq, explicit):
-    """GQA q, k, v of ``seq`` tokens under a mask that reads positions (top-k: 4 random key
-    positions per row, causal too); with ``explicit``, the caller's positions, a random
-    permutation: a ring that derived the layout's positions would get another answer."""
-    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
-    operands = [normal(2, seq, 8, 8), normal(2, seq, 2, 8), normal(2, seq, 2, 8)]
-    if explicit:
-        operands += [jnp.asarray(rng.permutation(seq)[None], jnp.int32)] * 2
-    if kind == "topk":
-        operands.append(jnp.asarray(rng.integers(0, seq, (2, 1, seq, 4)), jnp.int32))
-    spec = AttentionSpec(q=BTHD, k=BTHD, v=BTHD, scale=8 ** -0.5, groups=4,
-                         mask=POSITION_MASKS[kind], positions=explicit)
-    return Case(tuple(operands), spec)
-
-
 @pytest.mark.parametrize("seq", [32, 29])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 @pytest.mark.parametrize("kind", list(POSITION_MASKS))
 def test_derived_positions_match_reference(rng, kind, layout, seq):
     """No positions operand: each step derives the arriving block's positions from the
     layout (29 keys are padded to 32; the pad keys' positions continue the real ones)."""
-    check_schedule(_position_case(rng, kind, seq, explicit=False), **ring(4, layout))
+    check_schedule(position_case(rng, kind, seq, explicit=False), **ring(4, layout))
 
 
 @pytest.mark.parametrize("kind,layout,seq", [("causal", "zigzag", 29), ("window", "striped", 32),
                                              ("topk", "contiguous", 29)])
 def test_explicit_positions_match_reference(rng, kind, layout, seq):
     """The caller's positions (a permutation, not the layout's) still travel."""
-    check_schedule(_position_case(rng, kind, seq, explicit=True), **ring(4, layout))
+    check_schedule(position_case(rng, kind, seq, explicit=True), **ring(4, layout))
 
 
 @pytest.mark.parametrize("cp,heads,kind,explicit", [
