@@ -118,6 +118,7 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     jax.eval_shape(lambda *xs: attention_p.bind(*xs, spec=spec), *operands)
 
     a = split_operands(spec, operands)
+    given_positions = spec.positions
     q, k, v = to_canonical(spec, a["q"], a["k"], a["v"])
     nb = len(spec.q.batch)
     batch_shape = q.shape[:nb]
@@ -171,8 +172,13 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
         name: P() if name == "sinks" else
         P(None, None, seq) if name in ("mask", "bias", "topk") else P(None, seq)
         for name, x in vars(block).items() if x is not None})
+    # Positions built here (the program gave none) are, padded or not, those of the
+    # layout-order slots of kv_layout: schedules may derive them rather than move them.
+    # Positions the caller gave (in layout order too: reorder-sequence passes the
+    # program's own through) are data and travel.
     local_spec = spec.replace(q=_CANONICAL, k=_CANONICAL, v=_CANONICAL, positions=True,
-                              layout=layout)
+                              layout=layout,
+                              kv_positions_layout=None if given_positions else kv_layout)
 
     def run(local):
         if local.sinks is not None:

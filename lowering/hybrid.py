@@ -9,7 +9,8 @@ columns for source ``s`` are the contiguous range ``[s·U·Tkv_loc, (s+1)·U·Tk
 is what the ring reads for blocks of ``U·Tkv_loc`` keys.
 
 Communication per device: the Ulysses all-to-alls of q, k, v, o over ``U`` (local length
-``T/cp``), the gathers of positions / segment ids over ``U``, then the ring's rotations of
+``T/cp``), the gathers of positions / segment ids over ``U`` (not of kv positions that are
+the layout's: the ring derives those for its blocks of ``U`` shards), then the ring's rotations of
 ``T/R`` keys of ``Hkv·f/U`` heads over ``R`` (``f`` the KV-head repeat factor of
 :mod:`cptransform.lowering.ulysses`); see :func:`hybrid_volume`.
 Needs ``H % U == 0``; any factorisation of ``cp`` works otherwise.
@@ -35,6 +36,9 @@ def hybrid(block: Block, *, spec, axes, kernel):
     def ring_over_groups(block, spec):
         return ring(block, spec=spec, axes=(ring_axis,), kernel=kernel)
 
+    if spec.kv_positions_layout is not None:
+        # The ring derives every step's kv positions from the layout: none to gather.
+        block = block.replace(kv_pos=None)
     return ulysses_around(ring_over_groups, block, spec=spec, axis=ulysses_axis)
 
 
@@ -45,10 +49,12 @@ def hybrid_volume(shape: AttentionShape) -> CommVolume:
     u, r = shape.ulysses, shape.cp // shape.ulysses
     inner = ulysses_volume(replace(shape, seq_len=shape.q_padded // r,
                                    kv_seq_len=shape.kv_padded // r, multiple=1, cp=u))
+    # Layout positions of the keys are derived by the ring, not gathered.
+    gathered = tuple(t for t in inner.transfers
+                     if shape.explicit_positions or t.name != "kv_positions")
     outer = ring_volume(_ring_shape(shape))
     # The ring's rotations run over the second mesh axis (the ring axis).
-    return CommVolume("hybrid", inner.transfers
-                      + tuple(replace(t, axis=1) for t in outer.transfers))
+    return CommVolume("hybrid", gathered + tuple(replace(t, axis=1) for t in outer.transfers))
 
 
 def _ring_shape(shape: AttentionShape) -> AttentionShape:

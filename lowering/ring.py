@@ -1,8 +1,13 @@
 """Ring attention: queries stay, key/value blocks travel around the CP ring.
 
 At step ``i`` (``0 … cp-1``) rank ``r`` holds the KV block that started on rank
-``(r - i) mod cp``, together with its positions and segment ids (they travel with it, so
-masks need no layout knowledge). Each step attends the local queries to that block and
+``(r - i) mod cp``, together with its segment ids and positions (they travel with it, so
+masks need no layout knowledge). Positions the entry point built from the layout
+(``spec.kv_positions_layout``; the caller's program gave none) do not travel: the block
+from rank ``s`` holds the layout-order slots ``s·Tkv_loc + arange(Tkv_loc)``, whose
+positions each step computes from ``axis_index`` and the step. Under hybrid the ring runs
+over groups whose blocks are the ``U`` consecutive shards ``s·U … s·U+U-1``, i.e. the same
+slots with ``Tkv_loc`` the group's length, so the same formula holds. Each step attends the local queries to that block and
 merges the partial result exactly in float32 (:func:`attention_reference.merge`). The next
 block is sent (``ppermute`` to rank ``r + 1``) before the current block is computed so XLA
 can overlap the transfer with the compute. Steps ``0 … cp-2`` are one ``lax.scan``, so
@@ -23,7 +28,8 @@ Communication, per device (``Tkv_loc`` local keys, ``B`` batch, element sizes in
 
 * forward: ``cp - 1`` collective-permutes of K and V (concatenated on the feature dim into
   one send when they share a dtype), of the kv positions (only when the
-  mask reads them: causal or window) and the kv segment ids (with a segment mask):
+  mask reads them: causal or window, and they are the caller's) and the kv segment ids
+  (with a segment mask):
   ``(cp-1)·Tkv_loc·(B·Hkv·(D·|k| + Dv·|v|) [+ B_pos·|pos|] [+ B_seg·|seg|])`` bytes (the
   positions also travel under a top-k mask), where
   ``B_pos``/``B_seg`` are 1 for positions / segment ids shared by the batch;
@@ -38,6 +44,7 @@ The backward is a ``custom_vjp``: residuals are q, k, v, o, lse and the mask ope
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import jax
@@ -84,20 +91,32 @@ def unpacked(kv, d: int):
 
 def _travelling(spec, block: Block):
     """What moves around the ring: packed K/V, segment ids, and the kv positions only when
-    the mask reads them (causal, window or top-k); positions not sent are stood in for by
-    the local ones on arrival (:meth:`Block.with_keys`). Top-k indices stay: they belong
+    the mask reads them (causal, window or top-k) and they are the caller's; layout
+    positions are derived on arrival (:func:`_layout_positions`), others not sent are stood
+    in for by the local ones (:meth:`Block.with_keys`). Top-k indices stay: they belong
     to the queries and are compared with the arriving keys' positions."""
     reads_positions = spec.mask.band() != (None, None) or spec.mask.topk
+    sent = reads_positions and spec.kv_positions_layout is None
     return (packed(block.k, block.v),
-            Block(kv_pos=block.kv_pos if reads_positions else None, kv_seg=block.kv_seg))
+            Block(kv_pos=block.kv_pos if sent else None, kv_seg=block.kv_seg))
 
 
-def _arrived(block: Block, keys, source, tkv: int) -> Block:
+def _layout_positions(layout, source, tkv: int):
+    """``[1, tkv]`` positions of the keys that started on ring rank ``source`` (traced):
+    layout-order slots ``source·tkv …``, from an iota so no constant is captured."""
+    slots = source * tkv + lax.iota(jnp.int32, tkv)
+    return layout.position_of_slot(slots)[None].astype(jnp.int32)
+
+
+def _arrived(block: Block, keys, source, tkv: int, spec) -> Block:
     """One ring step's problem: the local queries against ``keys`` (from rank ``source``),
     with the mask and bias columns of those keys."""
     kv, meta = keys
     k, v = unpacked(kv, block.k.shape[-1])
-    return block.with_keys(meta.replace(k=k, v=v)).columns(source, tkv)
+    meta = meta.replace(k=k, v=v)
+    if spec.kv_positions_layout is not None:
+        meta = meta.replace(kv_pos=_layout_positions(spec.kv_positions_layout, source, tkv))
+    return block.with_keys(meta).columns(source, tkv)
 
 
 def _around_the_ring(step, state, keys, axes, cp: int):
@@ -126,7 +145,7 @@ def _forward(block: Block, spec, axes, kernel):
 
     def step(i, acc, keys):
         # The kernel classifies its chunk pairs, so the masked half of a step costs nothing.
-        o_s, lse_s = kernel.forward(_arrived(block, keys, (rank - i) % cp, tkv), spec)
+        o_s, lse_s = kernel.forward(_arrived(block, keys, (rank - i) % cp, tkv, spec), spec)
         return merge(*acc, o_s, lse_s)
 
     empty = (_zeros(block.q, (b, tq, h, dv)), _zeros(block.q, (b, h, tq), -jnp.inf))
@@ -165,8 +184,8 @@ def _ring_bwd(spec, axes, kernel, residuals, cotangents):
     def step(i, state, keys):
         dq, dkv, dbias = state
         source = (rank - i) % cp
-        g_q, g_k, g_v, g_b = kernel.backward(_arrived(block, keys, source, tkv), o, lse, do,
-                                             spec, delta=delta)
+        g_q, g_k, g_v, g_b = kernel.backward(_arrived(block, keys, source, tkv, spec), o, lse,
+                                             do, spec, delta=delta)
         if dbias is not None:
             dbias = lax.dynamic_update_slice_in_dim(dbias, g_b, source * tkv, axis=3)
         # The float32 dK/dV accumulators travel (as one send) with their keys and arrive
@@ -194,8 +213,8 @@ def ring(block: Block, *, spec, axes, kernel):
 
 
 def ring_volume(shape: AttentionShape) -> CommVolume:
-    """The ring over ``shape.cp`` devices: K, V and their positions / segment ids make
-    ``cp-1`` hops forward; the backward rotates K, V (and metadata) again ``cp-1`` times and
+    """The ring over ``shape.cp`` devices: K, V and their positions (only the caller's:
+    layout positions are derived, not sent) / segment ids make ``cp-1`` hops forward; the backward rotates K, V (and metadata) again ``cp-1`` times and
     the float32 dK/dV accumulators ``cp`` times, so that they arrive home. Every rotation is
     sent one step ahead of its compute (``overlapped``)."""
     cp = shape.cp
@@ -205,7 +224,8 @@ def ring_volume(shape: AttentionShape) -> CommVolume:
     hop = partial(Transfer, kind="collective_permute", overlapped=True)
     transfers = [hop(name, bytes=hops * rows * e * shape.dtype_bytes)
                  for name, e in kv_elems.items()]
-    meta = metadata(shape, ("kv",))
+    meta = metadata(replace(shape, positions=shape.positions and shape.explicit_positions),
+                    ("kv",))
     transfers += [hop(name, bytes=hops * b, payload=False)
                   for name, b in meta]
     transfers += [hop(name, bytes=hops * rows * e * shape.dtype_bytes, backward=True)

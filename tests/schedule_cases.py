@@ -76,6 +76,25 @@ def make_case(rng, kind: str = "none", heads: str = "mha", *, batch: int = 2, se
     return Case(tuple(operands), spec)
 
 
+POSITION_MASKS = {"causal": MaskSpec(causal=True), "window": MaskSpec(window=(3, 2)),
+                  "topk": MaskSpec(causal=True, topk=True)}
+
+
+def position_case(rng, kind, seq, explicit):
+    """GQA q, k, v of ``seq`` tokens under a mask that reads positions (top-k: 4 random key
+    positions per row, causal too); with ``explicit``, the caller's positions, a random
+    permutation: a schedule that derived the layout's positions would get another answer."""
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    operands = [normal(2, seq, 8, 8), normal(2, seq, 2, 8), normal(2, seq, 2, 8)]
+    if explicit:
+        operands += [jnp.asarray(rng.permutation(seq)[None], jnp.int32)] * 2
+    if kind == "topk":
+        operands.append(jnp.asarray(rng.integers(0, seq, (2, 1, seq, 4)), jnp.int32))
+    spec = AttentionSpec(q=BTHD, k=BTHD, v=BTHD, scale=8 ** -0.5, groups=4,
+                         mask=POSITION_MASKS[kind], positions=explicit)
+    return Case(tuple(operands), spec)
+
+
 def pairwise_cases(cps=(2, 4, 8)):
     """A covering list of ``(cp, layout, mask kind, head kind, dv)``: every mask kind, and
     every pair of (layout, heads), (layout, cp), (heads, cp) at least once."""

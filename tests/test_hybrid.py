@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
-from schedule_cases import HEAD_KINDS, check_schedule, make_case, pairwise_cases
+from schedule_cases import HEAD_KINDS, Case, check_schedule, make_case, pairwise_cases, \
+    position_case
 
 from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.lowering.schedule import schedules
@@ -21,6 +22,16 @@ def test_matches_reference(rng, shape, layout, kind, heads, dv):
     case = make_case(rng, kind, heads, dv=dv)
     check_schedule(case, mesh=make_mesh(shape, AXES), axes=AXES, schedule="hybrid",
                    layout=layout)
+
+
+@pytest.mark.parametrize("kind,layout,seq,explicit", [
+    ("causal", "zigzag", 29, False), ("window", "striped", 29, False),
+    ("topk", "contiguous", 32, False), ("causal", "striped", 29, True)])
+def test_positions_over_groups(rng, kind, layout, seq, explicit):
+    """The ring over groups derives the positions of a group's U shards from the layout of
+    all U·R shards (uneven lengths padded); the caller's positions still travel."""
+    check_schedule(position_case(rng, kind, seq, explicit), mesh=make_mesh((2, 2), AXES),
+                   axes=AXES, schedule="hybrid", layout=layout)
 
 
 @pytest.mark.parametrize("shape,seq,layout", [((1, 4), 12, "striped"), ((8, 1), 32, "zigzag")])
@@ -40,13 +51,17 @@ def test_ulysses_axis_must_divide_heads(rng):
                                    mesh=make_mesh((4, 2), AXES), axes=AXES, schedule="hybrid")
 
 
-@pytest.mark.parametrize("shape,heads", [((2, 4), "gqa"), ((4, 2), "mqa")])
-def test_communication_on_each_axis(shape, heads):
+@pytest.mark.parametrize("shape,heads,explicit", [((2, 4), "gqa", False),
+                                                  ((4, 2), "mqa", True)])
+def test_communication_on_each_axis(shape, heads, explicit):
     u, r = shape
     s, d, dv = 64, 8, 12
     h, hkv = HEAD_KINDS[heads]
     case = make_case(np.random.default_rng(0), "causal", heads, seq=s, dv=dv,
                      dtype=jnp.bfloat16)
+    if explicit:
+        pos = jnp.arange(s, dtype=jnp.int32)[None]
+        case = Case(case.operands[:3] + (pos, pos), case.spec.replace(positions=True))
     mesh = make_mesh(shape, AXES)
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.operands]
 
@@ -57,10 +72,11 @@ def test_communication_on_each_axis(shape, heads):
     report = lower_and_count(forward, *abstract)
     expected = schedules()["hybrid"].volume(AttentionShape(
         seq_len=s, heads=h, kv_heads=hkv, head_dim=d, v_head_dim=dv, cp=u * r, ulysses=u,
-        batch=2, dtype_bytes=2))
-    # The ring sends K and V as one collective-permute per step, the positions as another.
-    assert report.counts() == {"all_to_all": 4, "all_gather": 2,
-                               "collective_permute": 2 * (r - 1)}
+        batch=2, dtype_bytes=2, explicit_positions=explicit))
+    # The ring sends K and V as one collective-permute per step, the caller's positions as
+    # another; layout kv positions are neither gathered nor sent (the ring derives them).
+    assert report.counts() == {"all_to_all": 4, "all_gather": 1 + explicit,
+                               "collective_permute": (1 + explicit) * (r - 1)}
     assert report.bytes_by_kind() == expected.forward
     ids = np.arange(u * r).reshape(u, r)
     ulysses_groups = {tuple(ids[:, j]) for j in range(r)}

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
-from schedule_cases import check_schedule, make_case, pairwise_cases, relative_error
+from schedule_cases import POSITION_MASKS, Case, check_schedule, make_case, pairwise_cases, \
+    position_case, relative_error
 
 from cptransform.op.attention_reference import attention_reference
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
@@ -150,16 +151,37 @@ def test_causal_skips_fully_masked_tiles(rng, monkeypatch, layout, per_rank):
     assert sum(per_rank) == 36 < 64
 
 
-@pytest.mark.parametrize("cp,heads,kind", [(2, "mha", "causal"), (4, "gqa", "segments"),
-                                           (8, "mqa", "window")])
-def test_communication(cp, heads, kind):
+@pytest.mark.parametrize("seq", [32, 29])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("kind", list(POSITION_MASKS))
+def test_derived_positions_match_reference(rng, kind, layout, seq):
+    """No positions operand: each step derives the arriving block's positions from the
+    layout (29 keys are padded to 32; the pad keys' positions continue the real ones)."""
+    check_schedule(position_case(rng, kind, seq, explicit=False), **ring(4, layout))
+
+
+@pytest.mark.parametrize("kind,layout,seq", [("causal", "zigzag", 29), ("window", "striped", 32),
+                                             ("topk", "contiguous", 29)])
+def test_explicit_positions_match_reference(rng, kind, layout, seq):
+    """The caller's positions (a permutation, not the layout's) still travel."""
+    check_schedule(position_case(rng, kind, seq, explicit=True), **ring(4, layout))
+
+
+@pytest.mark.parametrize("cp,heads,kind,explicit", [
+    (2, "mha", "causal", False), (4, "gqa", "segments", False), (8, "mqa", "window", False),
+    (4, "gqa", "causal", True), (2, "mha", "window", True)])
+def test_communication(cp, heads, kind, explicit):
     """Forward: cp-1 collective-permutes each of K and V (one send), the kv positions (when
-    the mask reads them) and segment ids, to the byte of the closed form and the cost model;
-    the backward adds the same rotations again plus cp float32 rotations of dK and dV (one
-    send)."""
+    the mask reads them and they are the caller's; the layout's are derived, not sent) and
+    segment ids, to the byte of the closed form and the cost model; the backward adds the
+    same rotations again plus cp float32 rotations of dK and dV (one send)."""
     seq, d, dv, batch = 64, 8, 12, 2
     case = make_case(np.random.default_rng(0), kind, heads, seq=seq, dv=dv, batch=batch,
                      dtype=jnp.bfloat16)
+    if explicit:
+        pos = jnp.arange(seq, dtype=jnp.int32)[None]
+        case = Case(case.operands[:3] + (pos, pos) + case.operands[3:],
+                    case.spec.replace(positions=True))
     h, hkv = case.operands[0].shape[2], case.operands[1].shape[2]
     kw = ring(cp, "zigzag")
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.operands]
@@ -171,7 +193,8 @@ def test_communication(cp, heads, kind):
         return jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v, *xs[3:]).astype(jnp.float32)),
                         argnums=(0, 1, 2))(*xs[:3])
 
-    segments, positions = kind == "segments", kind != "segments"
+    segments, reads = kind == "segments", kind != "segments"
+    positions = reads and explicit
     loc = seq // cp
     want_shapes = {f"{batch}x{loc}x{hkv}x{d + dv}xbf16": cp - 1}  # K and V in one send
     if positions:
@@ -189,7 +212,8 @@ def test_communication(cp, heads, kind):
     assert fwd.per_device_bytes == closed_form
     expected = schedules()["ring"].volume(AttentionShape(
         seq_len=seq, heads=h, kv_heads=hkv, head_dim=d, v_head_dim=dv, cp=cp, batch=batch,
-        dtype_bytes=2, positions=positions, segments=segments, segment_batch=batch))
+        dtype_bytes=2, positions=reads, segments=segments, segment_batch=batch,
+        explicit_positions=explicit))
     assert fwd.bytes_by_kind() == expected.forward
     bwd = lower_and_count(grad, *abstract)
     assert bwd.counts() == {"collective_permute": 2 * sum(want_shapes.values()) + cp}

@@ -28,7 +28,8 @@ class AttentionShape:
     :meth:`MaskSpec.band`) and ``layout`` the sequence layout, which together decide the
     work the chunked kernel skips.
     ``explicit_positions`` says the positions are operands of the caller rather than the
-    token indices (so a key in the window may sit anywhere in the sequence).
+    token indices (so a key in the window may sit anywhere in the sequence); without them
+    the ring derives the kv positions from the layout rather than sending them.
     Schedules move both sequences padded to ``multiple`` (the layout's: ``cp``, zigzag
     ``2·cp``; see :attr:`q_padded`), so the volumes are those of the padded lengths.
     """

@@ -9,6 +9,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from cptransform.op.layouts import SequenceLayout
+
 EmptyRows = Literal["zero", "uniform", "nan"]
 
 
@@ -189,6 +191,12 @@ class AttentionSpec:
     lowering padded the keys to the layout's multiple: how many keys are real (padded keys
     are masked out and their V rows are zero, so the ``"uniform"`` fill divides the sum of
     V by this count, not by the padded length).
+
+    ``kv_positions_layout`` is set only on the spec a context-parallel schedule receives
+    when the kv positions are the layout's own (the caller's program gave none): the key at
+    layout-order slot ``s`` (over all, padded, keys) has position
+    ``kv_positions_layout.position_of_slot(s)``. The ring then derives the positions of
+    each arriving block from its source rank instead of sending them.
     """
 
     q: Layout
@@ -203,6 +211,7 @@ class AttentionSpec:
     schedule: str | None = None
     layout: str | None = None
     real_keys: int | None = None
+    kv_positions_layout: SequenceLayout | None = None
 
     def operand_names(self) -> tuple[str, ...]:
         names = ["q", "k", "v"]
