@@ -10,6 +10,7 @@ if os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
                                    " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
@@ -43,3 +44,15 @@ def mesh8():
 def rng():
     """A NumPy generator seeded per test (random data, reproducible failures)."""
     return np.random.default_rng(0)
+
+
+RTOL = 1e-5
+
+
+def assert_tree_close(actual, expected, rtol=RTOL):
+    """Each leaf equal within ``rtol`` of the leaf's largest magnitude."""
+    for path, a, e in zip(jax.tree_util.tree_flatten_with_path(expected)[0],
+                          jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
+        scale = float(jnp.max(jnp.abs(e))) or 1.0
+        err = float(jnp.max(jnp.abs(a - e)))
+        assert err <= rtol * scale, f"{jax.tree_util.keystr(path[0])}: {err} > {rtol} * {scale}"

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
+from conftest import assert_tree_close, make_mesh
 from schedule_cases import check_schedule, make_case
 
 from cptransform import context_parallel
@@ -21,15 +21,6 @@ from examples import llama  # noqa: E402
 
 RTOL = 1e-5
 HEADS = 8
-
-
-def assert_tree_close(actual, expected, rtol=RTOL):
-    """Each leaf equal within ``rtol`` of the leaf's largest magnitude."""
-    for path, a, e in zip(jax.tree_util.tree_flatten_with_path(expected)[0],
-                          jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected)):
-        scale = float(jnp.max(jnp.abs(e))) or 1.0
-        err = float(jnp.max(jnp.abs(a - e)))
-        assert err <= rtol * scale, f"{jax.tree_util.keystr(path[0])}: {err} > {rtol} * {scale}"
 
 
 def assert_sharded(f, *args, schedule: str):
