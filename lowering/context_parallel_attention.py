@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from cptransform.analysis.attention_shape import attention_shape
-from cptransform.ir.errors import ContextParallelError
+from cptransform.ir.errors import ContextParallelError, unknown_name
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import get_kernel
 from cptransform.lowering.padding import pad_block
@@ -99,7 +99,7 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     if schedule not in known:
         raise ContextParallelError(
-            f"unknown schedule {schedule!r}; use one of {', '.join(sorted(known))}")
+            unknown_name("schedule", schedule, sorted(known)))
     record = known[schedule]
     want = record.mesh_axes
     if len(axes) != want:
@@ -107,7 +107,7 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
             f"schedule {schedule!r} runs over {want} mesh {'axes' if want > 1 else 'axis'}, "
             f"got {axes}; {MESH_AXES_HINT[want]}")
     if layout not in LAYOUTS:
-        raise ContextParallelError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+        raise ContextParallelError(unknown_name("layout", layout, LAYOUTS))
     # "auto" means the fastest kernel that computes this mask: the Pallas kernels do not
     # read top-k indices, the chunked XLA kernel does.
     local_kernel = get_kernel("xla" if kernel == "auto" and spec.mask.topk else kernel)

@@ -49,7 +49,7 @@ from cptransform.analysis.hardware import HARDWARE, Hardware, hardware_for_devic
 from cptransform.analysis.load_balance import LayoutBalance, best_layout, rank_flops
 from cptransform.analysis.prediction import Prediction
 from cptransform.ir import compat
-from cptransform.ir.errors import PlanError
+from cptransform.ir.errors import PlanError, unknown_name
 from cptransform.ir.facts import Fact
 from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult
@@ -185,16 +185,13 @@ class PlanContextParallel(Pass):
         """One clear error for an unknown option value."""
         names = ("auto", *schedules())
         if self.schedule not in names:
-            raise PlanError(f"unknown schedule {self.schedule!r}; use one of "
-                            f"{', '.join(names)}")
+            raise PlanError(unknown_name("schedule", self.schedule, names))
         if self.load_balance in REFUSED_LOAD_BALANCES:
             raise NotImplementedError(REFUSED_LOAD_BALANCES[self.load_balance])
         if self.load_balance not in LOAD_BALANCES:
-            raise PlanError(f"unknown load_balance {self.load_balance!r}; use one of "
-                            f"{', '.join(LOAD_BALANCES)}")
+            raise PlanError(unknown_name("load_balance", self.load_balance, LOAD_BALANCES))
         if self.hardware is not None and self.hardware not in HARDWARE:
-            raise PlanError(f"unknown hardware {self.hardware!r}; use one of "
-                            f"{', '.join(HARDWARE)}")
+            raise PlanError(unknown_name("hardware", self.hardware, HARDWARE))
         problem = memory_limit_problem(self.memory_limit)
         if problem:
             raise PlanError(problem)

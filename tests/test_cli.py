@@ -103,6 +103,25 @@ def test_function_with_args(entry_file, capsys):
      r"--cp 0: the CP size must be at least 1"),
     (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--ir-dump-dir", "{f}/dump"],
      r"--ir-dump-dir .*/dump: cannot create it"),
+    (["{f}:scaled", "--args", "f32[2,,4] i32[2,8]"],
+     r"cannot read argument shape 'f32\[2,,4\]': an empty dimension"),
+    (["{f}:scaled", "--args", "f32[99999999999999999999] i32[2,8]"],
+     r"holds 99999999999999999999 elements, more than any array can"),
+    (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--axis", "", "--mesh", "2"],
+     r"--axis '': an empty mesh axis name"),
+    (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--axis", "uly,", "--mesh", "2,2"],
+     r"--axis 'uly,': an empty mesh axis name"),
+    (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--print-ir-after", "match-attention"],
+     r"--print-ir-after match-attention: the pipeline does not run that pass; it runs "
+     r"canonicalize$"),
+    (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--print-ir-after", "canonicalise"],
+     r"unknown pass 'canonicalise' \(did you mean 'canonicalize'\?\)"),
+    (["{f}:scaled", "--args", "i32[2,8,4] i32[2,8]", "--grad"],
+     r"--grad differentiates w.r.t. the first argument, which holds int32"),
+    (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--no-such-flag"],
+     r"unrecognized arguments: --no-such-flag"),
+    (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "-p", "canonicalize{fold_scale=ulp}"],
+     r"has no option 'fold_scale' \(did you mean 'fold_scales'\?\)"),
 ])
 def test_bad_input_is_one_line_exit_2(entry_file, capsys, argv, message):
     argv = [a.replace("{f}", str(entry_file)) for a in argv]
@@ -142,3 +161,33 @@ def test_a_file_calling_sys_exit_is_one_line(tmp_path, capsys):
     assert err == [f"cptransform: error: importing {script} called sys.exit(3); guard its "
                    'script part with `if __name__ == "__main__":`']
 
+
+
+@pytest.mark.skipif(not (os.path.isdir("/proc") and os.access("/proc", os.W_OK)),
+                    reason="needs a directory os.access calls writable that is not (/proc)")
+def test_dump_dir_that_os_access_calls_writable_but_is_not(entry_file, capsys):
+    assert main(["opt", f"{entry_file}:scaled", "--args", "f32[2,8,4] i32[2,8]",
+                 "--ir-dump-dir", "/proc"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "--ir-dump-dir /proc: the directory is not writable" in err
+
+
+def test_a_model_file_imports_the_helper_beside_it(tmp_path, capsys):
+    (tmp_path / "ux_helper_layers.py").write_text("def double(x):\n    return 2.0 * x\n")
+    (tmp_path / "model.py").write_text(
+        "from ux_helper_layers import double\n\ndef f(x):\n    return double(x)\n")
+    assert main(["opt", f"{tmp_path / 'model.py'}:f", "--args", "f32[4]"]) == 0
+    assert "mul" in capsys.readouterr().out
+
+
+def test_a_bug_keeps_its_traceback(entry_file, monkeypatch):
+    """Only CPTransformError and the CLI's own errors become one line; anything else is a
+    bug in cptransform and must surface as one."""
+    from cptransform.passes.canonicalize import Canonicalize
+
+    def broken(self, module):
+        raise ValueError("a bug inside a pass")
+    monkeypatch.setattr(Canonicalize, "run", broken)
+    with pytest.raises(ValueError, match="a bug inside a pass"):
+        main(["opt", f"{entry_file}:scaled", "--args", "f32[2,8,4] i32[2,8]"])

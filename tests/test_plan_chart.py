@@ -124,7 +124,7 @@ def test_halo_chart():
 
 def test_png_needs_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(PlotError, match=r"pip install cptransform\[plot\]"):
+    with pytest.raises(PlotError, match=r"\.venv/bin/pip install matplotlib .*pip install -e"):
         render_png(str(tmp_path / "plan.png"), [], ())
 
 

@@ -29,9 +29,10 @@ import dataclasses
 import importlib.util
 import inspect
 import math
-import os
 import re
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -41,7 +42,7 @@ from jax.sharding import AxisType
 
 from cptransform.api.instruments import (DumpIR, PrintIR, TimePasses, VerificationError,
                                          VerifyEach, render)
-from cptransform.ir.errors import CPTransformError
+from cptransform.ir.errors import CPTransformError, did_you_mean
 from cptransform.ir.module import Module, trace
 from cptransform.ir.pipeline import Pipeline
 from cptransform.passes import get_all_passes
@@ -64,6 +65,9 @@ DTYPES = {
 }
 _SHAPE = re.compile(r"([a-z0-9]+)\[([0-9,\s]*)\]")
 
+#: Elements an argument may hold: JAX sizes arrays with signed 64-bit integers.
+MAX_ELEMENTS = 2 ** 63 - 1
+
 
 def parse_shapes(text: str) -> list[jax.ShapeDtypeStruct]:
     """``'f32[2,64,4,16] i32[2,64] f32[]'`` → ``jax.ShapeDtypeStruct``s."""
@@ -78,7 +82,15 @@ def parse_shapes(text: str) -> list[jax.ShapeDtypeStruct]:
         if dtype is None:
             raise CLIError(f"unknown dtype {m.group(1)!r} in {token!r}; known dtypes: "
                            f"{', '.join(DTYPES)}")
-        dims = tuple(int(d) for d in m.group(2).replace(" ", "").split(",") if d)
+        text_dims = m.group(2).replace(" ", "")
+        parts = text_dims.split(",") if text_dims else []
+        if any(not d for d in parts):
+            raise CLIError(f"cannot read argument shape {token!r}: an empty dimension; write "
+                           "dtype[dims] with one size between each comma, e.g. f32[2,64]")
+        dims = tuple(int(d) for d in parts)
+        if math.prod(dims) > MAX_ELEMENTS:
+            raise CLIError(f"argument shape {token!r} holds {math.prod(dims)} elements, more "
+                           f"than any array can ({MAX_ELEMENTS})")
         out.append(jax.ShapeDtypeStruct(dims, dtype))
     return out
 
@@ -92,6 +104,11 @@ def load_object(spec: str) -> tuple[Any, str]:
     path = Path(path_text)
     if not path.is_file():
         raise CLIError(f"no such file: {path_text}")
+    # Its folder goes on sys.path (as pytest puts a test file's), so a model file can import
+    # the helper modules beside it.
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     module_name = f"_cptransform_entry_{path.stem}"
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     if loader_spec is None or loader_spec.loader is None:
@@ -237,11 +254,13 @@ def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
                         "the hybrid schedule, e.g. --axis uly,ring --mesh 2,4")
     g.add_argument("--mesh", default=None, metavar="SIZES",
                    help="comma-separated size of each --axis (default: --cp on one axis)")
-    g.add_argument("--schedule", default="auto", choices=schedule_names())
-    g.add_argument("--load-balance", default="auto", choices=LOAD_BALANCES)
-    g.add_argument("--kernel", default="auto", choices=KERNELS)
-    g.add_argument("--hardware", default=None, choices=HARDWARE,
-                   help="hardware row the planner prices schedules on (default: the devices')")
+    # Values are checked by Options.check, whose errors suggest the closest name.
+    g.add_argument("--schedule", default="auto", help=f"one of {', '.join(schedule_names())}")
+    g.add_argument("--load-balance", default="auto", help=f"one of {', '.join(LOAD_BALANCES)}")
+    g.add_argument("--kernel", default="auto", help=f"one of {', '.join(KERNELS)}")
+    g.add_argument("--hardware", default=None,
+                   help="hardware row the planner prices schedules on (default: the devices'): "
+                        f"one of {', '.join(HARDWARE)}")
     g.add_argument("--memory-limit", default=None, metavar="BYTES|N%",
                    help="per-device memory an auto choice may use: bytes, or N%% of the "
                         "hardware's memory")
@@ -256,7 +275,7 @@ def cp_options(args: argparse.Namespace):
     """The :class:`~cptransform.api.context_parallel.Options` of the command line."""
     from cptransform.api.context_parallel import Options
 
-    axes = tuple(a.strip() for a in args.axis.split(","))
+    axes = axis_names(args.axis)
     mesh = None
     if args.mesh is not None:
         sizes = mesh_sizes(args.mesh, axes)
@@ -272,6 +291,15 @@ def cp_options(args: argparse.Namespace):
                       memory_limit=_memory_limit(args.memory_limit))
     options.check()
     return options
+
+
+def axis_names(text: str) -> tuple[str, ...]:
+    """``--axis uly,ring`` → ``("uly", "ring")``; a CLI error for an empty name."""
+    axes = tuple(a.strip() for a in text.split(","))
+    if not all(axes):
+        raise CLIError(f"--axis {text!r}: an empty mesh axis name; give one name, or two "
+                       "comma-separated names (ulysses,ring), e.g. --axis cp")
+    return axes
 
 
 def mesh_sizes(text: str, axes: Sequence[str]) -> tuple[int, ...]:
@@ -299,8 +327,8 @@ def _opt_instruments(args: argparse.Namespace) -> tuple[list, TimePasses | None]
     known = get_all_passes()
     for name in args.print_ir_after:
         if name not in known:
-            raise CLIError(f"--print-ir-after: unknown pass {name!r}; known passes: "
-                           f"{', '.join(known)}")
+            raise CLIError(f"--print-ir-after: unknown pass {name!r}"
+                           f"{did_you_mean(name, known)}; known passes: {', '.join(known)}")
     instruments: list = []
     if (args.print_ir_after_all or args.print_ir_before_all or args.print_ir_after
             or args.print_ir_after_change):
@@ -320,14 +348,21 @@ def _opt_instruments(args: argparse.Namespace) -> tuple[list, TimePasses | None]
 
 
 def writable_directory(text: str) -> Path:
-    """``--ir-dump-dir``: created if missing; a CLI error when it cannot be written."""
+    """``--ir-dump-dir``: created if missing; a CLI error when it cannot be written.
+
+    Writability is tried with a file, not ``os.access``: a read-only mount, or root on a
+    directory without write bits, answers ``os.access`` with yes and fails the write."""
     path = Path(text)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise CLIError(f"--ir-dump-dir {text}: cannot create it ({err.strerror})") from None
-    if not os.access(path, os.W_OK):
-        raise CLIError(f"--ir-dump-dir {text}: the directory is not writable")
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        raise CLIError(f"--ir-dump-dir {text}: the directory is not writable "
+                       f"({err.strerror})") from None
     return path
 
 
@@ -360,6 +395,13 @@ def _cmd_opt(args: argparse.Namespace) -> int:
         module, options = prepare_cp(module, args)
         text = args.pipeline or cp_pipeline(module, options).spelled()
     pipeline = Pipeline.parse(text, instruments, available=get_all_passes())
+    ran = [p.name for p in pipeline.passes]
+    for name in args.print_ir_after:
+        if name not in ran:
+            raise CLIError(f"--print-ir-after {name}: the pipeline does not run that pass"
+                           f"{did_you_mean(name, ran)}; it runs {', '.join(ran)}")
+    if args.grad:
+        check_grad_arguments(example_args)
     try:
         result = run_pipeline(pipeline, module)
     except VerificationError as err:
@@ -377,14 +419,22 @@ def _cmd_opt(args: argparse.Namespace) -> int:
 
 
 def run_pipeline(pipeline: Pipeline, module: Module):
-    """Run, turning the passes' own input errors (a schedule that cannot run, an ambiguous
-    sequence axis, a strict refusal: all ``ValueError``s naming the fix) into one line."""
-    try:
-        return pipeline.run(module)
-    except VerificationError:
-        raise
-    except ValueError as err:
-        raise CLIError(_one_line(err)) from None
+    """Run; the passes' input errors (a schedule that cannot run, an ambiguous sequence
+    axis, a strict refusal: all ``CPTransformError``s naming the fix) become one line in
+    :func:`main`, anything else (a bug) keeps its traceback."""
+    return pipeline.run(module)
+
+
+def check_grad_arguments(example_args: Sequence[Any]) -> None:
+    """``--grad`` differentiates w.r.t. the first argument: it must hold floats."""
+    if not example_args:
+        raise CLIError("--grad differentiates w.r.t. the first argument; the function takes none")
+    leaves = jax.tree_util.tree_leaves(example_args[0])
+    bad = [x for x in leaves if not jnp.issubdtype(jnp.result_type(x), jnp.inexact)]
+    if not leaves or bad:
+        found = jnp.result_type(bad[0]).name if bad else "no array"
+        raise CLIError(f"--grad differentiates w.r.t. the first argument, which holds "
+                       f"{found}; it needs float arrays (put the parameters first)")
 
 
 def grad_text(module: Module, example_args: Sequence[Any]) -> str:
@@ -403,19 +453,23 @@ def _add_plan(sub) -> None:
     add_entry_arguments(p)
     add_cp_arguments(p)
     p.add_argument("--png", default=None, metavar="FILE",
-                   help="also draw the charts into FILE with matplotlib "
-                        "(pip install cptransform[plot])")
+                   help="also draw the charts into FILE with matplotlib (in a source "
+                        "checkout: .venv/bin/pip install matplotlib, or pip install -e "
+                        "'.[plot]')")
     p.set_defaults(handler=_cmd_plan)
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from cptransform.api.context_parallel import cp_pipeline
     from cptransform.api.explain import explain_module
-    from cptransform.api.plan_chart import balance_table, charts_for, render_png, render_text
+    from cptransform.api.plan_chart import balance_table, charts_for, render_png, \
+        render_text, require_matplotlib
     from cptransform.op.layouts import SequenceLayout, padded_length
 
     if args.cp is None and args.mesh is None:
         raise CLIError("plan needs --cp N (or --axis and --mesh)")
+    if args.png:
+        require_matplotlib()
     fn, example_args, name = load_program(args.entry, args.arg_shapes)
     module, options = prepare_cp(trace_program(fn, example_args, name), args)
     result = run_pipeline(cp_pipeline(module, options, lower=False), module).module
@@ -453,7 +507,7 @@ def _devices_wanted(args: argparse.Namespace) -> int:
     """Devices the command's CP mesh needs (0 without ``--cp`` / ``--mesh``), checked before
     any device is created."""
     if getattr(args, "mesh", None) is not None:
-        wanted = math.prod(mesh_sizes(args.mesh, args.axis.split(",")))
+        wanted = math.prod(mesh_sizes(args.mesh, axis_names(args.axis)))
         flag = f"--mesh {args.mesh}"
     else:
         wanted = getattr(args, "cp", None)
@@ -468,12 +522,21 @@ def _devices_wanted(args: argparse.Namespace) -> int:
     return wanted
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit status 2, like every
+    other bad input of the command."""
+
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"cptransform: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="cptransform", description="Automatic context parallelism for JAX: "
                                         "pass-debugging tools.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                parser_class=OneLineParser)
     _add_passes(sub)
     _add_opt(sub)
     _add_plan(sub)
@@ -482,14 +545,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console-script entry point; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    from cptransform.api.context_parallel import IdleDevicesWarning
+
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else USAGE_ERROR
     try:
         wanted = _devices_wanted(args)
-        if wanted and jax.config.jax_platforms in (None, "", "cpu"):
+        simulated = wanted and jax.config.jax_platforms in (None, "", "cpu")
+        if simulated:
             # Simulate the CP devices on CPU; must happen before any JAX computation starts
             # the backend (loading the program may already compute).
             jax.config.update("jax_num_cpu_devices", max(wanted, 8))
-        return args.handler(args)
+        with warnings.catch_warnings():
+            if simulated:  # the devices the CLI simulated beyond --cp are its own choice
+                warnings.simplefilter("ignore", IdleDevicesWarning)
+            return args.handler(args)
     except (CLIError, CPTransformError) as err:
         print(f"cptransform: error: {err}", file=sys.stderr)
         return USAGE_ERROR

@@ -16,7 +16,8 @@ from cptransform.analysis.hardware import HARDWARE, memory_limit_problem
 from cptransform.api.argument_writes import returning_argument_writes, write_back
 from cptransform.api.arguments import CallArguments
 from cptransform.ir import compat
-from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError
+from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError, \
+    did_you_mean, unknown_name
 from cptransform.ir.module import Module, iter_eqns, trace
 from cptransform.ir.pipeline import Pipeline
 from cptransform.lowering.schedule import schedules
@@ -56,11 +57,10 @@ class Options:
                                      ("load_balance", self.load_balance, LOAD_BALANCES),
                                      ("kernel", self.kernel, KERNELS)):
             if value not in allowed:
-                raise ContextParallelOptionError(
-                    f"unknown {name}={value!r}; use one of {', '.join(allowed)}")
+                raise ContextParallelOptionError(unknown_name(name, value, allowed, "="))
         if self.hardware is not None and self.hardware not in HARDWARE:
             raise ContextParallelOptionError(
-                f"unknown hardware={self.hardware!r}; use one of {', '.join(HARDWARE)}")
+                unknown_name("hardware", self.hardware, HARDWARE, "="))
         problem = memory_limit_problem(self.memory_limit)
         if problem:
             raise ContextParallelOptionError(problem)
@@ -123,7 +123,24 @@ def build_mesh(options: Options):
             f"cp={cp} but only {len(devices)} devices are visible; use cp <= {len(devices)} "
             "(on CPU, simulate more with XLA_FLAGS=--xla_force_host_platform_device_count=N "
             "set before importing jax)")
+    if cp < len(devices):
+        report_idle_devices(cp, len(devices), axes[0])
     return jax.make_mesh((cp,), axes, axis_types=(AxisType.Auto,), devices=devices[:cp])
+
+
+class IdleDevicesWarning(UserWarning):
+    """``cp`` without ``mesh=`` uses fewer devices than are visible; the rest stay idle."""
+
+
+def report_idle_devices(cp: int, visible: int, axis: str) -> None:
+    """Warn that ``cp`` of ``visible`` devices run the program, naming the mesh that uses
+    the others (a data axis beside the CP axis) as the fix."""
+    data = visible // cp
+    warnings.warn(
+        f"cp={cp} uses {cp} of the {visible} visible devices; {visible - cp} stay idle. "
+        f"To use them, pass mesh= with a data axis beside the CP axis, e.g. "
+        f"mesh=jax.make_mesh(({data}, {cp}), ('data', {axis!r})), axis={axis!r}, and shard "
+        f"the batch over 'data' (or pass cp={visible})", IdleDevicesWarning, stacklevel=6)
 
 
 def auto_axes(mesh):
@@ -138,10 +155,13 @@ def auto_axes(mesh):
 def _seq_axis_overrides(seq_axes: Any, args: tuple, traced: list[int]) -> dict[int, tuple]:
     """``seq_axes`` → flat input index → sequence dims.
 
-    ``seq_axes`` has one entry per positional argument: ``None`` (no sequence axis), an
-    int dim, or a tuple of dims; an entry applies to every array leaf of its argument.
-    Static arguments (positions not in ``traced``) hold no arrays and are skipped; keyword
-    arguments are left to inference.
+    ``seq_axes`` has one entry per positional argument, as ``jax.vmap``'s ``in_axes``: a
+    pytree prefix of the argument whose leaves are ``None`` (no sequence axis), an int dim
+    or a tuple of ints (several dims); a leaf applies to every array leaf of the subtree it
+    stands for, so ``(None, 1)`` gives every array of the second argument dim 1 and
+    ``(None, {"tokens": 1, "mask": None})`` names them one by one. Static arguments
+    (positions not in ``traced``) hold no arrays and are skipped; keyword arguments are
+    left to inference.
     """
     if seq_axes is None:
         return {}
@@ -150,20 +170,57 @@ def _seq_axis_overrides(seq_axes: Any, args: tuple, traced: list[int]) -> dict[i
     if entries is None:
         raise ContextParallelOptionError(
             f"seq_axes must have one entry per positional argument ({len(args)} here): an "
-            "int dim, a tuple of dims, or None, e.g. seq_axes=(None, 1) for (params, tokens)")
+            "int dim, a tuple of dims, None, or a pytree prefix of the argument with those "
+            "as leaves (as jax.vmap's in_axes), e.g. seq_axes=(None, 1) for (params, tokens)")
     out, index = {}, 0
     for position, (entry, arg) in enumerate(zip(entries, args)):
         if position not in traced:
             continue
-        for leaf in jax.tree_util.tree_leaves(arg):
-            dims = () if entry is None else (entry,) if isinstance(entry, int) else tuple(entry)
+        for dims, leaf in _entry_leaves(entry, arg, position):
             ndim = np.ndim(leaf)
             if any(not -ndim <= d < ndim for d in dims):
                 raise ContextParallelOptionError(
-                    f"seq_axes entry {entry} does not fit an argument of shape {np.shape(leaf)}")
+                    f"seq_axes entry {dims if len(dims) > 1 else dims[0]} of argument "
+                    f"{position} does not fit an array of shape {np.shape(leaf)}")
             out[index] = tuple(d % ndim for d in dims)
             index += 1
     return out
+
+
+def _is_dims(entry: Any) -> bool:
+    """A leaf of a ``seq_axes`` prefix: ``None``, an int, or a tuple of ints."""
+    def is_int(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+    return entry is None or is_int(entry) or (
+        isinstance(entry, tuple) and all(is_int(d) for d in entry))
+
+
+def _entry_leaves(entry: Any, arg: Any, position: int) -> list[tuple[tuple[int, ...], Any]]:
+    """``(dims, array leaf)`` for every array leaf of ``arg``, ``entry`` broadcast over the
+    subtrees it is a prefix of."""
+    def broadcast(dims, subtree):
+        dims = () if dims is None else (int(dims),) if not isinstance(dims, tuple) \
+            else tuple(int(d) for d in dims)
+        return _PrefixLeaf([(dims, leaf) for leaf in jax.tree_util.tree_leaves(subtree)])
+    try:
+        spread = jax.tree_util.tree_map(broadcast, entry, arg, is_leaf=_is_dims)
+    except (TypeError, ValueError):
+        bad = [x for x in jax.tree_util.tree_leaves(entry, is_leaf=_is_dims) if not _is_dims(x)]
+        what = f"holds {bad[0]!r}, which is not a dim" if bad else \
+            f"is not a pytree prefix of the argument ({jax.tree_util.tree_structure(arg)})"
+        raise ContextParallelOptionError(
+            f"seq_axes entry {entry!r} of argument {position} {what}; give None, an int "
+            "dim, a tuple of dims, or a pytree prefix of the argument with those as "
+            "leaves") from None
+    parts = jax.tree_util.tree_leaves(spread, is_leaf=lambda x: isinstance(x, _PrefixLeaf))
+    return [pair for part in parts for pair in part.pairs]
+
+
+@dataclass(frozen=True)
+class _PrefixLeaf:
+    """The ``(dims, array)`` pairs one leaf of a ``seq_axes`` prefix stands for."""
+
+    pairs: list
 
 
 def _signature(args, kwargs):
@@ -302,7 +359,8 @@ def context_parallel(fn: Callable | None = None, **options) -> Any:
     the least predicted time over all attentions; "documents" is refused), ``kernel``
     (pallas | xla | auto), ``seq_axes`` (override: a tuple
     mirroring the positional arguments with an int dim, a tuple of dims, or None per
-    argument), ``strict`` (refuse non-equivariant ops instead of wrapping them, and a
+    argument, or a pytree prefix of the argument with those as leaves, as ``jax.vmap``'s
+    ``in_axes``), ``strict`` (refuse non-equivariant ops instead of wrapping them, and a
     function with no attention), ``keep_permuted`` (leave outputs in the load-balanced
     order), ``static_argnums`` / ``static_argnames`` (as ``jax.jit``; arguments holding no
     array — Python bools, ints, floats, strings — are static too), ``hardware`` (a row of
@@ -316,8 +374,8 @@ def context_parallel(fn: Callable | None = None, **options) -> Any:
     unknown = sorted(set(options) - known)
     if unknown:
         raise ContextParallelOptionError(
-            f"unknown option(s) {', '.join(unknown)}; context_parallel takes "
-            f"{', '.join(sorted(known))}")
+            f"unknown option(s) {', '.join(u + did_you_mean(u, known) for u in unknown)}; "
+            f"context_parallel takes {', '.join(sorted(known))}")
     opts = Options(**options)
     if fn is None:
         return lambda f: ContextParallelFunction(f, opts)

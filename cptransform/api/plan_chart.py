@@ -214,14 +214,24 @@ def balance_table(balances) -> str:
 
 _KIND_VALUES = {SKIP: 0, PARTIAL: 1, FULL: 2, UNKNOWN: 3}
 
+#: How to install matplotlib, in a source checkout (its virtualenv) or as the package extra.
+INSTALL_MATPLOTLIB = ".venv/bin/pip install matplotlib (or pip install -e '.[plot]' in a " \
+                     "source checkout; pip install 'cptransform[plot]' for an installed package)"
+
+
+def require_matplotlib() -> None:
+    """Raise :class:`PlotError` naming the install command when matplotlib is missing
+    (the CLI asks before it prints anything)."""
+    import importlib.util
+    if importlib.util.find_spec("matplotlib") is None:
+        raise PlotError(f"--png needs matplotlib: {INSTALL_MATPLOTLIB}")
+
 
 def render_png(path: str, charts: list[tuple[str, Chart]], balances) -> None:
     """Every chart (``(heading, chart)`` pairs) as a colour grid and the work per rank of
     every layout as grouped bars, in one PNG at ``path``."""
-    try:
-        import matplotlib
-    except ImportError as err:
-        raise PlotError("--png needs matplotlib: pip install cptransform[plot]") from err
+    require_matplotlib()
+    import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap

@@ -5,9 +5,27 @@ callers that caught ``ValueError`` keep working; the CLI catches it and prints o
 """
 from __future__ import annotations
 
+import difflib
+from typing import Iterable
+
 
 class CPTransformError(ValueError):
     """Base class: input, options or a program that cptransform refuses, with the fix."""
+
+
+def did_you_mean(word: object, choices: Iterable[str]) -> str:
+    """`` (did you mean 'ring'?)`` for the closest of ``choices`` to ``word``, or ``""``:
+    the suffix every "unknown name" error appends to its message."""
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def unknown_name(what: str, word: object, choices: Iterable[str], sep: str = " ") -> str:
+    """``unknown schedule 'rign' (did you mean 'ring'?); use one of auto, ring, ...``
+    (``sep="="`` for an option: ``unknown schedule='rign' ...``)."""
+    choices = list(choices)
+    return (f"unknown {what}{sep}{word!r}{did_you_mean(word, choices)}; use one of "
+            f"{', '.join(map(str, choices)) or 'none'}")
 
 
 class PipelineError(CPTransformError):

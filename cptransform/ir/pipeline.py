@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
-from cptransform.ir.errors import PipelineError
+from cptransform.ir.errors import PipelineError, did_you_mean
 from cptransform.ir.facts import Fact
 from cptransform.ir.module import Module
 
@@ -88,14 +88,15 @@ def make_pass(name: str, options: dict[str, str] | None = None, *,
               available: PassFactories) -> Pass:
     """Instantiate pass ``name`` of ``available`` from textual options."""
     if name not in available:
-        raise PipelineError(f"unknown pass {name!r}; known passes: "
+        raise PipelineError(f"unknown pass {name!r}{did_you_mean(name, available)}; known passes: "
                             f"{', '.join(available) or 'none'}")
     cls = available[name]()
     fields = cls.options()
     kwargs = {}
     for key, text in (options or {}).items():
         if key not in fields:
-            raise PipelineError(f"pass {name} has no option {key!r}; its options: "
+            raise PipelineError(f"pass {name} has no option {key!r}"
+                                f"{did_you_mean(key, fields)}; its options: "
                                 f"{', '.join(fields) or 'none'}")
         kwargs[key] = _convert(cls, fields[key], text)
     return cls(**kwargs)

@@ -13,7 +13,7 @@ from typing import Literal
 import jax.numpy as jnp
 import numpy as np
 
-from cptransform.ir.errors import LayoutError
+from cptransform.ir.errors import LayoutError, unknown_name
 
 LayoutName = Literal["contiguous", "zigzag", "striped"]
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
@@ -47,7 +47,7 @@ class SequenceLayout:
 
     def __post_init__(self):
         if self.name not in LAYOUTS:
-            raise LayoutError(f"unknown layout {self.name!r}; use one of {', '.join(LAYOUTS)}")
+            raise LayoutError(unknown_name("layout", self.name, LAYOUTS))
         parts = layout_multiple(self.name, self.cp)
         if self.seq_len % parts:
             need = "2·cp" if self.name == "zigzag" else "cp"

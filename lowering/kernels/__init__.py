@@ -35,6 +35,7 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
+from cptransform.ir.errors import ContextParallelOptionError, unknown_name
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 
@@ -99,4 +100,4 @@ def get_kernel(name: str) -> Kernel:
         return known["pallas" if jax.default_backend() in _PALLAS_BACKENDS else "xla"]
     if name in known:
         return known[name]
-    raise ValueError(f"unknown kernel {name!r}; use one of {', '.join(sorted({*known, 'auto'}))}")
+    raise ContextParallelOptionError(unknown_name("kernel", name, sorted({*known, "auto"})))
