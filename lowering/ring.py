@@ -129,12 +129,14 @@ def _around_the_ring(step, state, keys, axes, cp: int):
     """
     def body(carry, i):
         state, keys = carry
-        following = _rotate(keys, axes, cp)
-        return (step(i, state, keys), following), None
+        with jax.named_scope("cptransform/ring/step"):  # the send and the compute
+            following = _rotate(keys, axes, cp)
+            return (step(i, state, keys), following), None
 
     if cp > 1:
         (state, keys), _ = lax.scan(body, (state, keys), jnp.arange(cp - 1))
-    return step(cp - 1, state, keys)
+    with jax.named_scope("cptransform/ring/step"):
+        return step(cp - 1, state, keys)
 
 
 def _forward(block: Block, spec, axes, kernel):

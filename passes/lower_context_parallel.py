@@ -30,8 +30,10 @@ from cptransform.op.attention import attention_p
 class _Lowerer(Rewriter):
     """Re-trace with attention replaced and sequence shardings constrained."""
 
-    def __init__(self, axes: SeqAxes, mesh, cp_axes, kernel: str, reordered: bool):
+    def __init__(self, axes: SeqAxes, mesh, cp_axes, kernel: str, reordered: bool,
+                 index_of: dict[int, int]):
         super().__init__()
+        self.index_of = index_of
         self.reordered = reordered
         self.axes, self.mesh = axes, mesh
         self.cp_axes, self.kernel = tuple(cp_axes), kernel
@@ -52,7 +54,10 @@ class _Lowerer(Rewriter):
                 raise PipelineError(
                     f"the attention at {compat.source_line(eqn)} has no schedule; run "
                     "plan-context-parallel right before lowering")
-            with compat.eqn_context(eqn):
+            # Named for profiles: cptransform/attention#3/ring/... (the index is the
+            # plan's, found by the equation's identity).
+            scope = f"cptransform/attention#{self.index_of[id(eqn)]}/{spec.schedule}"
+            with compat.eqn_context(eqn), jax.named_scope(scope):
                 out = context_parallel_attention(
                     *invals, spec=spec, mesh=self.mesh, axes=self.cp_axes,
                     schedule=spec.schedule, layout=spec.layout, kernel=self.kernel,
@@ -78,11 +83,15 @@ class LowerContextParallel(Pass):
     kernel: str = "auto"
 
     def run(self, module: Module) -> PassResult:
-        n = sum(1 for e in iter_eqns(module.jaxpr) if e.primitive is attention_p)
+        # Numbered as plan-context-parallel numbers its plans (the same walk of iter_eqns).
+        index_of = {id(e): i for i, e in enumerate(
+            e for e in iter_eqns(module.jaxpr) if e.primitive is attention_p)}
+        n = len(index_of)
         # Attentions are in layout order only where reorder-sequence permuted the program
         # (``facts.layout``); otherwise a zigzag/striped attention permutes its operands.
         lowerer = _Lowerer(analyse(module), module.facts.mesh, module.facts.cp_axes,
-                           self.kernel, reordered=module.facts.layout is not None)
+                           self.kernel, reordered=module.facts.layout is not None,
+                           index_of=index_of)
         jaxpr = compat.open_jaxpr(module.jaxpr)
         consts = compat.consts_of(module.jaxpr)
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from cptransform import attention, context_parallel
-from cptransform.api.context_parallel import IdleDevicesWarning
+from cptransform.api.context_parallel import IdleDevicesWarning, _seq_axis_overrides
 from cptransform.ir.errors import ContextParallelOptionError, PipelineError
 from cptransform.ir.pipeline import Pipeline
 from cptransform.passes import get_all_passes
@@ -48,14 +48,20 @@ def _args(rng):
     return params, batch
 
 
-@pytest.mark.parametrize("seq_axes", [(None, 1), (None, {"x": 1, "mask": 1}), ({"scale": None}, 1)])
+@pytest.mark.parametrize("seq_axes", [(None, 1), (None, {"x": 1, "mask": 1}),
+                                      ({"scale": None}, 1), (None, {"x": (1,), "mask": 1})])
 def test_seq_axes_as_a_pytree_prefix(seq_axes):
-    rng = np.random.default_rng(0)
-    params, batch = _args(rng)
+    """Flat inputs: params' scale (0), then batch's mask (1) and x (2), in pytree order."""
+    args = _args(np.random.default_rng(0))
+    assert _seq_axis_overrides(seq_axes, args, [0, 1]) == {0: (), 1: (1,), 2: (1,)}
+
+
+@pytest.mark.slow
+def test_seq_axes_prefix_runs_as_on_one_device():
+    params, batch = _args(np.random.default_rng(0))
     fn = context_parallel(attend, cp=2, schedule="ring", load_balance="none",
-                          seq_axes=seq_axes)
-    summary = fn.module(params, batch).facts.seq_axes
-    assert summary.lengths == (16,)
+                          seq_axes=(None, {"x": 1, "mask": 1}))
+    assert fn.module(params, batch).facts.seq_axes.lengths == (16,)
     np.testing.assert_allclose(fn(params, batch), attend(params, batch), rtol=1e-5)
 
 

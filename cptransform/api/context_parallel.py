@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -19,7 +21,7 @@ from cptransform.ir import compat
 from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError, \
     did_you_mean, unknown_name
 from cptransform.ir.module import Module, iter_eqns, trace
-from cptransform.ir.pipeline import Pipeline
+from cptransform.ir.pipeline import PassTiming, Pipeline
 from cptransform.lowering.schedule import schedules
 from cptransform.passes.canonicalize import Canonicalize
 from cptransform.passes.infer_seq_axes import InferSeqAxes
@@ -30,6 +32,29 @@ from cptransform.passes.plan_context_parallel import LOAD_BALANCES, REFUSED_LOAD
 from cptransform.passes.reorder_sequence import ReorderSequence
 
 KERNELS = ("auto", "xla", "pallas")
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TransformStats:
+    """What one transform of a function cost: tracing it (``trace_s``) and each pass of the
+    pipeline (``passes``), in seconds of wall time."""
+
+    function: str
+    trace_s: float
+    passes: tuple[PassTiming, ...]
+
+    @property
+    def total_s(self) -> float:
+        """Tracing and every pass."""
+        return self.trace_s + sum(p.seconds for p in self.passes)
+
+    def describe(self) -> str:
+        """One line: the total, the tracing and each pass in milliseconds."""
+        parts = ", ".join(f"{p.name} {p.seconds * 1e3:.1f}" for p in self.passes)
+        return (f"{self.function}: transformed in {self.total_s * 1e3:.1f} ms (trace "
+                f"{self.trace_s * 1e3:.1f}; {parts} ms)")
 
 
 @dataclass(frozen=True)
@@ -291,6 +316,10 @@ class ContextParallelFunction:
         self.fn = fn
         self.options = options
         self._built: dict = {}
+        self._stats: dict = {}
+        #: The :class:`TransformStats` of the most recent transform (``None`` before the
+        #: first call): per-pass wall times, for programs and profiles to read.
+        self.last_transform_stats: TransformStats | None = None
         functools.update_wrapper(self, fn)
 
     # -- building --
@@ -303,7 +332,8 @@ class ContextParallelFunction:
         split = self.options.split(args, kwargs)
         key = (_signature(split.args, split.kwargs), split.static)
         if key not in self._built:
-            self._built[key] = self._transform(split, args)
+            self._built[key], self._stats[key] = self._transform(split, args)
+            self.last_transform_stats = self._stats[key]
         final, written, call = self._built[key]
         return final, written, call, split
 
@@ -312,14 +342,20 @@ class ContextParallelFunction:
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
             (split.args, split.kwargs))
         name, written = getattr(self.fn, "__name__", "fn"), []
+        log.info("%s: tracing", name)
+        start = time.perf_counter()
         module = trace(returning_argument_writes(split.bind(self.fn), name, written),
                        *abstract[0], name=name, **abstract[1])
+        traced = time.perf_counter() - start
         refuse_gradients(module)
         overrides = _seq_axis_overrides(self.options.seq_axes, args, split.traced_positions())
         module = prepare(module, self.options, overrides)
-        final = cp_pipeline(module, self.options).run(module).module
+        result = cp_pipeline(module, self.options).run(module)
+        final = result.module
         report_unsharded(final, self.options)
-        return final, tuple(written), jax.jit(lambda *flat: final.flat_call(*flat))
+        stats = TransformStats(name, traced, result.timings)
+        log.info("%s", stats.describe())
+        return (final, tuple(written), jax.jit(lambda *flat: final.flat_call(*flat))), stats
 
     # -- calling --
     def __call__(self, *args, **kwargs):

@@ -12,6 +12,7 @@ The IR toolkit knows no pass: the registry lives with the passes
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 from dataclasses import dataclass
@@ -19,19 +20,36 @@ from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 from cptransform.ir.errors import PipelineError, did_you_mean
 from cptransform.ir.facts import Fact
-from cptransform.ir.module import Module
+from cptransform.ir.module import Module, iter_eqns
+
+#: Child of the ``cptransform`` logger: INFO per pass (wall time, what changed), DEBUG the IR.
+log = logging.getLogger(__name__)
 
 #: Pass names to factories returning the pass class (imported only when asked for).
 PassFactories = Mapping[str, Callable[[], "type[Pass]"]]
 
 
 @dataclass(frozen=True)
+class PassTiming:
+    """One pass of a pipeline run: its wall time, whether it changed the program, and the
+    equations (sub-jaxprs included) before and after."""
+
+    name: str
+    seconds: float
+    changed: bool
+    equations_before: int
+    equations_after: int
+
+
+@dataclass(frozen=True)
 class PassResult:
-    """What a pass returns: the new module and whether anything changed."""
+    """What a pass returns: the new module and whether anything changed; a pipeline's
+    result also has the ``timings`` of its passes."""
 
     module: Module
     changed: bool
     log: tuple[str, ...] = ()
+    timings: tuple[PassTiming, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,6 +176,7 @@ class Pipeline:
     def run(self, module: Module) -> PassResult:
         changed = False
         logs: list[str] = []
+        timings: list[PassTiming] = []
         for i, p in enumerate(self.passes):
             missing = [f for f in p.requires if not module.facts.has(f)]
             if missing:
@@ -165,6 +184,8 @@ class Pipeline:
                                     f"{'; '.join(f.value for f in missing)}")
             for inst in self.instruments:
                 inst.before(i, p, module)
+            before = _equations(module)
+            log.info("pass %d/%d %s: running", i + 1, len(self.passes), p.spelled())
             start = time.perf_counter()
             result = p.run(module)
             seconds = time.perf_counter() - start
@@ -172,15 +193,33 @@ class Pipeline:
             if lost:
                 raise AssertionError(f"pass {p.name} did not provide "
                                      f"{', '.join(f.name for f in lost)}")
+            timings.append(PassTiming(p.name, seconds, result.changed, before,
+                                      _equations(result.module)))
+            _log_pass(timings[-1], result)
             for inst in self.instruments:
                 inst.after(i, p, result, seconds)
             module = result.module
             changed |= result.changed
             logs.extend(result.log)
-        final = PassResult(module, changed, tuple(logs))
+        final = PassResult(module, changed, tuple(logs), tuple(timings))
         for inst in self.instruments:
             inst.finish(final)
         return final
 
     def spelled(self) -> str:
         return ",".join(p.spelled() for p in self.passes)
+
+
+def _equations(module: Module) -> int:
+    return sum(1 for _ in iter_eqns(module.jaxpr))
+
+
+def _log_pass(timing: PassTiming, result: PassResult) -> None:
+    """INFO: the pass, its wall time and what it changed (its log lines); DEBUG: the IR."""
+    log.info("pass %s: %.1f ms, %s, %d -> %d equations", timing.name, timing.seconds * 1e3,
+             "changed" if timing.changed else "unchanged", timing.equations_before,
+             timing.equations_after)
+    for line in result.log:
+        log.info("  %s", line)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("IR after %s:\n%s", timing.name, result.module)

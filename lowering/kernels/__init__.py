@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from dataclasses import dataclass
 from typing import Protocol
 
 import jax
@@ -50,6 +51,27 @@ class Kernel(Protocol):
 
     def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None):
         ...
+
+
+@dataclass(frozen=True)
+class ProfiledKernel:
+    """``kernel`` with its calls under ``jax.named_scope`` names, so a profile (and the
+    lowered program's op metadata) shows the local step:
+    ``cptransform/kernel/<name>/forward`` and ``.../backward``."""
+
+    kernel: Kernel
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name
+
+    def forward(self, block: Block, spec: AttentionSpec):
+        with jax.named_scope(f"cptransform/kernel/{self.kernel.name}/forward"):
+            return self.kernel.forward(block, spec)
+
+    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None):
+        with jax.named_scope(f"cptransform/kernel/{self.kernel.name}/backward"):
+            return self.kernel.backward(block, o, lse, do, spec, dlse, delta)
 
 
 def row_delta(o, do, dlse=None):

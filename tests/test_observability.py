@@ -1,0 +1,74 @@
+"""Observability: the ``cptransform`` logger (INFO per pass with its wall time, DEBUG the
+IR), per-pass timings readable from Python, and the ``jax.named_scope`` names schedules,
+ring steps and kernels run under, found in the lowered program's op metadata."""
+import logging
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cptransform import attention, context_parallel
+
+PASSES = ["canonicalize", "match-attention", "infer-seq-axes", "plan-context-parallel",
+          "reorder-sequence", "lower-context-parallel"]
+
+
+def one_layer(q):
+    return jnp.sum(attention(q, q, q, causal=True))
+
+
+def _operand():
+    return jnp.asarray(np.random.default_rng(0).normal(size=(1, 32, 2, 8)), jnp.float32)
+
+
+def _ring():
+    return context_parallel(one_layer, cp=4, schedule="ring", load_balance="none")
+
+
+def test_logger_and_pass_timings(caplog):
+    assert any(isinstance(h, logging.NullHandler)
+               for h in logging.getLogger("cptransform").handlers)
+    fn = _ring()
+    assert fn.last_transform_stats is None
+    with caplog.at_level(logging.DEBUG, logger="cptransform"):
+        fn.module(_operand())
+
+    stats = fn.last_transform_stats
+    assert [p.name for p in stats.passes] == PASSES
+    assert all(p.seconds >= 0 for p in stats.passes) and stats.total_s >= stats.trace_s
+    lowered = stats.passes[-1]
+    assert lowered.changed and lowered.equations_after > lowered.equations_before
+
+    info = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    for i, name in enumerate(PASSES):
+        assert any(re.match(rf"pass {i + 1}/6 {re.escape(name)}(\{{.*\}})?: running$", m)
+                   for m in info), name
+        assert any(re.match(rf"pass {name}: [\d.]+ ms, (un)?changed, \d+ -> \d+ equations$", m)
+                   for m in info), name
+    assert any("attention #0" in m and "ring (requested)" in m for m in info)
+    assert any(m.startswith("one_layer: transformed in") for m in info)
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG
+             and r.name.startswith("cptransform")]
+    assert any(m.startswith("IR after lower-context-parallel:\n") and "shard_map" in m
+               for m in debug)
+
+
+def _scope_names(text: str) -> set[str]:
+    return set(re.findall(r"cptransform/[A-Za-z0-9#_/]+", text))
+
+
+def test_profile_names_in_the_lowered_program():
+    names = _scope_names(_ring().lower(_operand()).as_text(debug_info=True))
+    for scope in ("cptransform/attention#0/ring/", "cptransform/ring/step/",
+                  "cptransform/ring/step/cptransform/kernel/xla/forward/"):
+        assert any(n.startswith(scope) for n in names), scope
+    assert "cptransform/ring/step/ppermute" in names
+
+
+@pytest.mark.slow
+def test_profile_names_of_the_backward():
+    text = jax.jit(jax.grad(_ring())).lower(_operand()).as_text(debug_info=True)
+    assert any(n.startswith("cptransform/ring/step/cptransform/kernel/xla/backward/")
+               for n in _scope_names(text))
