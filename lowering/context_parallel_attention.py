@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 from cptransform.analysis.attention_shape import attention_shape
 from cptransform.ir.errors import ContextParallelError, unknown_name
 from cptransform.lowering.block import Block
-from cptransform.lowering.kernels import ProfiledKernel, get_kernel
+from cptransform.lowering.kernels import ProfiledKernel, kernel_for
 from cptransform.lowering.padding import pad_block
 from cptransform.lowering.schedule import MESH_AXES_HINT, schedules
 from cptransform.op.attention import attention_p
@@ -108,10 +108,7 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
             f"got {axes}; {MESH_AXES_HINT[want]}")
     if layout not in LAYOUTS:
         raise ContextParallelError(unknown_name("layout", layout, LAYOUTS))
-    # "auto" means the fastest kernel that computes this mask: the Pallas kernels do not
-    # read top-k indices, the chunked XLA kernel does.
-    local_kernel = ProfiledKernel(
-        get_kernel("xla" if kernel == "auto" and spec.mask.topk else kernel))
+    local_kernel = ProfiledKernel(kernel_for(kernel, spec.mask))
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing or not axes:
         raise ContextParallelError(

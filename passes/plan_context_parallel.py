@@ -86,7 +86,8 @@ class AttentionPlan:
     ``bytes_per_device``: forward bytes per device of each candidate schedule;
     ``predictions``: the :class:`Prediction` of each candidate that was priced, fastest
     first (empty when no hardware row applies); ``runner_up``: the next feasible one under
-    ``auto``.
+    ``auto``; ``source`` the nearest frame in the user's code, ``library_source`` the
+    installed library's frame that emitted the attention when there is one (Flax's).
     """
 
     index: int
@@ -99,6 +100,7 @@ class AttentionPlan:
     predictions: tuple[Prediction, ...] = ()
     runner_up: str | None = None
     layout: str = "contiguous"
+    library_source: str | None = None
 
     def describe(self) -> str:
         mib = {k: f"{v / MiB:.2f} MiB" for k, v in self.bytes_per_device.items()}
@@ -343,9 +345,9 @@ class PlanContextParallel(Pass):
             name: s.predict(shape, hardware, spans) for name, s in candidates.items()
             if problems[name] is None}
         ranked = tuple(sorted(predictions.values(), key=lambda p: p.time_s))
-        where = compat.source_line(eqn)
+        where, library = compat.source_lines(eqn)
         plan = partial(AttentionPlan, index=index, source=where, mask=spec.mask, shape=shape,
-                       layout=layout,
+                       layout=layout, library_source=library,
                        bytes_per_device=costs, predictions=ranked)
         if self.schedule != "auto":
             chosen = known[self.schedule]

@@ -106,7 +106,7 @@ def test_forced_layout_is_kept_and_every_layout_reported():
     assert [(b.layout, b.chosen) for b in facts.balance] == [
         ("contiguous", True), ("zigzag", False), ("striped", False)]
     text = context_parallel(causal, cp=4, schedule="ring", hardware="h100",
-                            load_balance="none").explain(*operands())
+                            load_balance="none").explain(*operands(), verbose=True)
     assert "load balance per layout" in text
     # Causal ring, 8-token tiles on 16-token shards: ranks run 3, 7, 11, 15 tiles.
     assert "contiguous: max/mean 1.67x" in text and "<- chosen" in text
@@ -152,4 +152,4 @@ def test_segments_count_by_their_band_and_say_so():
         np.testing.assert_array_equal(b.rank_flops,
                                       ring_rank_flops(b.layout, 64, 4, [(None, 0)]))
     assert "note: segment ids / dense masks / top-k indices are data" in f.explain(
-        q, k, v, segments)
+        q, k, v, segments, verbose=True)

@@ -158,7 +158,7 @@ def test_auto_picks_the_least_predicted_time_and_names_the_runner_up():
     times = {p.schedule: p.time_s for p in plan.predictions}
     assert plan.schedule == min(times, key=times.get)
     assert plan.runner_up == sorted(times, key=times.get)[1]
-    text = f.explain(*args)
+    text = f.explain(*args, verbose=True)
     assert f"schedule: {plan.schedule} — least predicted time on cpu-sim" in text
     assert f"runner-up {plan.runner_up}" in text
     assert all(f"      {name}: " in text for name in times)

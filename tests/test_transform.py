@@ -110,7 +110,7 @@ def test_bidirectional_encoder(schedule, load_balance):
 def test_explain_reads_well(llama_case):
     loss, params, tokens, _ = llama_case
     f = context_parallel(loss, cp=8)
-    text = f.explain(params, tokens)
+    text = f.explain(params, tokens, verbose=True)
     (plan,) = f.module(params, tokens).facts.plan
     assert "attention #0 at" in text and "llama.py" in text
     # The fastest feasible schedule on the cpu-sim row (4 query heads rule Ulysses out).
@@ -239,7 +239,7 @@ def test_flax_linen_block():
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree_util.tree_leaves(ref_g))
     for a, e in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_g)):
         np.testing.assert_allclose(a, e, atol=RTOL * scale, rtol=0)
-    assert "rewritten [causal]" in f.explain(params, x)
+    assert "rewritten [causal]" in f.explain(params, x, verbose=True)
 
 
 def test_bf16_model_is_at_least_as_close_to_float32(llama_case):
@@ -344,7 +344,7 @@ def test_padded_batch_needs_no_square_mask():
     value, grad = jax.value_and_grad(f)(x, tokens)
     np.testing.assert_allclose(value, ref_v, rtol=RTOL)
     assert_tree_close(grad, ref_g)
-    text = f.explain(x, tokens)
+    text = f.explain(x, tokens, verbose=True)
     assert "rewritten [causal padding] causal segments empty=uniform" in text
     assert "mask: causal segments empty=uniform;" in text
 

@@ -452,6 +452,12 @@ def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="show each attention's schedule, its chart and the balance")
     add_entry_arguments(p)
     add_cp_arguments(p)
+    p.add_argument("--json", action="store_true",
+                   help="print the plan as JSON only (cptransform.api.plan.Plan.from_json "
+                        "reads it back)")
+    p.add_argument("--verbose", action="store_true",
+                   help="also list the softmaxes left alone, excluded schedules, every "
+                        "candidate's cost and every layout")
     p.add_argument("--png", default=None, metavar="FILE",
                    help="also draw the charts into FILE with matplotlib (in a source "
                         "checkout: .venv/bin/pip install matplotlib, or pip install -e "
@@ -462,6 +468,7 @@ def _add_plan(sub) -> None:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from cptransform.api.context_parallel import cp_pipeline
     from cptransform.api.explain import explain_module
+    from cptransform.api.plan import build_plan
     from cptransform.api.plan_chart import balance_table, charts_for, render_png, \
         render_text, require_matplotlib
     from cptransform.op.layouts import SequenceLayout, padded_length
@@ -472,11 +479,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         require_matplotlib()
     fn, example_args, name = load_program(args.entry, args.arg_shapes)
     module, options = prepare_cp(trace_program(fn, example_args, name), args)
-    result = run_pipeline(cp_pipeline(module, options, lower=False), module).module
-    print(explain_module(result, options))
+    ran = run_pipeline(cp_pipeline(module, options, lower=False), module)
+    result = ran.module
+    plan = build_plan(result, options.kernel, ran.timings)
+    if args.json:
+        print(plan.to_json(indent=1))
+        return 0
+    print(explain_module(result, options, verbose=args.verbose))
     drawn = []
-    for step in result.facts.plan or ():
-        heading = f"attention #{step.index} ({step.schedule})"
+    steps = {step.index: step for step in result.facts.plan or ()}
+    # One chart per distinct attention: identical layers are drawn once.
+    for group in plan.attentions:
+        step = steps[group.indices[0]]
+        heading = f"{group.label} ({step.schedule})"
         print(f"\n{heading}:")
         if step.shape.kv_len != step.shape.seq_len:
             print("cross-attention: the charts draw self-attention only")
@@ -530,6 +545,19 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(USAGE_ERROR, f"cptransform: error: {message} (see {self.prog} --help)\n")
 
 
+def simulate_cpu_devices(count: int) -> None:
+    """Simulate ``count`` CPU devices. That must happen before any JAX computation starts
+    the backend (loading the program may already compute); once it has started (``main``
+    called from a running program), the devices it has must do."""
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # the backend is already up: its devices are fixed
+        if len(jax.devices()) < count:
+            raise CLIError(f"the CP mesh needs {count} devices but JAX already started "
+                           f"with {len(jax.devices())}; run the command in a fresh "
+                           "process") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = OneLineParser(
@@ -555,9 +583,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         wanted = _devices_wanted(args)
         simulated = wanted and jax.config.jax_platforms in (None, "", "cpu")
         if simulated:
-            # Simulate the CP devices on CPU; must happen before any JAX computation starts
-            # the backend (loading the program may already compute).
-            jax.config.update("jax_num_cpu_devices", max(wanted, 8))
+            simulate_cpu_devices(max(wanted, 8))
         with warnings.catch_warnings():
             if simulated:  # the devices the CLI simulated beyond --cp are its own choice
                 warnings.simplefilter("ignore", IdleDevicesWarning)

@@ -371,16 +371,29 @@ class ContextParallelFunction:
         _, _, call, split = self._build(args, kwargs)
         return call.lower(*jax.tree_util.tree_leaves((split.args, split.kwargs)))
 
-    def explain(self, *args, leaks: bool = False, **kwargs) -> str:
-        """A readable account of what the transform does for these arguments.
+    def explain(self, *args, leaks: bool = False, verbose: bool = False, **kwargs) -> str:
+        """A readable account of what the transform does for these arguments: the plan,
+        identical attentions once, each at the nearest line of the user's code.
 
-        ``leaks=True`` also compiles the transformed program for them and lists its sharding
-        leaks (all-gathers of the whole sequence outside the attention schedules). It is
-        opt-in because compiling costs seconds on the demo, far more than the rest of the
-        report. (A keyword argument of the function named ``leaks`` goes positionally.)"""
+        ``verbose=True`` adds the notes about what was not asked for (softmaxes left alone,
+        schedules excluded, every candidate's cost, every layout). ``leaks=True`` also
+        compiles the transformed program for them and lists its sharding leaks
+        (all-gathers of the whole sequence outside the attention schedules). It is opt-in
+        because compiling costs seconds on the demo, far more than the rest of the report.
+        (Keyword arguments of the function named ``leaks`` or ``verbose`` go positionally.)"""
         from cptransform.api.explain import explain_module
         hlo = self.lower(*args, **kwargs).compile().as_text() if leaks else None
-        return explain_module(self.module(*args, **kwargs), self.options, hlo)
+        return explain_module(self.module(*args, **kwargs), self.options, hlo,
+                              verbose=verbose)
+
+    def plan(self, *args, **kwargs):
+        """The typed :class:`~cptransform.api.plan.Plan` for these arguments (arrays or
+        ShapeDtypeStructs): per distinct attention its schedule, layout, kernel, bytes and
+        predicted times, the layouts' balance, the conversions and the pass timings."""
+        from cptransform.api.plan import build_plan
+        final, _, _, split = self._build(args, kwargs)
+        key = (_signature(split.args, split.kwargs), split.static)
+        return build_plan(final, self.options.kernel, self._stats[key].passes)
 
 
 def context_parallel(fn: Callable | None = None, **options) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from cptransform.analysis.load_balance import DATA_MASK_NOTE
+from cptransform.api.plan import build_plan
 from cptransform.lowering.sharding_leaks import sequence_all_gathers
 
 
@@ -34,52 +35,101 @@ def leak_lines(hlo_text: str, lengths: tuple[int, ...]) -> list[str]:
             + [f"    {g.describe()}" for g in gathers])
 
 
-def explain_module(module, options: Any, hlo_text: str | None = None) -> str:
-    """The report behind ``ContextParallelFunction.explain``; with the compiled program's
-    HLO text (``hlo_text``), also its sharding leaks."""
+def explain_module(module, options: Any, hlo_text: str | None = None, *,
+                   verbose: bool = False) -> str:
+    """The report behind ``ContextParallelFunction.explain``: the plan, identical
+    attentions once; with the compiled program's HLO text (``hlo_text``), also its
+    sharding leaks. ``verbose`` adds what the user did not ask about: the softmaxes left
+    alone, the schedules excluded and why, every candidate's bytes and prices, padding
+    that is none, and the balance of every candidate layout."""
+    plan = build_plan(module, options.kernel)
     facts = module.facts
-    mesh, axes, layout, seq = facts.mesh, facts.cp_axes, facts.layout, facts.seq_axes
-    cp = facts.cp if mesh is not None else None
-    inside = sorted({p.layout for p in facts.plan or ()} - {"contiguous"})
-    program = layout.name if layout is not None else "contiguous" if not inside else \
-        f"{', '.join(inside)} inside the attentions, the program in natural order"
-    lines = [f"context_parallel over mesh axes {tuple(axes)} (cp={cp}) of mesh "
-             f"{dict(mesh.shape) if mesh is not None else '?'}",
+    seq = facts.seq_axes
+    program = plan.layout if plan.reordered or plan.layout == "contiguous" else \
+        f"{plan.layout} inside the attentions, the program in natural order"
+    kernels = sorted({g.kernel for g in plan.attentions})
+    lines = [f"context_parallel over mesh axes {plan.cp_axes} (cp={plan.cp}) of mesh "
+             f"{plan.mesh or '?'}",
              f"  layout: {program} (load_balance={options.load_balance}); kernel: "
-             f"{options.kernel}"]
+             f"{', '.join(kernels) if kernels else options.kernel}"
+             + (f" (kernel={options.kernel})" if kernels and options.kernel == "auto" else "")]
     if seq is not None and seq.lengths:
         lines.append(f"  sequence axis: {seq.describe()}")
-    matches = facts.matches or []
-    if matches:
-        found = sum(1 for m in matches if m.rewritten)
-        lines.append(f"  matcher: {found} attention(s) rewritten, {len(matches) - found} "
-                     "softmax(es) left alone")
-        lines += [f"    {m}" for m in matches]
-    plans = facts.plan or ()
-    if not plans:
+    lines += _matcher_lines(facts.matches or (), verbose)
+    if not plan.attentions:
         lines.append("  no attention found: the function runs unchanged; nothing is sharded "
                      "(pass seq_axes= or use cptransform.attention for an attention the "
                      "matcher does not see)")
-    for p in plans:
-        bytes_line = ", ".join(f"{s} {b / 2**20:.3f} MiB" for s, b in p.bytes_per_device.items())
-        lines += [f"  attention #{p.index} at {p.source}",
-                  f"    schedule: {p.schedule} — {p.reason}",
-                  f"    mask: {p.mask.describe()}; heads {p.shape.heads} / kv heads {p.shape.kv_heads}, "
-                  f"head dim {p.shape.head_dim}, " + (
-                      f"sequence {p.shape.seq_len}" if p.shape.kv_len == p.shape.seq_len else
-                      f"cross-attention: {p.shape.seq_len} queries, {p.shape.kv_len} keys"),
-                  f"    layout: {p.layout}" + (
-                      "" if p.layout == "contiguous" or (layout is not None) else
-                      " (applied inside this attention; the program stays in natural order)"),
-                  f"    padding: {p.shape.describe_padding()}",
-                  f"    forward communication per device: {bytes_line}"]
-        if p.predictions:
-            lines.append("    predicted per device (fastest first):")
-            lines += [f"      {prediction.describe()}" for prediction in p.predictions]
-    lines += balance_lines(facts.balance)
-    for entry in facts.reorder_log:
-        lines.append(f"  {entry}")
+    for group in plan.attentions:
+        lines += _group_lines(group, verbose)
+    if verbose:
+        lines += balance_lines(facts.balance)
+    else:
+        lines += [_chosen_balance_line(b) for b in facts.balance if b.chosen]
+    lines += [f"  {entry}" for entry in plan.conversions]
     if hlo_text is not None:
         lines += leak_lines(hlo_text, seq.lengths if seq is not None else ())
+    if not verbose:
+        lines.append("  (explain(..., verbose=True) adds each softmax the matcher saw, the "
+                     "excluded schedules, every candidate's cost and every layout)")
     return "\n".join(lines)
 
+
+#: Where the planner's reason lists the schedules it could not use (a note, not the why).
+EXCLUDED = "; excluded: "
+
+
+def _group_lines(group, verbose: bool) -> list[str]:
+    """The lines of one :class:`~cptransform.api.plan.AttentionGroup`."""
+    shape = group.shape
+    reason = group.reason if verbose else group.reason.split(EXCLUDED)[0]
+    costs = group.bytes_per_device if verbose else {
+        k: v for k, v in group.bytes_per_device.items() if k == group.schedule}
+    lines = [f"  {group.label} at {group.source}"]
+    if group.library_source is not None:
+        lines.append(f"    in library code at {group.library_source}")
+    lines += [f"    schedule: {group.schedule} — {reason}",
+              f"    mask: {group.mask}; heads {shape.heads} / kv heads {shape.kv_heads}, "
+              f"head dim {shape.head_dim}, " + (
+                  f"sequence {shape.seq_len}" if shape.kv_len == shape.seq_len else
+                  f"cross-attention: {shape.seq_len} queries, {shape.kv_len} keys"),
+              f"    layout: {group.layout}; kernel: {group.kernel}"]
+    padding = shape.describe_padding()
+    if verbose or padding != "none":
+        lines.append(f"    padding: {padding}")
+    lines.append("    forward communication per device: "
+                 + ", ".join(f"{s} {b / 2**20:.3f} MiB" for s, b in costs.items()))
+    if verbose and group.predictions:
+        lines.append("    predicted per device (fastest first):")
+        lines += [f"      {prediction.describe()}" for prediction in group.predictions]
+    elif group.chosen is not None:
+        lines.append(f"    predicted per device: {group.chosen.describe()}")
+    return lines
+
+
+def _chosen_balance_line(balance) -> str:
+    """The chosen layout's balance on one line, its schedules counted, not listed."""
+    counts = {s: balance.schedules.count(s) for s in balance.schedules}
+    used = ", ".join(f"{s} ×{n}" if n > 1 else s for s, n in counts.items())
+    line = (f"  load balance ({balance.layout}): max/mean {balance.balance:.2f}x, busiest rank "
+            f"{balance.slowest / 1e9:.3g} GFLOP")
+    if balance.time_s is not None:
+        line += f", predicted {balance.time_s * 1e3:.3g} ms"
+    return line + f" ({used or 'no attention'})"
+
+
+def _matcher_lines(matches, verbose: bool) -> list[str]:
+    """The matcher's outcome in one line; with ``verbose`` each softmax, identical ones
+    once with their count, the ones left alone (the loss's own softmax, ...) included."""
+    if not matches:
+        return []
+    rewritten = [str(m) for m in matches if m.rewritten]
+    refused = [str(m) for m in matches if not m.rewritten]
+    lines = [f"  matcher: {len(rewritten)} attention(s) rewritten, {len(refused)} "
+             "softmax(es) left alone"]
+    if not verbose:
+        return lines
+    shown = rewritten + refused
+    counts = {line: shown.count(line) for line in shown}
+    lines += [f"    {line}" + (f" ({n}×)" if n > 1 else "") for line, n in counts.items()]
+    return lines

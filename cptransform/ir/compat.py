@@ -123,6 +123,35 @@ def source_line(eqn: Any) -> str:
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
+def _in_installed_package(file_name: str) -> bool:
+    """Whether ``file_name`` belongs to an installed package (Flax, Equinox, ...), not to the
+    user's own code."""
+    import sysconfig
+
+    roots = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
+    return any(file_name.startswith(root) for root in roots) or any(
+        part in file_name for part in ("/site-packages/", "/dist-packages/"))
+
+
+def source_lines(eqn: Any) -> tuple[str, str | None]:
+    """``(user, library)``: ``file:line (function)`` of the nearest frame in the user's own
+    code that produced ``eqn`` (``"?"`` when none), and of the installed library's frame
+    that emitted it when that is not the user's (a Flax module's attention), else ``None``."""
+    _exclude_own_frames()
+    traceback = getattr(eqn.source_info, "traceback", None)
+    frames = list(_source_info.user_frames(traceback)) if traceback is not None else []
+
+    def text(frame):
+        return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+    if not frames:
+        return "?", None
+    if not _in_installed_package(frames[0].file_name):
+        return text(frames[0]), None
+    own = next((f for f in frames if not _in_installed_package(f.file_name)), None)
+    return (text(own) if own is not None else "?"), text(frames[0])
+
+
 def register_pp_rule(primitive: Primitive, rule: Callable[[dict], str]) -> None:
     """Print equations of ``primitive`` as ``outs = rule(params)[ins]``.
 

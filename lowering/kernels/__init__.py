@@ -113,6 +113,13 @@ def kernels() -> dict[str, Kernel]:
     return KERNELS
 
 
+def kernel_for(name: str, mask) -> Kernel:
+    """The kernel an attention with ``mask`` runs under the ``kernel`` option ``name``:
+    ``auto`` is the fastest that computes the mask (the Pallas kernels do not read top-k
+    indices, the chunked XLA kernel does), else :func:`get_kernel`'s choice."""
+    return get_kernel("xla" if name == "auto" and mask.topk else name)
+
+
 def get_kernel(name: str) -> Kernel:
     """The kernel called ``name``; ``"auto"`` picks Pallas on TPU and GPU and XLA elsewhere
     (on CPU Pallas only interprets: correct, but far slower than XLA), by
