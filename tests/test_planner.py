@@ -232,7 +232,7 @@ def test_hybrid_from_cp_needs_a_degree_dividing_the_kv_heads():
 
 
 @pytest.mark.parametrize("options,message", [
-    (dict(hardware="h900"), r"unknown hardware='h900' \(did you mean 'h100'\?\); use one of tpu-v4"),
+    (dict(hardware="h900"), r"unknown hardware='h900' \(did you mean 'h[12]00'\?\); use one of tpu-v4"),
     (dict(memory_limit="120%"), "memory_limit='120%': give bytes per device"),
     (dict(memory_limit=-1), "memory_limit=-1"),
     (dict(memory_limit="lots"), "memory_limit='lots'"),
