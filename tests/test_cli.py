@@ -191,3 +191,12 @@ def test_a_bug_keeps_its_traceback(entry_file, monkeypatch):
     monkeypatch.setattr(Canonicalize, "run", broken)
     with pytest.raises(ValueError, match="a bug inside a pass"):
         main(["opt", f"{entry_file}:scaled", "--args", "f32[2,8,4] i32[2,8]"])
+
+
+def test_png_without_matplotlib_fails_before_printing(entry_file, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert main(["plan", f"{entry_file}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--cp", "2",
+                 "--png", "plan.png"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert ".venv/bin/pip install matplotlib" in err and "pip install -e '.[plot]'" in err

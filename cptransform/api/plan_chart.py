@@ -227,39 +227,62 @@ def require_matplotlib() -> None:
         raise PlotError(f"--png needs matplotlib: {INSTALL_MATPLOTLIB}")
 
 
+#: Colour of each block kind in the PNG, in the order of :data:`_KIND_VALUES`.
+_KIND_COLOURS = ("#eeeeee", "#f4a261", "#264653", "#bbbbff")
+_KIND_NAMES = ("skipped", "partial", "full", "data-dependent")
+
+
 def render_png(path: str, charts: list[tuple[str, Chart]], balances) -> None:
-    """Every chart (``(heading, chart)`` pairs) as a colour grid and the work per rank of
-    every layout as grouped bars, in one PNG at ``path``."""
+    """Every chart (``(heading, chart)`` pairs: one per distinct attention) as a colour grid
+    with a legend of the block kinds and each row's work next to it, and the work per rank
+    of every layout as grouped bars on the same scale (relative to the mean), in one PNG
+    at ``path``."""
     require_matplotlib()
+    import textwrap
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
 
     panels = len(charts) + bool(balances)
-    fig, axes = plt.subplots(panels, 1, figsize=(7, 3.2 * panels), squeeze=False)
-    colours = ListedColormap(["#eeeeee", "#f4a261", "#264653", "#bbbbff"])
+    fig, axes = plt.subplots(panels, 1, figsize=(7.5, 3.4 * max(panels, 1)), squeeze=False)
+    colours = ListedColormap(list(_KIND_COLOURS))
     for ax, (heading, chart) in zip(axes[:, 0], charts):
         grid = np.array([[_KIND_VALUES[c] for c in row] for row in chart.cells])
         ax.imshow(grid, cmap=colours, vmin=0, vmax=3)
         ax.set_xticks(range(grid.shape[1]))
         ax.set_yticks(range(grid.shape[0]))
-        ax.set_title(f"{heading}: {chart.title}", fontsize=8)
+        ax.set_title(textwrap.fill(f"{heading}: {chart.title}", 70), fontsize=8)
         ax.set_xlabel(chart.column_label)
         ax.set_ylabel(chart.row_label)
+        for row, work in enumerate(chart.work):
+            ax.text(grid.shape[1] - 0.3, row, f" work {work:.2f}x mean", va="center",
+                    fontsize=7)
+        kinds = sorted({_KIND_VALUES[c] for row in chart.cells for c in row})
+        ax.legend(handles=[Patch(facecolor=_KIND_COLOURS[k], edgecolor="#999999",
+                                 label=_KIND_NAMES[k]) for k in kinds],
+                  fontsize=7, loc="lower left", bbox_to_anchor=(1.45, 0.0), frameon=False)
     if balances:
         ax = axes[-1, 0]
         width = 0.8 / len(balances)
         for i, b in enumerate(balances):
-            ranks = np.arange(len(b.rank_flops))
-            ax.bar(ranks + i * width, b.rank_flops, width,
-                   label=f"{b.layout}{' (chosen)' if b.chosen else ''} {b.balance:.2f}x")
+            work = np.asarray(b.rank_flops, dtype=float)
+            mean = work.mean() if work.mean() > 0 else 1.0
+            ranks = np.arange(len(work))
+            ax.bar(ranks + i * width, work / mean, width,
+                   label=f"{b.layout}{' (chosen)' if b.chosen else ''}: max/mean "
+                         f"{b.balance:.2f}x", edgecolor="black" if b.chosen else None)
+        ax.axhline(1.0, color="#888888", linewidth=0.8, linestyle=":")
         ax.set_xticks(np.arange(len(balances[0].rank_flops)) + 0.4 - width / 2)
         ax.set_xticklabels(range(len(balances[0].rank_flops)))
-        ax.set_title("FLOPs per rank over all attentions, by layout", fontsize=8)
+        ax.set_title(textwrap.fill("FLOPs per layout rank over all attentions (fwd+bwd after "
+                                   "block skipping), relative to the mean, by layout", 70),
+                     fontsize=8)
         ax.set_xlabel("layout rank")
-        ax.legend(fontsize=7)
+        ax.set_ylabel("work / mean")
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-
