@@ -17,10 +17,16 @@ Subcommands (one ``_cmd_*`` function and one ``_add_*`` parser builder each):
 * ``cptransform plan FILE.py:NAME --cp N`` shows each attention's schedule and draws it
   (ring: devices × steps; all-gather: devices × key shards; Ulysses: query × key shards;
   hybrid: both levels; blocks full / partial / skipped), then the work per rank under
-  every candidate layout; ``--png FILE`` draws the same with matplotlib (extra ``plot``).
+  every candidate layout, one chart per distinct attention (identical layers once);
+  ``--verbose`` adds the notes, ``--json`` prints only the typed plan
+  (:class:`~cptransform.api.plan.Plan`) as JSON; ``--png FILE`` draws the charts with
+  matplotlib (extra ``plot``), checked before anything is printed.
 
-Bad input (unknown pass or option, missing file, bad shapes) prints one line on stderr and
-exits with status 2; a failed verification exits with status 1.
+Bad input (unknown pass, option or name, missing file, malformed shapes, an empty axis name,
+a ``--print-ir-after`` pass the pipeline does not run, an unwritable dump directory) prints
+one line on stderr and exits with status 2; a failed verification exits with status 1. Only
+:class:`~cptransform.ir.errors.CPTransformError` and the command's own input errors are
+caught: anything else is a bug and keeps its traceback.
 """
 from __future__ import annotations
 
@@ -274,7 +280,10 @@ def _memory_limit(text: str | None):
 def cp_options(args: argparse.Namespace):
     """The :class:`~cptransform.api.context_parallel.Options` of the command line."""
     from cptransform.api.context_parallel import Options
+    from cptransform.passes.plan_context_parallel import REFUSED_LOAD_BALANCES
 
+    if args.load_balance in REFUSED_LOAD_BALANCES:  # a NotImplementedError in the API
+        raise CLIError(f"--load-balance {REFUSED_LOAD_BALANCES[args.load_balance]}")
     axes = axis_names(args.axis)
     mesh = None
     if args.mesh is not None:
