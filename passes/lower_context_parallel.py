@@ -14,17 +14,23 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from cptransform.analysis.primitives import Family, names_of
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.analysis.seq_axes_summary import analyse
 from cptransform.ir import compat
-from cptransform.ir.errors import PipelineError
+from cptransform.ir.errors import ContextParallelError, PipelineError
 from cptransform.ir.facts import Fact
 from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import Rewriter, trace_like
 from cptransform.lowering.context_parallel_attention import (context_parallel_attention,
                                                               sequence_mesh_axes)
+from cptransform.lowering.seq_window import windowed_op
 from cptransform.op.attention import attention_p
+from cptransform.op.seq_window import seq_window_p
+
+#: Windowed ops left unwrapped by match-windows: refused on a sharded sequence.
+RAW_WINDOWS = names_of(Family.WINDOW) - {seq_window_p.name}
 
 
 class _Lowerer(Rewriter):
@@ -59,9 +65,32 @@ class _Lowerer(Rewriter):
                     in_layout_order=self.reordered and spec.positions
                     and spec.layout != "contiguous")
             outs = [out]
+        elif eqn.primitive is seq_window_p and self._windowed_along_sequence(eqn):
+            with compat.eqn_context(eqn):
+                outs = [windowed_op(*invals, window=eqn.params["window"], mesh=self.mesh,
+                                    seq=self.seq, where=compat.source_line(eqn))]
         else:
+            self._refuse_raw_window(eqn)
             outs = super().eval_eqn(eqn, invals)
         return [self.constrain(o, v) for o, v in zip(outs, eqn.outvars)]
+
+    def _windowed_along_sequence(self, eqn) -> bool:
+        return eqn.params["window"].dim in self.axes.full_dims(eqn.invars[0])
+
+    def _refuse_raw_window(self, eqn) -> None:
+        """A windowed op match-windows could not wrap must not read a sharded sequence:
+        XLA's SPMD partitioning of some (select_and_scatter) is wrong there."""
+        if eqn.primitive.name not in RAW_WINDOWS:
+            return
+        if not any(self.axes.full_dims(a) for a in eqn.invars if not compat.is_literal(a)):
+            return
+        raise ContextParallelError(
+            f"{eqn.primitive.name} at {compat.source_line(eqn)} reads a window along the "
+            "sharded sequence, but only a max/min/sum reduce_window or a 1-D convolution "
+            "with stride 1 along the sequence, no base dilation and an output as long as "
+            "its input runs with a halo exchange; pool with stride 1 and slice the result "
+            "(x[:, ::stride]), pad to keep the length, or pass seq_axes= so this value is "
+            "not sequence-sharded")
 
     def _touches(self, jaxpr) -> bool:
         """Every body is re-traced: attentions and sharding constraints may sit anywhere."""

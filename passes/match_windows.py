@@ -1,0 +1,114 @@
+"""Pass ``match-windows``: wrap each op that reads a bounded window along one dim as
+``seq_window_p``.
+
+A max/min/sum ``reduce_window`` (``lax.reduce_window`` with ``lax.max``/``lax.min``/
+``lax.add`` and their identity, max- and average-pooling) or a one-spatial-dim
+``conv_general_dilated`` (a depthwise causal conv, ``feature_group_count = D``, as in Mamba,
+Hyena and RWKV) becomes one :data:`~cptransform.op.seq_window.seq_window_p` equation
+carrying a :class:`~cptransform.op.seq_window.Window` when its window runs along exactly
+one dim with stride 1 and no base (lhs) dilation, and its output is as long as its input
+there (the padding covers the window: ``low + high = dilation·(width - 1)``). Whether that
+dim is the sequence is decided later, by ``infer-seq-axes``; the CP lowering gives a
+sequence-sharded window a halo exchange. Other windowed ops stay as they are, and the CP
+lowering refuses them when they read a sharded sequence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from cptransform.ir import compat
+from cptransform.ir.module import Module, iter_eqns
+from cptransform.ir.pipeline import Pass, PassResult
+from cptransform.ir.rewrite import Rewriter
+from cptransform.op.seq_window import Window, seq_window_p
+
+#: What each reduce_window pads with: its reduction's identity.
+REDUCE_WINDOW_FILLS = {
+    "reduce_window_max": lambda dt: -np.inf if np.issubdtype(dt, np.inexact) else np.iinfo(dt).min,
+    "reduce_window_min": lambda dt: np.inf if np.issubdtype(dt, np.inexact) else np.iinfo(dt).max,
+    "reduce_window_sum": lambda dt: 0,
+}
+
+
+def _one_window(dims: list[int], width: int, stride: int, dilation: int,
+                padding: tuple[int, int], base_dilation: int = 1) -> tuple[int, int] | None:
+    """``(left, right)`` of a window along one dim that keeps the length, or None."""
+    if len(dims) != 1 or stride != 1 or base_dilation != 1:
+        return None
+    lo, hi = padding
+    if lo < 0 or hi < 0 or lo + hi != dilation * (width - 1):
+        return None
+    return lo, hi
+
+
+def reduce_window_window(eqn) -> Window | None:
+    """The :class:`Window` of a max/min/sum ``reduce_window`` equation, or None."""
+    p = eqn.params
+    aval = eqn.invars[0].aval
+    if not np.issubdtype(aval.dtype, np.number):
+        return None
+    moved = [d for d in range(aval.ndim)
+             if (p["window_dimensions"][d], p["window_strides"][d], tuple(p["padding"][d]),
+                 p["base_dilation"][d], p["window_dilation"][d]) != (1, 1, (0, 0), 1, 1)]
+    if len(moved) != 1:
+        return None
+    (d,) = moved
+    sides = _one_window(moved, p["window_dimensions"][d], p["window_strides"][d],
+                        p["window_dilation"][d], tuple(p["padding"][d]), p["base_dilation"][d])
+    if sides is None:
+        return None
+    fill = REDUCE_WINDOW_FILLS[eqn.primitive.name](aval.dtype)
+    return Window(eqn.primitive, tuple(sorted(p.items())), d, *sides, fill,
+                  tuple(range(aval.ndim)))
+
+
+def conv_window(eqn) -> Window | None:
+    """The :class:`Window` of a one-spatial-dim ``conv_general_dilated``, or None."""
+    p = eqn.params
+    dn = p["dimension_numbers"]
+    lhs, rhs = eqn.invars[0].aval, eqn.invars[1].aval
+    if lhs.ndim != 3 or p["batch_group_count"] != 1:
+        return None
+    d, out_d = dn.lhs_spec[2], dn.out_spec[2]
+    if d != out_d or dn.lhs_spec[0] != dn.out_spec[0]:
+        return None
+    sides = _one_window([d], rhs.shape[dn.rhs_spec[2]], p["window_strides"][0],
+                        p["rhs_dilation"][0], tuple(p["padding"][0]), p["lhs_dilation"][0])
+    if sides is None:
+        return None
+    return Window(eqn.primitive, tuple(sorted(p.items())), d, *sides, 0,
+                  tuple(sorted((dn.lhs_spec[0], d))))
+
+
+#: primitive name -> how to read its window.
+WINDOW_READERS = {**{name: reduce_window_window for name in REDUCE_WINDOW_FILLS},
+                  "conv_general_dilated": conv_window}
+
+
+def _wrap(read):
+    def rule(eqn, invals):
+        window = read(eqn)
+        if window is None:
+            return None
+        with compat.eqn_context(eqn):
+            return [seq_window_p.bind(*invals, window=window)]
+    return rule
+
+
+@dataclass(frozen=True)
+class MatchWindows(Pass):
+    """Wrap windowed reductions and convolutions along one dim as ``seq_window_p``."""
+
+    name = "match-windows"
+    summary = "reduce_window / 1-D conv along one dim -> seq_window_p (halo-exchanged under CP)"
+
+    def run(self, module: Module) -> PassResult:
+        if not any(e.primitive.name in WINDOW_READERS for e in iter_eqns(module.jaxpr)):
+            return PassResult(module, False)
+        rules = {name: _wrap(read) for name, read in WINDOW_READERS.items()}
+        new = Rewriter(rules=rules).run(module.jaxpr)
+        n = sum(1 for e in iter_eqns(new) if e.primitive is seq_window_p)
+        return PassResult(module.with_jaxpr(new), n > 0,
+                          (f"match-windows: {n} windowed ops wrapped",))
