@@ -76,21 +76,22 @@ def check_window(window: Window, shape: tuple[int, ...], cp: int, where: str) ->
             "(chunks of seq_len/cp)")
 
 
-def _chunk_runs(runs: tuple[Piece, ...], window: Window, chunks: int) -> list[list[Piece]]:
+def _chunk_runs(runs: tuple[Piece, ...], left: int, right: int,
+                chunks: int) -> list[list[Piece]]:
     """``runs`` cut into each local chunk's ``[left halo, chunk, right halo]``."""
-    size = 1 + (window.left > 0) + (window.right > 0)
+    size = 1 + (left > 0) + (right > 0)
     return [list(runs[i * size:(i + 1) * size]) for i in range(chunks)]
 
 
-def _local(x, *rest, window: Window, layout: str, seq):
-    """The op on one rank's chunks (sequence dim ``window.dim``) with their halos."""
+def _local(x, *rest, window: Window, layout: str, seq, d: int, left: int, right: int):
+    """The op on one rank's chunks (sequence dim ``d``) with halos of ``left`` and
+    ``right`` tokens."""
     cp, rank = lax.axis_size(seq), lax.axis_index(seq)
-    d = window.dim
     xs = jnp.moveaxis(x, d, 1)
     n = xs.shape[1]
     chunks = CHUNKS_PER_RANK[layout]
     c = n // chunks
-    runs = pieces(layout, n, window.left, window.right)
+    runs = pieces(layout, n, left, right)
     got = receive_halos(xs, runs, seq, cp)
     fill = jnp.asarray(window.fill, x.dtype)
     # A replicated operand (a conv kernel) meets per-rank chunks: its gradient is summed.
@@ -108,22 +109,27 @@ def _local(x, *rest, window: Window, layout: str, seq):
         return jnp.where(sent, got[p], fill)
 
     outs = []
-    for group in _chunk_runs(runs, window, chunks):
+    for group in _chunk_runs(runs, left, right, chunks):
         extended = jnp.moveaxis(jnp.concatenate([piece(p) for p in group], axis=1), 1, d)
         y = window.apply(extended, *rest)
-        outs.append(lax.slice_in_dim(y, window.left, window.left + c, axis=d))
+        outs.append(lax.slice_in_dim(y, left, left + c, axis=d))
     return jnp.concatenate(outs, axis=d)
 
 
-def windowed_op(x, *rest, window: Window, mesh, seq: tuple[str, ...], where: str = "?"):
-    """``seq_window_p(x, *rest, window=window)`` with ``x``'s dim ``window.dim`` (the
-    sequence, in ``window.layout`` order) sharded over the mesh axes ``seq`` (major first),
-    by a halo exchange under ``shard_map``; ``rest`` (a conv kernel) is replicated."""
+def windowed_op(x, *rest, window: Window, mesh, seq: tuple[str, ...], seq_dim: int,
+                where: str = "?"):
+    """``seq_window_p(x, *rest, window=window)`` with ``x``'s dim ``seq_dim`` (the sequence,
+    in ``window.layout`` order) sharded over the mesh axes ``seq`` (major first), under
+    ``shard_map``: with a halo exchange when the window runs along the sequence, without
+    when it runs along another dim; ``rest`` (a conv kernel) is replicated."""
     cp = math.prod(mesh.shape[a] for a in seq)
-    check_window(window, x.shape, cp, where)
+    along = seq_dim == window.dim
+    if along:
+        check_window(window, x.shape, cp, where)
     layout = window_layout(window)
     spec = [None] * x.ndim
-    spec[window.dim] = seq if len(seq) > 1 else seq[0]
-    run = partial(_local, window=window, layout=layout, seq=seq)
+    spec[seq_dim] = seq if len(seq) > 1 else seq[0]
+    run = partial(_local, window=window, layout=layout, seq=seq, d=seq_dim,
+                  left=window.left if along else 0, right=window.right if along else 0)
     return jax.shard_map(run, mesh=mesh, in_specs=(P(*spec),) + (P(),) * len(rest),
                          out_specs=P(*spec), axis_names=set(seq))(x, *rest)

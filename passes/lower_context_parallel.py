@@ -65,17 +65,17 @@ class _Lowerer(Rewriter):
                     in_layout_order=self.reordered and spec.positions
                     and spec.layout != "contiguous")
             outs = [out]
-        elif eqn.primitive is seq_window_p and self._windowed_along_sequence(eqn):
+        elif eqn.primitive is seq_window_p and self.axes.full_dims(eqn.invars[0]):
+            window = eqn.params["window"]
+            dims = self.axes.full_dims(eqn.invars[0])
             with compat.eqn_context(eqn):
-                outs = [windowed_op(*invals, window=eqn.params["window"], mesh=self.mesh,
-                                    seq=self.seq, where=compat.source_line(eqn))]
+                outs = [windowed_op(*invals, window=window, mesh=self.mesh, seq=self.seq,
+                                    seq_dim=window.dim if window.dim in dims else dims[0],
+                                    where=compat.source_line(eqn))]
         else:
             self._refuse_raw_window(eqn)
             outs = super().eval_eqn(eqn, invals)
         return [self.constrain(o, v) for o, v in zip(outs, eqn.outvars)]
-
-    def _windowed_along_sequence(self, eqn) -> bool:
-        return eqn.params["window"].dim in self.axes.full_dims(eqn.invars[0])
 
     def _refuse_raw_window(self, eqn) -> None:
         """A windowed op match-windows could not wrap must not read a sharded sequence:

@@ -56,6 +56,9 @@ def reduce_window_window(eqn) -> Window | None:
     moved = [d for d in range(aval.ndim)
              if (p["window_dimensions"][d], p["window_strides"][d], tuple(p["padding"][d]),
                  p["base_dilation"][d], p["window_dilation"][d]) != (1, 1, (0, 0), 1, 1)]
+    if not moved:
+        # A window of one: it reads nothing across, so any dim stands for its window.
+        moved = [0]
     if len(moved) != 1:
         return None
     (d,) = moved

@@ -83,11 +83,23 @@ def test_window_op_matrix(name, load_balance, cp):
     check(name, load_balance, cp)
 
 
-def test_zigzag_keeps_the_window_in_layout_order():
-    """Under zigzag the pool exchanges each chunk's own neighbours: nothing is un-permuted."""
-    fn = context_parallel(model(OPS["maxpool3"]), cp=4, load_balance="zigzag")
+@pytest.mark.parametrize("name", ["conv4", "maxpool3", "shift"])
+def test_zigzag_keeps_the_window_in_layout_order(name):
+    """Under zigzag the window exchanges each chunk's own neighbours: nothing is un-permuted."""
+    fn = context_parallel(model(OPS[name]), cp=4, load_balance="zigzag")
     report = fn.explain(*data())
     assert "un-permute" not in str(report)
+
+
+def test_left_shift_by_slice_then_pad():
+    def shift_left(h, _):
+        return jnp.pad(h[:, 2:], ((0, 0), (0, 2), (0, 0)), constant_values=0.5)
+    fn = model(shift_left)
+    args = data(2)
+    ref = jax.value_and_grad(fn, argnums=(0, 1))(*args)
+    got = jax.value_and_grad(context_parallel(fn, cp=4, load_balance="zigzag"),
+                             argnums=(0, 1))(*args)
+    assert_tree_close(got, ref)
 
 
 def test_striped_window_gathers_and_says_so():
