@@ -5,7 +5,10 @@ context_parallel_attention` with the schedule and layout written on its equation
 ``plan-context-parallel``: a ``shard_map`` island over the CP mesh axes only. Everything else stays in the program for XLA's SPMD
 partitioner; inputs and every intermediate whose dim is the whole sequence get a sharding
 constraint on that dim (other dims unconstrained, so a data axis keeps its batch sharding),
-so no stray all-gather of activations appears between attentions.
+so no stray all-gather of activations appears between attentions. A ``seq_window_p`` (an op
+reading a bounded window of neighbours) on the sequence runs under ``shard_map`` with a halo
+exchange (:mod:`cptransform.lowering.seq_window`; the pass log gives its bytes); a windowed
+op ``match-windows`` could not wrap is refused there, never left to the partitioner.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import Rewriter, trace_like
 from cptransform.lowering.context_parallel_attention import (context_parallel_attention,
                                                               sequence_mesh_axes)
-from cptransform.lowering.seq_window import windowed_op
+from cptransform.lowering.seq_window import halo_bytes, windowed_op
 from cptransform.op.attention import attention_p
 from cptransform.op.seq_window import seq_window_p
 
@@ -41,6 +44,7 @@ class _Lowerer(Rewriter):
         self.reordered = reordered
         self.axes, self.mesh = axes, mesh
         self.cp_axes, self.kernel = tuple(cp_axes), kernel
+        self.log: list[str] = []
         self.seq = sequence_mesh_axes(self.cp_axes)
 
     def constrain(self, value, atom):
@@ -68,10 +72,15 @@ class _Lowerer(Rewriter):
         elif eqn.primitive is seq_window_p and self.axes.full_dims(eqn.invars[0]):
             window = eqn.params["window"]
             dims = self.axes.full_dims(eqn.invars[0])
+            seq_dim = window.dim if window.dim in dims else dims[0]
             with compat.eqn_context(eqn):
                 outs = [windowed_op(*invals, window=window, mesh=self.mesh, seq=self.seq,
-                                    seq_dim=window.dim if window.dim in dims else dims[0],
-                                    where=compat.source_line(eqn))]
+                                    seq_dim=seq_dim, where=compat.source_line(eqn))]
+            if seq_dim == window.dim:
+                aval = eqn.invars[0].aval
+                self.log.append(f"{window.describe()} at {compat.source_line(eqn)}: halo "
+                                f"exchange of {halo_bytes(window, aval.shape, aval.dtype.itemsize)}"
+                                " bytes per rank")
         else:
             self._refuse_raw_window(eqn)
             outs = super().eval_eqn(eqn, invals)
@@ -120,7 +129,8 @@ class LowerContextParallel(Pass):
             return lowerer.eval(jaxpr, consts, xs)
 
         new = compat.dce(trace_like(jaxpr, fn))
-        return PassResult(module.with_jaxpr(new), n > 0)
+        log = tuple(f"lower-context-parallel: {m}" for m in lowerer.log)
+        return PassResult(module.with_jaxpr(new), n > 0 or bool(log), log)
 
     def verify(self, module: Module) -> None:
         left = sum(1 for e in iter_eqns(module.jaxpr) if e.primitive is attention_p)
