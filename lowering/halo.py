@@ -135,24 +135,38 @@ def _permute(tree, axes, cp: int, shift: int, back: bool = False):
     return jax.tree.map(lambda x: lax.ppermute(x, axes, perm), tree)
 
 
-def _exchange(block: Block, runs, axes, cp: int, rank):
-    """The kernel's keys ``(kv, kv_pos, kv_seg)`` (``kv`` :func:`packed`), the pieces of
-    ``runs`` concatenated: local pieces cut from ``block``, halos received from the
-    neighbours in one permute per direction, with positions :data:`NO_KEY` where the
-    neighbour does not exist."""
-    keys = (packed(block.k, block.v), block.kv_pos, block.kv_seg)
+def receive_halos(tree, runs, axes, cp: int) -> dict:
+    """The halo pieces of ``runs`` (``shift`` ±1) of every array of ``tree`` (sequence on
+    dim 1), received from the neighbours in one permute per direction: ``{piece: tree}``,
+    zeros where the neighbour does not exist."""
     got = {}
     for shift in (-1, 1):
         mine = [p for p in runs if p.shift == shift]
         if not mine:
             continue
-        kv, pos, seg = _permute(_joined([_cut(keys, p.offset, p.width) for p in mine]),
-                                axes, cp, shift)
-        sent = (rank + shift >= 0) & (rank + shift < cp)
-        arrived = (kv, jnp.where(sent, pos, NO_KEY), seg)
+        arrived = _permute(_joined([_cut(tree, p.offset, p.width) for p in mine]),
+                           axes, cp, shift)
         for p, start in zip(mine, _offsets(mine)):
             got[p] = _cut(arrived, start, p.width)
-    return _joined([got[p] if p.shift else _cut(keys, p.offset, p.width) for p in runs])
+    return got
+
+
+def _exchange(block: Block, runs, axes, cp: int, rank):
+    """The kernel's keys ``(kv, kv_pos, kv_seg)`` (``kv`` :func:`packed`), the pieces of
+    ``runs`` concatenated: local pieces cut from ``block``, halos received from the
+    neighbours (:func:`receive_halos`), with positions :data:`NO_KEY` where the neighbour
+    does not exist."""
+    keys = (packed(block.k, block.v), block.kv_pos, block.kv_seg)
+    got = receive_halos(keys, runs, axes, cp)
+
+    def piece(p: Piece):
+        if not p.shift:
+            return _cut(keys, p.offset, p.width)
+        kv, pos, seg = got[p]
+        sent = (rank + p.shift >= 0) & (rank + p.shift < cp)
+        return kv, jnp.where(sent, pos, NO_KEY), seg
+
+    return _joined([piece(p) for p in runs])
 
 
 def _columns(x, runs, rank, tkv: int):

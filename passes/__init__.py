@@ -21,6 +21,10 @@ def get_all_passes() -> dict[str, Callable[[], type[Pass]]]:
         from cptransform.passes.match_attention import MatchAttention
         return MatchAttention
 
+    def match_windows():
+        from cptransform.passes.match_windows import MatchWindows
+        return MatchWindows
+
     def infer_seq_axes():
         from cptransform.passes.infer_seq_axes import InferSeqAxes
         return InferSeqAxes
@@ -38,6 +42,7 @@ def get_all_passes() -> dict[str, Callable[[], type[Pass]]]:
         return LowerContextParallel
 
     return {"canonicalize": canonicalize, "match-attention": match_attention,
+            "match-windows": match_windows,
             "infer-seq-axes": infer_seq_axes, "plan-context-parallel": plan_context_parallel,
             "reorder-sequence": reorder_sequence,
             "lower-context-parallel": lower_context_parallel}

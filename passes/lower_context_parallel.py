@@ -5,7 +5,10 @@ context_parallel_attention` with the schedule and layout written on its equation
 ``plan-context-parallel``: a ``shard_map`` island over the CP mesh axes only. Everything else stays in the program for XLA's SPMD
 partitioner; inputs and every intermediate whose dim is the whole sequence get a sharding
 constraint on that dim (other dims unconstrained, so a data axis keeps its batch sharding),
-so no stray all-gather of activations appears between attentions.
+so no stray all-gather of activations appears between attentions. A ``seq_window_p`` (an op
+reading a bounded window of neighbours) on the sequence runs under ``shard_map`` with a halo
+exchange (:mod:`cptransform.lowering.seq_window`; the pass log gives its bytes); a windowed
+op ``match-windows`` could not wrap is refused there, never left to the partitioner.
 """
 from __future__ import annotations
 
@@ -14,17 +17,23 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from cptransform.analysis.primitives import Family, names_of
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.analysis.seq_axes_summary import analyse
 from cptransform.ir import compat
-from cptransform.ir.errors import PipelineError
+from cptransform.ir.errors import ContextParallelError, PipelineError
 from cptransform.ir.facts import Fact
 from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import Rewriter, trace_like
 from cptransform.lowering.context_parallel_attention import (context_parallel_attention,
                                                               sequence_mesh_axes)
+from cptransform.lowering.seq_window import halo_bytes, windowed_op
 from cptransform.op.attention import attention_p
+from cptransform.op.seq_window import seq_window_p
+
+#: Windowed ops left unwrapped by match-windows: refused on a sharded sequence.
+RAW_WINDOWS = names_of(Family.WINDOW) - {seq_window_p.name}
 
 
 class _Lowerer(Rewriter):
@@ -37,6 +46,7 @@ class _Lowerer(Rewriter):
         self.reordered = reordered
         self.axes, self.mesh = axes, mesh
         self.cp_axes, self.kernel = tuple(cp_axes), kernel
+        self.log: list[str] = []
         self.seq = sequence_mesh_axes(self.cp_axes)
 
     def constrain(self, value, atom):
@@ -64,9 +74,37 @@ class _Lowerer(Rewriter):
                     in_layout_order=self.reordered and spec.positions
                     and spec.layout != "contiguous")
             outs = [out]
+        elif eqn.primitive is seq_window_p and self.axes.full_dims(eqn.invars[0]):
+            window = eqn.params["window"]
+            dims = self.axes.full_dims(eqn.invars[0])
+            seq_dim = window.dim if window.dim in dims else dims[0]
+            with compat.eqn_context(eqn):
+                outs = [windowed_op(*invals, window=window, mesh=self.mesh, seq=self.seq,
+                                    seq_dim=seq_dim, where=compat.source_line(eqn))]
+            if seq_dim == window.dim:
+                aval = eqn.invars[0].aval
+                self.log.append(f"{window.describe()} at {compat.source_line(eqn)}: halo "
+                                f"exchange of {halo_bytes(window, aval.shape, aval.dtype.itemsize)}"
+                                " bytes per rank")
         else:
+            self._refuse_raw_window(eqn)
             outs = super().eval_eqn(eqn, invals)
         return [self.constrain(o, v) for o, v in zip(outs, eqn.outvars)]
+
+    def _refuse_raw_window(self, eqn) -> None:
+        """A windowed op match-windows could not wrap must not read a sharded sequence:
+        XLA's SPMD partitioning of some (select_and_scatter) is wrong there."""
+        if eqn.primitive.name not in RAW_WINDOWS:
+            return
+        if not any(self.axes.full_dims(a) for a in eqn.invars if not compat.is_literal(a)):
+            return
+        raise ContextParallelError(
+            f"{eqn.primitive.name} at {compat.source_line(eqn)} reads a window along the "
+            "sharded sequence, but only a max/min/sum reduce_window or a 1-D convolution "
+            "with stride 1 along the sequence, no base dilation and an output as long as "
+            "its input runs with a halo exchange; pool with stride 1 and slice the result "
+            "(x[:, ::stride]), pad to keep the length, or pass seq_axes= so this value is "
+            "not sequence-sharded")
 
     def _touches(self, jaxpr) -> bool:
         """Every body is re-traced: attentions and sharding constraints may sit anywhere."""
@@ -100,7 +138,8 @@ class LowerContextParallel(Pass):
             return lowerer.eval(jaxpr, consts, xs)
 
         new = compat.dce(trace_like(jaxpr, fn))
-        return PassResult(module.with_jaxpr(new), n > 0)
+        log = tuple(f"lower-context-parallel: {m}" for m in lowerer.log)
+        return PassResult(module.with_jaxpr(new), n > 0 or bool(log), log)
 
     def verify(self, module: Module) -> None:
         left = sum(1 for e in iter_eqns(module.jaxpr) if e.primitive is attention_p)

@@ -32,6 +32,8 @@ from cptransform.analysis.primitives import (CallKind, Family, acting_dims, call
                                              names_of, names_where)
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.op.layouts import SequenceLayout
+from cptransform.op.seq_window import seq_window_p
+from cptransform.lowering.halo import CHUNKS_PER_RANK
 from cptransform.ir.errors import ReorderError
 from cptransform.ir.facts import Fact
 from cptransform.analysis.seq_axes_summary import analyse
@@ -137,6 +139,8 @@ class _Reorderer:
             return [self.put(o, NAT if self.axes.full_dims(v) else INV)
                     for o, v in zip(outs, eqn.outvars)]
         states = {self.get(invals[i]) for i in carrying}
+        if eqn.primitive is seq_window_p and self._window_in_layout(eqn, invals, carrying):
+            return self.window(eqn, invals)
         if name in EQUIVARIANT or self._acts_off_sequence(eqn, carrying) \
                 or (name in CONTRACTIONS and self._contracts_in_step(eqn, carrying)):
             return self.equivariant(eqn, invals, carrying, states)
@@ -163,6 +167,20 @@ class _Reorderer:
         held = [[i in carrying and d in self.axes.full_dims(eqn.invars[i]) for d in dims]
                 for i, dims in enumerate((lc, rc))]
         return held[0] == held[1]
+
+    def _window_in_layout(self, eqn, invals, carrying) -> bool:
+        """A windowed op along the sequence of a layout-order operand, in a layout whose
+        chunks the halo exchange serves (zigzag: each chunk gets its own neighbours)."""
+        window = eqn.params["window"]
+        return (carrying == [0] and self.get(invals[0]) == PERM
+                and self.layout.name in CHUNKS_PER_RANK
+                and self.axes.full_dims(eqn.invars[0]) == (window.dim,))
+
+    def window(self, eqn, invals):
+        """Keep a windowed op in layout order: it records the layout on its equation."""
+        params = {**eqn.params, "window": eqn.params["window"].in_layout(self.layout)}
+        (out,) = compat.bind_eqn(eqn, invals, params)
+        return [self.put(out, PERM)]
 
     # -- shifted slices along the sequence --
     def start_shift(self, eqn, invals):

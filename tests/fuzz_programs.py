@@ -64,6 +64,7 @@ PROGRAM_CLASSES = (
     "vmap_batch",       # a per-example block under jax.vmap over the batch
     "nan_weight",       # a NaN in the output projection: the loss must be NaN too
     "masked_rows",      # fully masked query rows with a -inf fill (left padding + causal)
+    "windows",          # a windowed op along the tokens before and after the block
 )
 ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES
 
@@ -72,6 +73,11 @@ ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES
 #: entry, and the CI fuzzer covers the class.
 KNOWN_BROKEN: dict[str, str] = {
 }
+
+#: ``windows`` variants, ``kind_width``: max/min/avg pooling of a (centered or causal) window,
+#: a depthwise causal conv (Mamba's short conv), a token shift by pad+slice, a roll.
+WINDOW_KINDS = ("maxpool", "minpool", "avgpool", "causalmax", "conv", "shift", "roll")
+WINDOW_VARIANTS = tuple(f"{kind}_{width}" for kind in WINDOW_KINDS for width in (1, 2, 3, 4, 5))
 
 SPELLINGS = ("jnn", "einsum", "matmul")
 SCHEDULES = ("ring", "ulysses", "allgather", "auto")
@@ -165,6 +171,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "scan_layers": ("plain", "remat"),
         "nan_weight": ("wo", "wq"),
         "masked_rows": ("where_out", "plain"),
+        "windows": WINDOW_VARIANTS,
     }.get(cls, ("",))
     variant = choose("variant", variants)
     llama = cls == "llama_block"
@@ -402,6 +409,8 @@ def make_data(case: FuzzCase):
         m = rng.random((mb, 1, s, s)) < 0.6
         m |= np.eye(s, dtype=bool)[None, None]
         inp["dense_mask"] = m
+    if case.cls == "windows" and case.variant.startswith("conv"):
+        p["w_conv"] = _normal(rng, (int(case.variant.rsplit("_", 1)[1]), 1, e), 0.5)
     if case.cls == "nan_weight":
         key = "wo" if case.variant == "wo" else "wq"
         p[key] = p[key].copy()
@@ -491,6 +500,26 @@ def block(case: FuzzCase, p: dict, x, inputs: dict):
     return y
 
 
+def window_op(case: FuzzCase, x, p: dict):
+    """The ``windows`` class's op (``case.variant``) along the tokens of x [B, S, E]."""
+    kind, width = case.variant.rsplit("_", 1)
+    width = int(width)
+    if kind == "conv":
+        return lax.conv_general_dilated(x, p["w_conv"], (1,), ((width - 1, 0),),
+                                        dimension_numbers=("NWC", "WIO", "NWC"),
+                                        feature_group_count=x.shape[-1])
+    if kind == "shift":
+        return jnp.pad(x, ((0, 0), (width, 0), (0, 0)))[:, :-width]
+    if kind == "roll":
+        return jnp.roll(x, width, axis=1)
+    init, fn = {"maxpool": (-jnp.inf, lax.max), "causalmax": (-jnp.inf, lax.max),
+                "minpool": (jnp.inf, lax.min), "avgpool": (0.0, lax.add)}[kind]
+    left = width - 1 if kind == "causalmax" else width // 2
+    y = lax.reduce_window(x, init, fn, (1, width, 1), (1, 1, 1),
+                          ((0, 0), (left, width - 1 - left), (0, 0)))
+    return y / width if kind == "avgpool" else y
+
+
 def build(case: FuzzCase):
     """(loss_fn(params, inputs), params, inputs)."""
     params, inputs = make_data(case)
@@ -503,6 +532,8 @@ def build(case: FuzzCase):
             x = p["x"]
         if case.cls == "token_mix":
             x = x + jnp.einsum("bsd,st->btd", x, p["w_mix"])
+        if case.cls == "windows":
+            x = x + window_op(case, x, p)
         if case.cls == "scan_layers":
             stacked = {k: p[k] for k in layer_keys}
             rest = {k: v for k, v in p.items() if k not in layer_keys}
@@ -528,6 +559,8 @@ def build(case: FuzzCase):
             y = block(case, p, x, inp)
         if case.cls == "cumsum_seq":
             y = jnp.cumsum(y, axis=1) / y.shape[1]
+        if case.cls == "windows":
+            y = window_op(case, y, p)
         if case.cls == "shift_loss":
             logits = y @ p["unemb"]
             logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)

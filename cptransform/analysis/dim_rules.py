@@ -235,6 +235,13 @@ def link_attention(eqn) -> list[Link]:
     return [(q, d, out, d) for d in range(q.aval.ndim) if d != spec.q.feature]
 
 
+def link_seq_window(eqn) -> list[Link]:
+    """A windowed op links the dims of its first operand that its result keeps in place
+    (the windowed dim included); its other operands (a conv's kernel) link nothing."""
+    x, out = eqn.invars[0], eqn.outvars[0]
+    return [(x, d, out, d) for d in eqn.params["window"].kept]
+
+
 # -- acting rules ----------------------------------------------------------------------------
 
 def _on_first(eqn, dims: set[int]) -> list[set[int]]:
@@ -271,6 +278,13 @@ def acts_on_pad(eqn) -> list[set[int]]:
     """The dims a pad actually pads."""
     return _on_first(eqn, {d for d, cfg in enumerate(eqn.params["padding_config"])
                            if tuple(cfg) != (0, 0, 0)})
+
+
+def acts_on_seq_window(eqn) -> list[set[int]]:
+    """A windowed op reads across its window's dim of the first operand, and all of the
+    others (a conv's kernel)."""
+    rest = [set(range(compat.aval_of(a).ndim)) for a in eqn.invars[1:]]
+    return [{eqn.params["window"].dim}] + rest
 
 
 def acts_on_dynamic_slice(eqn) -> list[set[int]]:

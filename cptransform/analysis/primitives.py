@@ -20,14 +20,17 @@ import numpy as np
 from cptransform.analysis.dim_rules import (ActsOn, Link, LinkRule, acts_on_contracting,
                                             acts_on_dynamic_slice, acts_on_gather,
                                             acts_on_nothing, acts_on_pad, acts_on_param,
-                                            acts_on_params, acts_on_slice, acts_on_top_k,
+                                            acts_on_params, acts_on_seq_window,
+                                            acts_on_slice, acts_on_top_k,
                                             link_attention,
                                             link_broadcast_in_dim, link_concatenate,
                                             link_dot_general, link_dropping, link_gather,
-                                            link_reshape, link_same_dims, link_slice_like,
+                                            link_reshape, link_same_dims, link_seq_window,
+                                            link_slice_like,
                                             link_sort, link_split, link_top_k,
                                             link_transpose)
 from cptransform.op.attention import attention_p
+from cptransform.op.seq_window import seq_window_p
 
 
 class Family(enum.Enum):
@@ -41,6 +44,7 @@ class Family(enum.Enum):
     INDEXING = "indexing"        # slices, pads, concatenates, gathers, reversals, sorts
     CALL = "call"                # carries a body (jit, remat, loops, custom derivatives)
     ATTENTION = "attention"      # cptransform's own attention_p
+    WINDOW = "window"            # reads a bounded window of neighbours along a dim
 
 
 class Moves(enum.Enum):
@@ -161,6 +165,17 @@ for _name, _kind in {"pjit": CallKind.JIT, "jit": CallKind.JIT,
     PRIMS[_name] = PrimFacts(Family.CALL, call=_kind)
 
 PRIMS[attention_p.name] = PrimFacts(Family.ATTENTION, link_attention)
+
+# Windowed ops along the sequence run with a halo exchange once match-windows wraps them as
+# seq_window_p (layout-aware: reorder-sequence keeps them in layout order); the raw ones
+# (strided, several windowed dims, a generic reduction) carry no links, and the CP lowering
+# refuses them on a sharded sequence: XLA's partitioning of some of their gradients
+# (select_and_scatter) on a sharded window dim is wrong.
+PRIMS[seq_window_p.name] = PrimFacts(Family.WINDOW, link_seq_window, acts_on_seq_window)
+for _name in ("reduce_window", "reduce_window_max", "reduce_window_min", "reduce_window_sum",
+              "conv_general_dilated", "select_and_scatter", "select_and_scatter_add",
+              "select_and_gather_add"):
+    PRIMS[_name] = PrimFacts(Family.WINDOW)
 
 
 def facts(name: str) -> PrimFacts | None:

@@ -27,6 +27,7 @@ from cptransform.passes.canonicalize import Canonicalize
 from cptransform.passes.infer_seq_axes import InferSeqAxes
 from cptransform.passes.lower_context_parallel import LowerContextParallel
 from cptransform.passes.match_attention import MatchAttention
+from cptransform.passes.match_windows import MatchWindows
 from cptransform.passes.plan_context_parallel import LOAD_BALANCES, REFUSED_LOAD_BALANCES, \
     PlanContextParallel
 from cptransform.passes.reorder_sequence import ReorderSequence
@@ -265,7 +266,7 @@ def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipe
     """The context-parallel pass pipeline for a prepared module, as pass objects (the CLI
     prints it with ``spelled()``); ``lower=False`` stops before lowering (for plans)."""
     schedule = "hybrid" if len(module.facts.cp_axes) == 2 else options.schedule
-    passes = [Canonicalize(), MatchAttention(), InferSeqAxes(),
+    passes = [Canonicalize(), MatchAttention(), MatchWindows(), InferSeqAxes(),
               PlanContextParallel(schedule=schedule, load_balance=options.load_balance,
                                   hardware=options.hardware,
                                   memory_limit=options.memory_limit),
