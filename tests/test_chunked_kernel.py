@@ -94,6 +94,7 @@ def test_matches_reference(rng, kind, heads):
     check(block, spec, ChunkedKernel(chunk=4), 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tq,tkv,chunk", [(16, 16, 4), (17, 9, 5), (7, 23, 8), (1, 5, 2),
                                           (12, 12, 512)])
 def test_lengths_and_chunks(rng, tq, tkv, chunk):
@@ -102,12 +103,14 @@ def test_lengths_and_chunks(rng, tq, tkv, chunk):
     check(block, spec, ChunkedKernel(chunk=chunk), 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["causal", "dense", "bias"])
 def test_bfloat16(rng, kind):
     block, spec = problem(rng, kind, "gqa", dtype=jnp.bfloat16, dense_heads=False)
     check(block, spec, ChunkedKernel(chunk=4), 2e-2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["causal", "segments", "dense_causal", "bias"])
 def test_equals_attention_reference(rng, kind):
     """The registered "xla" kernel on a whole problem equals ``attention_reference``."""

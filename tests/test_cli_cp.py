@@ -38,6 +38,7 @@ def test_plan_prices_on_the_named_hardware():
     assert "least predicted time on h100" in out.stdout
 
 
+@pytest.mark.slow
 def test_opt_with_cp_lowers_and_prints_the_gradient_program():
     out = cli("opt", "examples/llama.py:make", "--cp", "4", "--schedule", "ulysses",
               "--print-ir-after=lower-context-parallel", "--grad")
@@ -49,6 +50,7 @@ def test_opt_with_cp_lowers_and_prints_the_gradient_program():
     assert grad.count("all_to_all[") >= 8  # forward q, k, v, o and their transposes
 
 
+@pytest.mark.slow
 def test_grad_program_shows_the_pallas_dq_and_dkv_kernels():
     """--kernel pallas --grad: the backward holds the Q-major dQ and the KV-major dK/dV
     pallas_calls (named, with their grids), besides the forward's."""
@@ -69,6 +71,7 @@ def test_bad_schedule_is_one_line():
     assert "Ulysses splits the 4 query heads over cp=8" in out.stderr
 
 
+@pytest.mark.slow
 def test_hybrid_over_two_named_axes():
     out = cli("opt", "examples/llama.py:make", "--axis", "uly,ring", "--mesh", "2,4",
               "--load-balance", "zigzag", "--print-ir-after=plan-context-parallel")
@@ -83,6 +86,7 @@ def test_mesh_sizes_must_match_axes():
         "cptransform: error: --mesh '8' must give one positive size per --axis name uly,ring"]
 
 
+@pytest.mark.slow
 def test_plan_png(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "plan.png"

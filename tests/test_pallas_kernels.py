@@ -85,6 +85,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_reference(variant, case, rng):
@@ -155,6 +156,7 @@ def tiny_llama():
     return loss, params, tokens, jax.jit(jax.value_and_grad(loss))(params, tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,load_balance,variant", [
     ("ring", "zigzag", "tpu"), ("ulysses", "none", "gpu")])
 def test_context_parallel_with_pallas(tiny_llama, schedule, load_balance, variant,

@@ -195,6 +195,7 @@ def two_attentions(q1, k1, v1, q2, k2, v2):
     return jnp.sum(jnp.sin(o1)) + jnp.sum(jnp.cos(o2))
 
 
+@pytest.mark.slow
 def test_per_layer_choices_differ_and_match_one_device():
     """8 heads (Ulysses feasible and predicted fastest) next to 6 heads with a window (it
     is not): one program, two schedules, the single-device numbers."""
@@ -206,6 +207,7 @@ def test_per_layer_choices_differ_and_match_one_device():
     assert_matches_one_device(two_attentions, context_parallel(two_attentions, cp=8), *args)
 
 
+@pytest.mark.slow
 def test_hybrid_from_cp_alone_builds_its_mesh_and_matches_one_device():
     """4 KV heads over cp=8: Ulysses degree 2 or 4, whichever the cost model predicts
     faster; the mesh is built with Ulysses groups on consecutive devices."""

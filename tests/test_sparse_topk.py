@@ -115,6 +115,7 @@ def test_scatter_of_other_indices_stays_dense(rng):
     assert_close(jax.jit(module.as_function())(q, k, v, idx), fn(q, k, v, idx), RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["none", "zigzag"])
 @pytest.mark.parametrize("schedule", ["ring", "allgather", "ulysses"])
 def test_schedules_match_one_device(rng, schedule, layout):
@@ -129,6 +130,7 @@ def test_schedules_match_one_device(rng, schedule, layout):
     assert "topk" in fn.explain(*args)
 
 
+@pytest.mark.slow
 def test_more_indices_than_causal_keys(rng):
     """k = 24 > the causal keys of the first 23 queries: top_k then picks masked (-inf)
     keys, which the causal part keeps hidden."""
@@ -142,6 +144,7 @@ def test_more_indices_than_causal_keys(rng):
     assert all(relative(g, w) <= RTOL for g, w in zip(got, ref))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_duplicate_indices_under_the_ring(rng, mesh8, layout):
     q, k, v = (randn(rng, B, S, 2, D) for _ in range(3))
@@ -191,6 +194,7 @@ def test_pallas_refuses_indices(rng):
         fn(q, k, v)
 
 
+@pytest.mark.slow
 def test_deepseek_example_matches_one_device():
     """``examples/deepseek_sparse.py``'s check at its smallest size (one zigzag chunk per
     device half, top-k larger than most rows' causal keys)."""
@@ -200,6 +204,7 @@ def test_deepseek_example_matches_one_device():
     assert deepseek_sparse.demo(seq=16, batch=1, schedule="ring")
 
 
+@pytest.mark.slow
 def test_hybrid_matches_one_device(rng):
     args = inputs(rng)
     mesh = make_mesh((2, 4), ("uly", "ring"))
