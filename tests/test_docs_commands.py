@@ -27,7 +27,7 @@ RUN = [
     (r"\.venv/bin/cptransform passes\b", "fast"),
     (r"\.venv/bin/cptransform opt examples/tiny_attention\.py:", "fast"),
     (r"\.venv/bin/cptransform (plan|opt) examples/llama\.py:", "slow"),
-    (r"\.venv/bin/python examples/\w+\.py$", "slow"),
+    (r"\.venv/bin/python examples/\w+\.py(\s|$)", "slow"),
 ]
 
 #: (pattern at the start of a command, why it is not run here).

@@ -24,7 +24,7 @@ from cptransform.passes.plan_context_parallel import PlanError
 MiB = 2 ** 20
 RTOL = 1e-5
 H100 = HARDWARE["h100"]
-DESIGN = dict(heads=32, head_dim=128, cp=8, dtype_bytes=2, positions=False, layout="zigzag")
+WORKED = dict(heads=32, head_dim=128, cp=8, dtype_bytes=2, positions=False, layout="zigzag")
 
 
 def predict(name, shape, hardware=H100):
@@ -36,8 +36,8 @@ def predict(name, shape, hardware=H100):
 @pytest.mark.parametrize("kv_heads", [32, 8])
 def test_overlap_condition_is_f_over_b_scaled_by_kv_heads(kv_heads):
     """Full mask (every tile computed): the ring's block must reach ``F/B · h_kv/h`` tokens
-    for its transfers to hide behind compute (the design's ``c ≥ F/B``, bf16)."""
-    shape = AttentionShape(seq_len=128 * 1024, kv_heads=kv_heads, **DESIGN)
+    for its transfers to hide behind compute (``c ≥ F/B`` of docs/architecture.md, bf16)."""
+    shape = AttentionShape(seq_len=128 * 1024, kv_heads=kv_heads, **WORKED)
     ring = predict("ring", shape)
     f_over_b = H100.flops_per_s(2) / H100.link(8).bytes_per_s
     assert ring.overlap_tokens == pytest.approx(f_over_b * kv_heads / 32, rel=1e-12)
@@ -49,7 +49,7 @@ def test_design_worked_numbers_priced(kv_heads, ulysses_mib):
     """s = 128K, h = 4096, cp = 8, bf16, causal, on H100 (NVLink): Ulysses waits for its
     448 / 280 MiB of all-to-alls; the ring's 16K-token blocks hide its transfers, so only
     latency is exposed and ``auto`` picks the ring."""
-    shape = AttentionShape(seq_len=128 * 1024, kv_heads=kv_heads, band=(None, 0), **DESIGN)
+    shape = AttentionShape(seq_len=128 * 1024, kv_heads=kv_heads, band=(None, 0), **WORKED)
     ulysses, ring = predict("ulysses", shape), predict("ring", shape)
     work = schedules()["ulysses"].work(shape)
     nvlink = H100.link(8)
@@ -67,7 +67,7 @@ def test_short_blocks_cannot_hide_the_ring():
     """s = 8K, MHA: a 1K-token block is under F/B ≈ 1.1K, so the ring exposes transfers and
     Ulysses, moving a quarter of the bytes, is predicted faster; with 8 KV heads the
     threshold drops 4x and the ring wins again."""
-    mha = AttentionShape(seq_len=8 * 1024, kv_heads=32, **DESIGN)
+    mha = AttentionShape(seq_len=8 * 1024, kv_heads=32, **WORKED)
     assert predict("ring", mha).overlap_tokens > 1024
     assert predict("ulysses", mha).time_s < predict("ring", mha).time_s
     gqa = replace(mha, kv_heads=8)
