@@ -31,6 +31,7 @@ def test_plan_draws_the_ring_and_balance():
     assert "predicted per device (fastest first):" in out.stdout
 
 
+@pytest.mark.slow
 def test_plan_prices_on_the_named_hardware():
     out = cli("plan", "examples/llama.py:make", "--cp", "4", "--hardware", "h100",
               "--memory-limit", "50%")
@@ -79,6 +80,7 @@ def test_hybrid_over_two_named_axes():
     assert "schedule=hybrid layout=zigzag" in out.stdout
 
 
+@pytest.mark.slow
 def test_mesh_sizes_must_match_axes():
     out = cli("opt", "examples/llama.py:make", "--axis", "uly,ring", "--mesh", "8")
     assert out.returncode == 2
