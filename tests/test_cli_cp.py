@@ -65,6 +65,7 @@ def test_grad_program_shows_the_pallas_dq_and_dkv_kernels():
     assert all("grid_mapping=GridMapping(grid=(" in call for call in calls)
 
 
+@pytest.mark.slow
 def test_bad_schedule_is_one_line():
     out = cli("opt", "examples/llama.py:make", "--cp", "8", "--schedule", "ulysses")
     assert out.returncode == 2

@@ -51,6 +51,7 @@ def test_nnx_split_merge_pure_loss():
     assert result.ok, str(result)
 
 
+@pytest.mark.slow
 def test_nnx_train_step_under_the_decorator_is_refused():
     """A train step differentiates: the decorator belongs on its loss (the error says so)."""
     from flax import nnx

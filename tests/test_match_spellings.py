@@ -83,6 +83,7 @@ def assert_context_parallel_equal(fn, args, cp=4):
 @pytest.mark.parametrize("fn, band, softcap", [(gemma_global, (None, 0), None),
                                                (gemma_local, (-3, 0), 50.0)],
                          ids=["global", "local_softcap"])
+@pytest.mark.slow
 def test_gemma_grouped_query_reshapes(fn, band, softcap, rng):
     """Logits ``[B,T,K,G,S]`` reshaped to ``[B,T,N,S]`` for the mask and softmax and back
     for the value product: one attention over K KV heads with G query heads each."""

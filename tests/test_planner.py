@@ -258,6 +258,7 @@ def test_explicit_hardware_and_percent_limit():
     assert all(p.memory_bytes <= H100.memory_bytes // 2 for p in plan.predictions[:1])
 
 
+@pytest.mark.slow
 def test_a_layout_that_cannot_cut_the_length_is_priced_padded(rng):
     """Zigzag over 72 tokens at cp=8 is planned on 80 (padded inside the attention) and
     still matches one device."""

@@ -68,6 +68,7 @@ def qkvs(rng, b=2, t=16, h=4, d=8):
 
 # -- the reference -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window,fill,empty_rows", [
     (None, -jnp.inf, "nan"), (3, -jnp.inf, "nan"), (3, F32_MIN, "uniform")])
 def test_reference_is_the_sink_softmax(rng, window, fill, empty_rows):
@@ -87,6 +88,7 @@ def test_reference_is_the_sink_softmax(rng, window, fill, empty_rows):
         assert_close(g, w, 1e-5)
 
 
+@pytest.mark.slow
 def test_sink_gradient_formula(rng):
     """``d sink_h = -Σ_rows exp(sink_h - lse) · rowsum(dO ∘ O)`` (lse including the sink)."""
     q, k, v, s = qkvs(rng)

@@ -67,6 +67,7 @@ def relative(got, want):
     return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [5, 2 * S])  # 2·S: more indices than keys, duplicates galore
 def test_reference_matches_dense_mask(rng, k):
     q, kk, v = (randn(rng, 2, 16, 2, D) for _ in range(3))
@@ -166,6 +167,7 @@ def test_duplicate_indices_under_the_ring(rng, mesh8, layout):
     assert all(relative(g, w) <= RTOL for g, w in zip(got, want))
 
 
+@pytest.mark.slow
 def test_chunked_kernel_skips_chunks_no_index_falls_in(rng):
     q, k, v = (randn(rng, 1, 32, 2, D) for _ in range(3))
     pos = jnp.arange(32, dtype=jnp.int32)[None]
