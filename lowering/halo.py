@@ -31,7 +31,8 @@ counted twice. Dense masks and biases hold all key columns in layout order: the 
 the column slices of the halo keys, and the bias gradient of a halo is added back into its
 columns.
 
-Non-finite values follow one device (DESIGN §6): there every query multiplies every value
+Non-finite values follow one device (docs/contract.md, "NaN and Inf"): there every query
+multiplies every value
 by its probability, an exact 0 outside the window, so a NaN anywhere in V reaches every row.
 The forward adds ``Σ 0·V`` over all keys (a psum of ``[B, 1, Hkv, Dv]``), the backward the
 kernel contract's ``Σ 0·K``, ``Σ 0·Q`` and ``Σ (0·lse + 0·dO)`` over all keys / queries

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from cptransform.op.attention_reference import attention_reference
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
@@ -105,6 +106,14 @@ def pairwise_cases(cps=(2, 4, 8)):
         a, b = pairs[i % len(pairs)]
         cases.append((cps[(a + b) % len(cps)], LAYOUTS[a], kind, heads[b], 8 if i % 2 else 12))
     return cases
+
+
+def fast_slice(cases, fast: tuple[int, ...]) -> list:
+    """``cases`` as ``pytest.param``s: the cases at the indices ``fast`` run in the fast tier,
+    the others are marked ``slow``. Each schedule sharing :func:`pairwise_cases` picks other
+    indices, so the fast tier sees every layout and several mask kinds across schedules."""
+    return [pytest.param(*case, marks=() if i in fast else pytest.mark.slow)
+            for i, case in enumerate(cases)]
 
 
 def relative_error(got, want) -> float:

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
-from schedule_cases import HEAD_KINDS, check_schedule, make_case, pairwise_cases
+from schedule_cases import HEAD_KINDS, check_schedule, fast_slice, make_case, pairwise_cases
 
 from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.lowering.schedule import schedules
@@ -12,13 +12,14 @@ from cptransform.lowering.collectives import lower_and_count
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
 
 
-@pytest.mark.parametrize("cp,layout,kind,heads,dv", pairwise_cases())
+@pytest.mark.parametrize("cp,layout,kind,heads,dv", fast_slice(pairwise_cases(), fast=(1,)))
 def test_matches_reference(rng, cp, layout, kind, heads, dv):
     case = make_case(rng, kind, heads, dv=dv)
     check_schedule(case, mesh=make_mesh((cp,), ("cp",)), axes="cp", schedule="allgather",
                    layout=layout)
 
 
+@pytest.mark.slow
 def test_bf16_and_uniform_empty_rows(rng):
     case = make_case(rng, "dense_causal", "gqa", dtype=jnp.bfloat16, empty_rows="uniform",
                      dense_heads=False)
@@ -26,6 +27,7 @@ def test_bf16_and_uniform_empty_rows(rng):
                    layout="zigzag")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads,segments", [("gqa", False), ("mha", True)])
 def test_communication_gathers_forward_and_reduce_scatters_backward(heads, segments):
     s, d, dv, cp = 64, 8, 12, 8

@@ -23,6 +23,7 @@ def data():
     return jax.random.normal(kx, (2, 32, 8)), jax.random.normal(kw, (3, 8, 2, 4)) / 3
 
 
+@pytest.mark.slow
 def test_python_scalars_and_strings_are_static(data):
     x, w = data
 
@@ -38,6 +39,7 @@ def test_python_scalars_and_strings_are_static(data):
         np.testing.assert_allclose(got[1], want[1], rtol=RTOL, atol=RTOL * np.abs(want[1]).max())
 
 
+@pytest.mark.slow
 def test_static_argnames_under_an_outer_jit(data):
     x, w = data
 
@@ -102,6 +104,7 @@ def test_no_attention_warns_with_the_refused_softmax(data):
         context_parallel(gate, cp=4, strict=True)(x)
 
 
+@pytest.mark.slow
 def test_an_empty_pytree_argument_is_traced_not_static(data):
     x, w = data
 
@@ -116,6 +119,7 @@ def test_an_empty_pytree_argument_is_traced_not_static(data):
                                atol=RTOL * np.abs(want[1]["w"]).max())
 
 
+@pytest.mark.slow
 def test_state_written_into_an_argument_is_written_back(data):
     """A function that assigns into its arguments (a step counter in a dict): the caller's
     dict sees the write after the call, as with the undecorated function."""
@@ -162,6 +166,7 @@ def dropout_attention():
     return Model(), loss
 
 
+@pytest.mark.slow
 def test_nnx_dropout_advances_its_rngs_under_the_decorator(data):
     """``nnx.Dropout`` advances its ``Rngs`` counter on every call: under the decorator too,
     so each step draws a new mask, the same as on one device (a lost write would repeat the
@@ -180,6 +185,7 @@ def test_nnx_dropout_advances_its_rngs_under_the_decorator(data):
             np.testing.assert_allclose(g, w, rtol=RTOL, atol=RTOL * np.abs(w).max())
 
 
+@pytest.mark.slow
 def test_nnx_scan_over_layers_writes_its_state_back(data):
     """``nnx.scan`` assigns every layer's state back to the module (new arrays, same
     values): written back, not mistaken for a change of the model."""

@@ -60,12 +60,14 @@ def test_gqa_mqa(rng, kv_heads):
                                xla_attention(q, k, v, is_causal=True), **TOL)
 
 
+@pytest.mark.slow
 def test_scale(rng):
     q, k, v = qkv(rng)
     np.testing.assert_allclose(attention(q, k, v, scale=0.37),
                                xla_attention(q, k, v, scale=0.37), **TOL)
 
 
+@pytest.mark.slow
 def test_softcap_matches_formula(rng):
     q, k, v = qkv(rng, kv_heads=H)
     cap, scale = 2.5, D ** -0.5
@@ -75,6 +77,7 @@ def test_softcap_matches_formula(rng):
     np.testing.assert_allclose(attention(q, k, v, softcap=cap), want, **TOL)
 
 
+@pytest.mark.slow
 def test_segment_ids_equal_explicit_mask(rng):
     q, k, v = qkv(rng)
     seg = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1), jnp.int32)
@@ -85,6 +88,7 @@ def test_segment_ids_equal_explicit_mask(rng):
                                **TOL)
 
 
+@pytest.mark.slow
 def test_empty_rows_zero_by_default(rng):
     q, k, v = qkv(rng)
     mask = dense_mask(rng)
@@ -123,6 +127,7 @@ def test_vmap_leading_axis(rng):
                                    **TOL)
 
 
+@pytest.mark.slow
 def test_vmap_non_leading_axis_and_unbatched_kv(rng):
     n = 3
     qs = [qkv(rng)[0] for _ in range(n)]
@@ -135,6 +140,7 @@ def test_vmap_non_leading_axis_and_unbatched_kv(rng):
                                    **TOL)
 
 
+@pytest.mark.slow
 def test_bf16_inputs(rng):
     q, k, v = qkv(rng, dtype=jnp.bfloat16)
     out = attention(q, k, v, causal=True)
@@ -152,6 +158,7 @@ def test_jit_equals_eager_and_binds_one_equation(rng):
     assert "attention[causal window=(4,0) gqa=2" in str(module)
 
 
+@pytest.mark.slow
 def test_layout_bhtd(rng):
     q, k, v = qkv(rng)
     t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731  BTHD <-> BHTD

@@ -43,6 +43,7 @@ def rand(shape, seed=0):
     return jax.random.normal(jax.random.key(seed), shape, jnp.float32)
 
 
+@pytest.mark.slow
 def test_llama_round_trip_values_and_grads():
     llama = load_llama()
     cfg = llama.Config(dim=32, layers=2, mlp_dim=64)

@@ -34,6 +34,7 @@ def test_opt_prints_banner_jaxpr_and_summary_per_pass():
                          r"[\d.]+ ms, (changed|unchanged)$", part, re.M)
 
 
+@pytest.mark.slow
 def test_passes_lists_canonicalize_with_options():
     proc = run_cli("passes")
     assert proc.returncode == 0, proc.stderr
@@ -43,6 +44,7 @@ def test_passes_lists_canonicalize_with_options():
     assert lower.splitlines()[1] == "    requires: mesh, plan"
 
 
+@pytest.mark.slow
 def test_unknown_pass_is_one_line_exit_2():
     proc = run_cli("opt", f"{LLAMA}:make", "-p", "canonicalize,nosuch")
     assert proc.returncode == 2

@@ -31,6 +31,7 @@ def test_plan_draws_the_ring_and_balance():
     assert "predicted per device: ring: " in out.stdout  # the chosen one; --verbose: all
 
 
+@pytest.mark.slow
 def test_plan_prices_on_the_named_hardware():
     out = cli("plan", "examples/llama.py:make", "--cp", "4", "--hardware", "h100",
               "--memory-limit", "50%")
@@ -38,6 +39,7 @@ def test_plan_prices_on_the_named_hardware():
     assert "least predicted time on h100" in out.stdout
 
 
+@pytest.mark.slow
 def test_opt_with_cp_lowers_and_prints_the_gradient_program():
     out = cli("opt", "examples/llama.py:make", "--cp", "4", "--schedule", "ulysses",
               "--print-ir-after=lower-context-parallel", "--grad")
@@ -49,6 +51,7 @@ def test_opt_with_cp_lowers_and_prints_the_gradient_program():
     assert grad.count("all_to_all[") >= 8  # forward q, k, v, o and their transposes
 
 
+@pytest.mark.slow
 def test_grad_program_shows_the_pallas_dq_and_dkv_kernels():
     """--kernel pallas --grad: the backward holds the Q-major dQ and the KV-major dK/dV
     pallas_calls (named, with their grids), besides the forward's."""
@@ -62,6 +65,7 @@ def test_grad_program_shows_the_pallas_dq_and_dkv_kernels():
     assert all("grid_mapping=GridMapping(grid=(" in call for call in calls)
 
 
+@pytest.mark.slow
 def test_bad_schedule_is_one_line():
     out = cli("opt", "examples/llama.py:make", "--cp", "8", "--schedule", "ulysses")
     assert out.returncode == 2
@@ -69,6 +73,7 @@ def test_bad_schedule_is_one_line():
     assert "Ulysses splits the 4 query heads over cp=8" in out.stderr
 
 
+@pytest.mark.slow
 def test_hybrid_over_two_named_axes():
     out = cli("opt", "examples/llama.py:make", "--axis", "uly,ring", "--mesh", "2,4",
               "--load-balance", "zigzag", "--print-ir-after=plan-context-parallel")
@@ -76,6 +81,7 @@ def test_hybrid_over_two_named_axes():
     assert "schedule=hybrid layout=zigzag" in out.stdout
 
 
+@pytest.mark.slow
 def test_mesh_sizes_must_match_axes():
     out = cli("opt", "examples/llama.py:make", "--axis", "uly,ring", "--mesh", "8")
     assert out.returncode == 2
@@ -83,6 +89,7 @@ def test_mesh_sizes_must_match_axes():
         "cptransform: error: --mesh '8' must give one positive size per --axis name uly,ring"]
 
 
+@pytest.mark.slow
 def test_plan_png(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "plan.png"

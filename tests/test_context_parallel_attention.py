@@ -27,6 +27,7 @@ def _reference(case):
     return jax.jit(partial(attention_reference, spec=case.spec))(*case.operands)
 
 
+@pytest.mark.slow
 def test_any_layout_batch_dims_and_given_positions(rng):
     """BHTD-style layouts with two batch dims, a K/V without heads dim (MQA), and given
     (offset, per-batch) positions for a causal+window mask, against attention_reference."""
@@ -43,6 +44,7 @@ def test_any_layout_batch_dims_and_given_positions(rng):
                    layout="zigzag")
 
 
+@pytest.mark.slow
 def test_in_layout_order_keeps_the_layout_order(rng):
     case = make_case(rng, "causal", "gqa", seq=16)
     lay = SequenceLayout("zigzag", 16, 4)
@@ -54,6 +56,7 @@ def test_in_layout_order_keeps_the_layout_order(rng):
     assert relative_error(out, want) <= 1e-5
 
 
+@pytest.mark.slow
 def test_other_mesh_axes_stay_automatic(rng):
     """Batch sharded over a 'data' axis that the schedule never names."""
     mesh = make_mesh((4, 2), ("cp", "data"))
@@ -66,6 +69,7 @@ def test_other_mesh_axes_stay_automatic(rng):
     assert relative_error(out, _reference(case)) <= 1e-5
 
 
+@pytest.mark.slow
 def test_schedule_contract(rng, monkeypatch):
     """A schedule written from the documented contract alone (gather all keys, attend)
     reproduces the reference: shapes, positions of the rank and mask columns in layout
@@ -89,6 +93,7 @@ def test_schedule_contract(rng, monkeypatch):
     assert seen == dict(q=(2, 6, 8, 8), mask=(2, 8, 6, 24), q_pos=(1, 6), axes=("cp",))
 
 
+@pytest.mark.slow
 def test_attend_is_the_local_kernel_forward(rng):
     """The default kernel's forward equals attention_reference.attend (one definition of a
     block), up to float32 rounding: it accumulates over key chunks."""

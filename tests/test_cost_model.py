@@ -1,5 +1,5 @@
-"""Closed-form communication: the design brief's worked numbers, and agreement to the byte
-with the collectives counted in the lowered StableHLO of every schedule."""
+"""Closed-form communication: the worked numbers of docs/performance.md, and agreement to
+the byte with the collectives counted in the lowered StableHLO of every schedule."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,23 +13,23 @@ from cptransform.lowering.collectives import lower_and_count
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
 
 MiB = 2 ** 20
-DESIGN = dict(seq_len=128 * 1024, heads=32, head_dim=128, cp=8, dtype_bytes=2, positions=False)
+WORKED = dict(seq_len=128 * 1024, heads=32, head_dim=128, cp=8, dtype_bytes=2, positions=False)
 
 
 @pytest.mark.parametrize("kv_heads,ring_mib,ulysses_mib", [(32, 1792, 448), (8, 448, 280)])
 def test_design_worked_numbers(kv_heads, ring_mib, ulysses_mib):
-    ring = schedules()["ring"].volume(AttentionShape(kv_heads=kv_heads, **DESIGN))
-    ulysses = schedules()["ulysses"].volume(AttentionShape(kv_heads=kv_heads, **DESIGN))
+    ring = schedules()["ring"].volume(AttentionShape(kv_heads=kv_heads, **WORKED))
+    ulysses = schedules()["ulysses"].volume(AttentionShape(kv_heads=kv_heads, **WORKED))
     assert ring.payload_bytes() == ring_mib * MiB == ring.forward_total
     assert ulysses.payload_bytes() == ulysses_mib * MiB == ulysses.forward_total
-    allgather = schedules()["allgather"].volume(AttentionShape(kv_heads=kv_heads, **DESIGN))
+    allgather = schedules()["allgather"].volume(AttentionShape(kv_heads=kv_heads, **WORKED))
     assert allgather.forward_total == ring.forward_total
 
 
 def test_backward_volumes():
-    s, h, cp = DESIGN["seq_len"], 4096, 8
+    s, h, cp = WORKED["seq_len"], 4096, 8
     h_kv = h // 4
-    kw = dict(DESIGN, kv_heads=8)
+    kw = dict(WORKED, kv_heads=8)
     ulysses = schedules()["ulysses"].volume(AttentionShape(**kw))
     assert ulysses.backward == {"all_to_all": ulysses.forward_total}
     allgather = schedules()["allgather"].volume(AttentionShape(**kw))

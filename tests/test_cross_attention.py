@@ -47,6 +47,7 @@ def cross_case(rng, tq: int, tkv: int, kind: str, heads: str = "gqa",
     return Case(tuple(operands), spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,layout,tq,tkv,kind,empty_rows", [
     ("ring", "contiguous", 16, 32, "causal", "zero"),      # both lengths divisible
     ("ring", "zigzag", 19, 40, "causal", "nan"),           # queries padded, offset 21
@@ -86,6 +87,7 @@ def cross_args(tq: int, tkv: int):
     return params, jax.random.normal(keys[4], (2, tq, 16)), jax.random.normal(keys[5], (2, tkv, 16))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,load_balance,tq,tkv,causal", [
     ("ring", "zigzag", 19, 40, True),
     ("allgather", "none", 16, 24, False),
@@ -123,6 +125,7 @@ def test_one_sequence_of_two_lengths_is_refused():
         context_parallel(cached, cp=8)(params, x, cache)
 
 
+@pytest.mark.slow
 def test_encoder_decoder_example():
     """``examples/encoder_decoder.py`` at its smallest: encoder 16 tokens, decoder 11
     (not a multiple of 2·cp = 16), zigzag over cp=8; loss and every gradient."""

@@ -48,6 +48,7 @@ def model(wrap, w, x):
     return jnp.sum(jnp.sin(o) * o)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrap", [clip_gradient, straight_through_round, order_weighted],
                          ids=["clip", "straight-through", "order-dependent"])
 @pytest.mark.parametrize("load_balance", ["zigzag", "striped"])

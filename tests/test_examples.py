@@ -24,18 +24,22 @@ def test_llama():
     assert llama.demo(seq=32, memory=False)
 
 
+@pytest.mark.slow
 def test_gemma_local_and_global_layers():
     assert gemma.check(seq=32, cfg=gemma.Config(layers=2, window=4))
 
 
+@pytest.mark.slow
 def test_packed_documents_zigzag():
     assert packed_documents.check(seq=32)
 
 
+@pytest.mark.slow
 def test_nnx_optax_training():
     assert nnx_optax.check(seq=16, steps=2, layers=1)
 
 
+@pytest.mark.slow
 def test_nnx_split_merge_pure_loss():
     """The ``nnx.split`` spelling: a pure loss of the state under ``jax.value_and_grad``."""
     from flax import nnx
@@ -47,6 +51,7 @@ def test_nnx_split_merge_pure_loss():
     assert result.ok, str(result)
 
 
+@pytest.mark.slow
 def test_nnx_train_step_under_the_decorator_is_refused():
     """A train step differentiates: the decorator belongs on its loss (the error says so)."""
     from flax import nnx

@@ -47,7 +47,12 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1"))
 # example of each class is a random draw (hypothesis' first example would be the all-first-
 # options one for every class). Shrinking is off (each step costs a compile): the printed
 # FuzzCase is the reproduction.
-@pytest.mark.parametrize("cls", CI_CLASSES)
+#: The fast tier's sample of the fuzzer: one class (picked by a fixed seed); the rest are slow.
+FAST_CLASS = CI_CLASSES[int(np.random.default_rng(0).integers(len(CI_CLASSES)))]
+
+
+@pytest.mark.parametrize("cls", [pytest.param(c, marks=() if c == FAST_CLASS else pytest.mark.slow)
+                                 for c in CI_CLASSES])
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           phases=(Phase.explicit, Phase.generate),
           suppress_health_check=list(HealthCheck))

@@ -56,6 +56,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_matches_reference(rng, name):
     """Output and dq, dk, dv (dbias) of halo against the unsharded reference, fp32."""
@@ -94,6 +95,7 @@ def _compare_with_nan(case: Case, kw):
     return want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("empty_rows", ["zero", "uniform", "nan"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_empty_rows(rng, empty_rows, layout):
@@ -110,6 +112,7 @@ def test_empty_rows(rng, empty_rows, layout):
         np.testing.assert_allclose(out[:, 0, 0], v.mean(axis=1)[:, 0], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_nan_in_one_value(rng, layout):
     """A NaN in the value of token 29 (rank 3): on one device every row of its head is NaN,
@@ -121,6 +124,7 @@ def test_nan_in_one_value(rng, layout):
     assert np.isnan(out[1, :, :4, 2]).all() and not np.isnan(out[0]).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("operand", [0, 1], ids=["q", "k"])
 def test_nan_in_one_query_or_key(rng, operand):
     """A NaN in token 29's query (key): on one device ``dk += Σ 0·Q`` (``dq += Σ 0·K``)
@@ -139,6 +143,7 @@ def _loss_model(window):
     return f
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_balance", ["none", "zigzag"])
 def test_context_parallel_end_to_end(rng, load_balance):
     """``context_parallel(schedule="halo")`` on a jax.nn sliding-window attention: value and
@@ -155,6 +160,7 @@ def test_context_parallel_end_to_end(rng, load_balance):
     assert "halo" in cp.explain(q, k, v)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hardware", ["h100", "cpu-sim"])
 def test_auto_chooses_halo_for_a_narrow_window(rng, hardware):
     """Under ``auto`` a window of 3 over 8-token shards goes to halo (its bytes are the
@@ -223,6 +229,7 @@ def test_volume_proportional_to_window():
     assert volume(_shape(64)).forward_total * 50 < ring.forward_total
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,window", [("contiguous", (3, 2)), ("zigzag", (3, 0))])
 def test_permutes_move_only_halos(layout, window):
     """The lowered program's collective-permutes carry ``[B, halo, Hkv, D + Dv]`` K/V and

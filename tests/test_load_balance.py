@@ -73,6 +73,7 @@ def test_causal_counts_every_layout_and_chooses_zigzag():
     assert by_name["zigzag"].balance == 1.0 and by_name["contiguous"].balance > 1.5
 
 
+@pytest.mark.slow
 def test_a_window_is_not_treated_as_causal():
     """A sliding window of 8 over 16-token shards: contiguous is as balanced on its busiest
     rank as zigzag, so the tie goes to contiguous (the old rule took zigzag for any band

@@ -10,6 +10,7 @@ from test_match_support import check, randn, specs
 B, T, H, D = 2, 8, 2, 8
 
 
+@pytest.mark.slow
 def test_linen_function_with_combined_masks(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     valid = jnp.asarray(rng.random((B, T)) > 0.2)
@@ -31,6 +32,7 @@ def test_linen_causal_only(rng):
     assert spec.mask.causal
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layers", [1, 2])
 def test_linen_module(rng, layers):
     x = randn(rng, B, T, 16)
@@ -49,6 +51,7 @@ def test_linen_module(rng, layers):
     assert all(s.mask.causal for s in specs_found)
 
 
+@pytest.mark.slow
 def test_nnx_multi_head_attention(rng):
     x = randn(rng, B, T, 16)
     mha = nnx.MultiHeadAttention(num_heads=H, in_features=16, qkv_features=16, decode=False,

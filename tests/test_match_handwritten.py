@@ -112,7 +112,9 @@ CAUSAL_SPELLINGS = {scale_on_q, scale_after_mask, arithmetic_mask, additive_neg_
                     deferred_normalization}
 
 
-@pytest.mark.parametrize("fn", SPELLINGS, ids=lambda f: f.__name__)
+# Every fourth spelling in the fast tier; the rest are slow.
+@pytest.mark.parametrize("fn", [pytest.param(f, marks=() if i % 4 == 0 else pytest.mark.slow)
+                                for i, f in enumerate(SPELLINGS)], ids=lambda f: f.__name__)
 def test_spelling(fn, rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     (spec,) = specs(check(fn, q, k, v, analytic=True))
@@ -120,6 +122,7 @@ def test_spelling(fn, rng):
     assert not spec.mask.bias
 
 
+@pytest.mark.slow
 def test_uniform_vs_zero(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     assert specs(check(scale_after_mask, q, k, v))[0].mask.empty_rows == "uniform"
@@ -127,6 +130,7 @@ def test_uniform_vs_zero(rng):
     assert specs(check(arithmetic_mask, q, k, v))[0].mask.empty_rows == "uniform"
 
 
+@pytest.mark.slow
 def test_softcap_and_scale(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     (spec,) = specs(check(softcap, q, k, v))
@@ -134,6 +138,7 @@ def test_softcap_and_scale(rng):
     assert spec.scale == pytest.approx(D ** -0.5)
 
 
+@pytest.mark.slow
 def test_float32_upcast(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     check(float32_upcast, q, k, v, rtol=1e-2)  # bf16 operands on both sides
@@ -153,6 +158,7 @@ def test_gqa_by_reshape(rng):
     assert spec.groups == 2
 
 
+@pytest.mark.slow
 def test_gqa_by_repeat(rng):
     q, k, v = randn(rng, B, T, H, D), randn(rng, B, T, 2, D), randn(rng, B, T, 2, D)
 
@@ -168,6 +174,7 @@ def test_gqa_by_repeat(rng):
                                       if len(e.outvars[0].aval.shape) == 5}
 
 
+@pytest.mark.slow
 def test_gradient_of_hand_written(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     m = rewrite(arithmetic_mask, q, k, v)

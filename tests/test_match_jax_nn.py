@@ -36,12 +36,14 @@ def test_local_window(qkv):
     assert spec.mask.band() == (-3, 0)
 
 
+@pytest.mark.slow
 def test_scale(qkv):
     fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=0.7)  # noqa: E731
     (spec,) = specs(check(fn, *qkv))
     assert spec.scale == pytest.approx(0.7)
 
 
+@pytest.mark.slow
 def test_dense_mask_and_bias(qkv, rng):
     mask = jnp.asarray(rng.random((B, 1, T, T)) > 0.3)
     bias = randn(rng, B, H, T, T)
@@ -50,6 +52,7 @@ def test_dense_mask_and_bias(qkv, rng):
     assert spec.mask.dense and spec.mask.bias
 
 
+@pytest.mark.slow
 def test_gqa(rng):
     q = randn(rng, B, T, H, D)
     k, v = randn(rng, B, T, 2, D), randn(rng, B, T, 2, D)
@@ -58,6 +61,7 @@ def test_gqa(rng):
     assert spec.groups == 2
 
 
+@pytest.mark.slow
 def test_hand_written_causal_einsum(qkv):
     def fn(q, k, v):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(D)
@@ -68,6 +72,7 @@ def test_hand_written_causal_einsum(qkv):
     assert spec.mask.causal and spec.mask.empty_rows == "nan"
 
 
+@pytest.mark.slow
 def test_gradient_matches(qkv):
     fn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
     m = rewrite(fn, *qkv)

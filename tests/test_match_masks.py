@@ -61,6 +61,7 @@ def test_segments(rng):
     assert spec.mask.segments and spec.mask.causal
 
 
+@pytest.mark.slow
 def test_key_padding_becomes_segment_ids(rng):
     """A key-only padding mask needs no T×T operand: it is folded into segment ids."""
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
@@ -74,6 +75,7 @@ def test_key_padding_becomes_segment_ids(rng):
     assert spec.mask.segments and spec.mask.causal and spec.mask.empty_rows == "uniform"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fill", [-1e9, -jnp.inf])
 def test_query_and_key_padding_with_documents(rng, fill):
     """Query padding (fully masked rows), key padding and document ids together become one
@@ -120,6 +122,7 @@ def test_topk_indexer_mask(rng):
     assert spec.mask.topk and spec.mask.causal and not spec.mask.dense
 
 
+@pytest.mark.slow
 def test_additive_bias_from_data(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     bias = randn(rng, H, T, T)
@@ -133,6 +136,7 @@ def test_additive_bias_from_data(rng):
     assert spec.mask.bias and spec.mask.causal
 
 
+@pytest.mark.slow
 def test_cross_attention_lengths(rng):
     q = randn(rng, B, 4, H, D)
     k, v = randn(rng, B, T, H, D), randn(rng, B, T, H, D)

@@ -2,6 +2,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from test_match_support import assert_close, check, randn, rewrite, specs
 
@@ -27,16 +28,19 @@ def test_scan_over_layers(rng):
     assert [r.depth for r in m.facts.matches] == [1]
 
 
+@pytest.mark.slow
 def test_checkpoint(rng):
     x, w = randn(rng, B, T, H, D), randn(rng, 3, D, D) * 0.3
     check(lambda x, w: jax.checkpoint(layer)(x, w), x, w, analytic=True)
 
 
+@pytest.mark.slow
 def test_nested_jit(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     check(jax.jit(lambda q, k, v: jax.jit(attend)(q, k, v) * 2.0), q, k, v, analytic=True)
 
 
+@pytest.mark.slow
 def test_custom_jvp(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     f = jax.custom_jvp(attend)
@@ -50,6 +54,7 @@ def test_vmap_over_batch(rng):
     check(jax.vmap(one), q, k, v, analytic=True)
 
 
+@pytest.mark.slow
 def test_gradient_through_scan(rng):
     x, ws = randn(rng, B, T, H, D), randn(rng, 2, 3, D, D) * 0.3
     fn = lambda x, ws: jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0]  # noqa: E731

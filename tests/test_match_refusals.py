@@ -20,12 +20,14 @@ def scores(q, k):
     return jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
 
 
+@pytest.mark.slow
 def test_vocabulary_classifier(rng):
     h, w = randn(rng, B, T, D), randn(rng, D, V)
     fn = lambda h, w: jax.nn.softmax(h @ w, axis=-1)  # noqa: E731
     check_refused(fn, h, w, reason="probabilities")
 
 
+@pytest.mark.slow
 def test_gating_softmax(rng):
     x, wg, experts = randn(rng, B, T, D), randn(rng, D, 4), randn(rng, 4, D, D)
 
@@ -37,6 +39,7 @@ def test_gating_softmax(rng):
     check_refused(fn, x, wg, experts, reason="batch dims differ")
 
 
+@pytest.mark.slow
 def test_returned_weights(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
 
@@ -47,6 +50,7 @@ def test_returned_weights(rng):
     check_refused(fn, q, k, v, reason="also used elsewhere")
 
 
+@pytest.mark.slow
 def test_dropout_on_probabilities(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     keep = jnp.asarray(rng.random((B, H, T, T)) > 0.1)
@@ -58,6 +62,7 @@ def test_dropout_on_probabilities(rng):
     check_refused(fn, q, k, v, keep, reason="dropout")
 
 
+@pytest.mark.slow
 def test_softmax_over_query_axis(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
 
@@ -68,6 +73,7 @@ def test_softmax_over_query_axis(rng):
     check_refused(fn, q, k, v, reason="does not contract the softmax axis")
 
 
+@pytest.mark.slow
 def test_mask_before_softcap(rng):
     """``tanh`` after a ``-inf`` mask turns masked logits into ``-cap``: not a mask."""
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))

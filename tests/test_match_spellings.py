@@ -83,6 +83,7 @@ def assert_context_parallel_equal(fn, args, cp=4):
 @pytest.mark.parametrize("fn, band, softcap", [(gemma_global, (None, 0), None),
                                                (gemma_local, (-3, 0), 50.0)],
                          ids=["global", "local_softcap"])
+@pytest.mark.slow
 def test_gemma_grouped_query_reshapes(fn, band, softcap, rng):
     """Logits ``[B,T,K,G,S]`` reshaped to ``[B,T,N,S]`` for the mask and softmax and back
     for the value product: one attention over K KV heads with G query heads each."""
@@ -95,6 +96,7 @@ def test_gemma_grouped_query_reshapes(fn, band, softcap, rng):
     assert_grads_close(fn, module, args)
 
 
+@pytest.mark.slow
 def test_gemma_end_to_end(rng):
     assert_context_parallel_equal(gemma_local, gqa_inputs(rng))
 
@@ -116,6 +118,7 @@ LSE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(LSE))
 def test_vmapped_2d_logsumexp_two_sided_window(name, rng):
     """Batch and heads from ``vmap``; ``|i - j| <= 2`` is ``window=(2, 2)``, not data."""
@@ -128,11 +131,13 @@ def test_vmapped_2d_logsumexp_two_sided_window(name, rng):
     assert_grads_close(fn, module, args)
 
 
+@pytest.mark.slow
 def test_vmapped_2d_end_to_end(rng):
     args = tuple(randn(rng, B, T, N, H) for _ in range(3))
     assert_context_parallel_equal(per_head(LSE["jax_nn_keepdims"]), args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("compare, window", [
     (lambda d, w: jnp.abs(d) < w, (1, 1)),
     (lambda d, w: w >= jnp.abs(-d), (2, 2)),
@@ -150,6 +155,7 @@ def test_abs_window_forms(compare, window, rng):
     assert spec.mask.window == window and not spec.mask.causal
 
 
+@pytest.mark.slow
 def test_matmul_with_unit_batch(rng):
     """``jnp.matmul`` squeezes a size-1 batch for the product and broadcasts it back."""
     q, k, v = (randn(rng, 1, N, T, H) for _ in range(3))
@@ -157,6 +163,7 @@ def test_matmul_with_unit_batch(rng):
     check(fn, q, k, v)
 
 
+@pytest.mark.slow
 def test_grouped_query_reshape_with_one_kv_head(rng):
     """``[B, 1, G, T, S]`` logits merged to ``[B, G, T, S]``: the size-1 KV-heads dim is a
     part of the merge, and the split of the probabilities must give it back."""
@@ -174,6 +181,7 @@ def test_grouped_query_reshape_with_one_kv_head(rng):
 
 # -- near misses -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_probabilities_regrouped_differently(rng):
     """Logits merged as (K, G) but the probabilities split as (G, K): not attention."""
     q, k, v = gqa_inputs(rng)
@@ -197,6 +205,7 @@ def test_logsumexp_over_the_wrong_axis(rng):
     check_refused(fn, q, k, v, reason="softmax axis")
 
 
+@pytest.mark.slow
 def test_logsumexp_of_other_logits(rng):
     """``exp(2s - logsumexp(s))`` is not a softmax of either."""
     q, k, v = (randn(rng, T, H) for _ in range(3))
@@ -208,6 +217,7 @@ def test_logsumexp_of_other_logits(rng):
     check_refused(fn, q, k, v, reason="other logits")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("index", ["square", "data"])
 def test_abs_window_of_non_affine_index(index, rng):
     """``|i - j*j| <= w`` or ``|i - pos[j]| <= w`` is no band: the mask stays data."""
@@ -224,6 +234,7 @@ def test_abs_window_of_non_affine_index(index, rng):
     assert spec.mask.dense and spec.mask.window is None and not spec.mask.causal
 
 
+@pytest.mark.slow
 def test_abs_window_with_a_traced_width(rng):
     q, k, v = (randn(rng, B, N, T, H) for _ in range(3))
 

@@ -17,6 +17,8 @@ import pytest
 
 import multiprocess_worker as worker
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 TIMEOUT_S = 120
 

@@ -1,4 +1,4 @@
-"""NaN and Inf propagate under context parallelism exactly as on one device (DESIGN §6).
+"""NaN and Inf propagate under context parallelism exactly as on one device (docs/contract.md).
 
 Each test runs a small model once undecorated and once under ``context_parallel`` with every
 schedule, and compares the NaN pattern as well as the finite values: a NaN in a weight, a
@@ -94,6 +94,7 @@ def compare(fn, args, schedule, *, grads=True, **kw):
     return want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_nan_weight(rng, schedule):
     """One NaN entry of wq: NaN loss and the same NaN gradients (not a hidden NaN)."""
@@ -104,6 +105,7 @@ def test_nan_weight(rng, schedule):
     assert np.isnan(want).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_nan_in_one_value(rng, schedule, causal):
@@ -117,6 +119,7 @@ def test_nan_in_one_value(rng, schedule, causal):
     assert np.isnan(want[1, :, 1]).all() and not np.isnan(want[0]).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_inf_logit(rng, schedule):
     """Huge weights overflow logits to ±inf (1e30·1e30, far from the overflow edge, so
@@ -129,6 +132,7 @@ def test_inf_logit(rng, schedule):
     assert np.isnan(want).any() and not np.isnan(want).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_inf_logit_in_one_block(rng, schedule):
     """One huge token: only its own logit overflows to +inf, in one key block. Its row is
@@ -146,6 +150,7 @@ def _padded(rng):
     return x, extra, valid
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_neg_inf_fill_masked_row_is_nan(rng, schedule):
     """``where(mask, s, -inf)``: a query that sees no key is NaN on one device, and so are
@@ -157,6 +162,7 @@ def test_neg_inf_fill_masked_row_is_nan(rng, schedule):
     assert not np.isnan(want[0, :5]).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["ring-zigzag", "allgather"])
 def test_neg_inf_fill_without_empty_rows_is_finite(rng, schedule):
     """A causal ``-inf`` fill with no fully masked row: finite output and gradients (the
@@ -169,6 +175,7 @@ def test_neg_inf_fill_without_empty_rows_is_finite(rng, schedule):
     assert all(np.isfinite(g).all() for g in grads.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_finite_fill_masked_row_is_finite(rng, schedule):
     """A finite fill (``-1e9``): a fully masked row is the mean of V, finite as before."""
@@ -193,6 +200,7 @@ def test_merge_propagates_nan():
     assert np.isnan(o[0, 0, 0, 0]) and not np.isnan(o[0, 0, 0, 1])
 
 
+@pytest.mark.slow
 def test_neg_inf_fill_is_recorded_and_described(rng):
     """The matcher records a ``-inf`` fill as ``empty_rows="nan"`` and ``describe`` says so."""
     p = params(rng)

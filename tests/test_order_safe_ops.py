@@ -10,6 +10,8 @@ from cptransform import context_parallel
 from cptransform.ir.module import iter_eqns
 from test_transform import assert_tree_close
 
+pytestmark = pytest.mark.slow
+
 B, S, H, HD = 2, 32, 2, 8
 F = H * HD
 FEATURE_ORDER = np.random.default_rng(0).permutation(F)

@@ -85,6 +85,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_reference(variant, case, rng):
@@ -96,7 +97,9 @@ def test_kernel_matches_reference(variant, case, rng):
     check_kernel(kernel, block, spec, rng, 2e-2 if bf16 else 1e-5)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+# Pallas in interpret mode once in the fast tier: the TPU variant here; the GPU one is slow.
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=() if v == "tpu" else pytest.mark.slow)
+                                     for v in VARIANTS])
 def test_dkv_tiles_are_the_forward_tiles_transposed(variant, rng):
     """A dense mask that is not symmetric (Tq = Tkv, so a kernel reading mask[kv, q] instead
     of mask[q, kv] would run, and fail). Several blocks each way, GQA with a per-head mask."""
@@ -120,6 +123,7 @@ def test_block_table_causal_is_exact():
     assert (table[0, 0][np.tril_indices(nb, -1)] == FULL).all()
 
 
+@pytest.mark.slow
 def test_block_table_segments_dense_window_and_padding():
     pos = jnp.arange(8, dtype=jnp.int32)[None]
     seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1]], jnp.int32)
@@ -155,6 +159,7 @@ def tiny_llama():
     return loss, params, tokens, jax.jit(jax.value_and_grad(loss))(params, tokens)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,load_balance,variant", [
     ("ring", "zigzag", "tpu"), ("ulysses", "none", "gpu")])
 def test_context_parallel_with_pallas(tiny_llama, schedule, load_balance, variant,

@@ -54,12 +54,14 @@ def test_every_schedule_is_covered():
     assert set(MESHES) == set(schedules())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,shape,layout,kind,heads,dv,variant", cases())
 def test_pallas_matches_reference(rng, monkeypatch, schedule, shape, layout, kind, heads, dv,
                                   variant):
     run(schedule, shape, layout, make_case(rng, kind, heads, dv=dv), monkeypatch, variant)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,empty_rows,variant", [
     ("ring", "uniform", "tpu"), ("ring", "nan", "gpu"),
     ("ulysses", "uniform", "gpu"), ("allgather", "nan", "tpu")])
@@ -69,6 +71,7 @@ def test_pallas_empty_rows(rng, monkeypatch, schedule, empty_rows, variant):
     run(schedule, 4, "zigzag", case, monkeypatch, variant)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,variant,operand", [
     ("ring", "tpu", 2), ("allgather", "gpu", 2), ("ring", "gpu", 1), ("ring", "tpu", 0)])
 def test_pallas_nan_in_one_token(rng, monkeypatch, schedule, variant, operand):
@@ -81,6 +84,7 @@ def test_pallas_nan_in_one_token(rng, monkeypatch, schedule, variant, operand):
         monkeypatch, variant)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,kind,variant", [
     ("contiguous", "window", "tpu"), ("zigzag", "causal_window", "gpu")])
 def test_pallas_halo(rng, monkeypatch, layout, kind, variant):

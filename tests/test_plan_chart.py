@@ -128,6 +128,7 @@ def test_png_needs_matplotlib(monkeypatch, tmp_path):
         render_png(str(tmp_path / "plan.png"), [], ())
 
 
+@pytest.mark.slow
 def test_png_draws_every_chart(tmp_path):
     pytest.importorskip("matplotlib")
     plan, facts = planned("hybrid")

@@ -24,7 +24,7 @@ from cptransform.passes.plan_context_parallel import PlanError
 MiB = 2 ** 20
 RTOL = 1e-5
 H100 = HARDWARE["h100"]
-DESIGN = dict(heads=32, head_dim=128, cp=8, dtype_bytes=2, positions=False, layout="zigzag")
+WORKED = dict(heads=32, head_dim=128, cp=8, dtype_bytes=2, positions=False, layout="zigzag")
 
 
 def predict(name, shape, hardware=H100):
@@ -36,8 +36,8 @@ def predict(name, shape, hardware=H100):
 @pytest.mark.parametrize("kv_heads", [32, 8])
 def test_overlap_condition_is_f_over_b_scaled_by_kv_heads(kv_heads):
     """Full mask (every tile computed): the ring's block must reach ``F/B · h_kv/h`` tokens
-    for its transfers to hide behind compute (the design's ``c ≥ F/B``, bf16)."""
-    shape = AttentionShape(seq_len=128 * 1024, kv_heads=kv_heads, **DESIGN)
+    for its transfers to hide behind compute (``c ≥ F/B`` of docs/architecture.md, bf16)."""
+    shape = AttentionShape(seq_len=128 * 1024, kv_heads=kv_heads, **WORKED)
     ring = predict("ring", shape)
     f_over_b = H100.flops_per_s(2) / H100.link(8).bytes_per_s
     assert ring.overlap_tokens == pytest.approx(f_over_b * kv_heads / 32, rel=1e-12)
@@ -49,7 +49,7 @@ def test_design_worked_numbers_priced(kv_heads, ulysses_mib):
     """s = 128K, h = 4096, cp = 8, bf16, causal, on H100 (NVLink): Ulysses waits for its
     448 / 280 MiB of all-to-alls; the ring's 16K-token blocks hide its transfers, so only
     latency is exposed and ``auto`` picks the ring."""
-    shape = AttentionShape(seq_len=128 * 1024, kv_heads=kv_heads, band=(None, 0), **DESIGN)
+    shape = AttentionShape(seq_len=128 * 1024, kv_heads=kv_heads, band=(None, 0), **WORKED)
     ulysses, ring = predict("ulysses", shape), predict("ring", shape)
     work = schedules()["ulysses"].work(shape)
     nvlink = H100.link(8)
@@ -67,7 +67,7 @@ def test_short_blocks_cannot_hide_the_ring():
     """s = 8K, MHA: a 1K-token block is under F/B ≈ 1.1K, so the ring exposes transfers and
     Ulysses, moving a quarter of the bytes, is predicted faster; with 8 KV heads the
     threshold drops 4x and the ring wins again."""
-    mha = AttentionShape(seq_len=8 * 1024, kv_heads=32, **DESIGN)
+    mha = AttentionShape(seq_len=8 * 1024, kv_heads=32, **WORKED)
     assert predict("ring", mha).overlap_tokens > 1024
     assert predict("ulysses", mha).time_s < predict("ring", mha).time_s
     gqa = replace(mha, kv_heads=8)
@@ -195,6 +195,7 @@ def two_attentions(q1, k1, v1, q2, k2, v2):
     return jnp.sum(jnp.sin(o1)) + jnp.sum(jnp.cos(o2))
 
 
+@pytest.mark.slow
 def test_per_layer_choices_differ_and_match_one_device():
     """8 heads (Ulysses feasible and predicted fastest) next to 6 heads with a window (it
     is not): one program, two schedules, the single-device numbers."""
@@ -206,6 +207,7 @@ def test_per_layer_choices_differ_and_match_one_device():
     assert_matches_one_device(two_attentions, context_parallel(two_attentions, cp=8), *args)
 
 
+@pytest.mark.slow
 def test_hybrid_from_cp_alone_builds_its_mesh_and_matches_one_device():
     """4 KV heads over cp=8: Ulysses degree 2 or 4, whichever the cost model predicts
     faster; the mesh is built with Ulysses groups on consecutive devices."""
@@ -256,6 +258,7 @@ def test_explicit_hardware_and_percent_limit():
     assert all(p.memory_bytes <= H100.memory_bytes // 2 for p in plan.predictions[:1])
 
 
+@pytest.mark.slow
 def test_a_layout_that_cannot_cut_the_length_is_priced_padded(rng):
     """Zigzag over 72 tokens at cp=8 is planned on 80 (padded inside the attention) and
     still matches one device."""

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
-from schedule_cases import POSITION_MASKS, Case, check_schedule, make_case, pairwise_cases, \
-    position_case, relative_error
+from schedule_cases import POSITION_MASKS, Case, check_schedule, make_case, fast_slice, \
+    pairwise_cases, position_case, relative_error
 
 from cptransform.op.attention_reference import attention_reference
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
@@ -29,17 +29,19 @@ def ring(cp, layout):
     return dict(mesh=make_mesh((cp,), ("cp",)), axes="cp", schedule="ring", layout=layout)
 
 
-@pytest.mark.parametrize("cp,layout,kind,heads,dv", pairwise_cases())
+@pytest.mark.parametrize("cp,layout,kind,heads,dv", fast_slice(pairwise_cases(), fast=(4,)))
 def test_matches_reference(rng, cp, layout, kind, heads, dv):
     case = make_case(rng, kind, heads, dv=dv)
     check_schedule(case, **ring(cp, layout))
 
 
+@pytest.mark.slow
 def test_causal_zigzag_cp8_mqa(rng):
     case = make_case(rng, "causal", "mqa", seq=32, dv=12)
     check_schedule(case, **ring(8, "zigzag"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,heads,layout", [("dense_causal", "gqa", "zigzag"),
                                                ("bias", "mha", "contiguous")])
 def test_bf16(rng, kind, heads, layout):
@@ -47,6 +49,7 @@ def test_bf16(rng, kind, heads, layout):
     check_schedule(case, **ring(4, layout))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp,layout,seq", [(4, "contiguous", 12), (2, "zigzag", 12)])
 def test_local_length_not_a_multiple_of_a_tile(rng, cp, layout, seq):
     """Local lengths 3 (one tile) and 6 (two tiles of 3, zigzag chunks of 3)."""
@@ -61,6 +64,7 @@ def _with_empty_rows(case, rows):
     return type(case)(case.operands[:-1] + (jnp.asarray(mask),), case.spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("empty_rows", ["zero", "uniform"])
 def test_fully_masked_rows_match_reference(rng, empty_rows):
     """Rows that see no key: 0 (zero) or the mean of V over all keys (uniform)."""
@@ -69,6 +73,7 @@ def test_fully_masked_rows_match_reference(rng, empty_rows):
     check_schedule(case, **ring(4, "zigzag"))
 
 
+@pytest.mark.slow
 def test_fully_masked_rows_are_exactly_zero_with_zero_gradient(rng):
     rows = [0, 5, 13]
     case = _with_empty_rows(make_case(rng, "dense", "mha", seq=16), rows)
@@ -85,6 +90,7 @@ def test_fully_masked_rows_are_exactly_zero_with_zero_gradient(rng):
     assert np.all(np.isfinite(np.asarray(dq))) and np.any(np.asarray(dq[1, rows]) != 0)
 
 
+@pytest.mark.slow
 def test_kernel_backward_matches_autodiff(rng):
     """The XLA kernel's backward (probabilities recomputed from lse) against jax.vjp of the
     forward, with soft-cap, bias broadcast over heads, GQA, a dense mask and dlse."""
@@ -135,6 +141,7 @@ class _CountingKernel(ChunkedKernel):
         return super().forward(block, spec)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,per_rank", [("contiguous", [3, 7, 11, 15]),
                                              ("zigzag", [9, 9, 9, 9])])
 def test_causal_skips_fully_masked_tiles(rng, monkeypatch, layout, per_rank):
@@ -151,6 +158,7 @@ def test_causal_skips_fully_masked_tiles(rng, monkeypatch, layout, per_rank):
     assert sum(per_rank) == 36 < 64
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seq", [32, 29])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 @pytest.mark.parametrize("kind", list(POSITION_MASKS))
@@ -160,6 +168,7 @@ def test_derived_positions_match_reference(rng, kind, layout, seq):
     check_schedule(position_case(rng, kind, seq, explicit=False), **ring(4, layout))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,layout,seq", [("causal", "zigzag", 29), ("window", "striped", 32),
                                              ("topk", "contiguous", 29)])
 def test_explicit_positions_match_reference(rng, kind, layout, seq):
@@ -167,6 +176,7 @@ def test_explicit_positions_match_reference(rng, kind, layout, seq):
     check_schedule(position_case(rng, kind, seq, explicit=True), **ring(4, layout))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cp,heads,kind,explicit", [
     (2, "mha", "causal", False), (4, "gqa", "segments", False), (8, "mqa", "window", False),
     (4, "gqa", "causal", True), (2, "mha", "window", True)])

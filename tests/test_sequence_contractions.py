@@ -78,6 +78,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_balance", ["zigzag", "striped"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_contraction_over_sequence_matches(case, load_balance):
@@ -108,6 +109,7 @@ def channel_attention(x, w):
     return jnp.mean(attend(q) ** 2)
 
 
+@pytest.mark.slow
 def test_channel_attention_with_model_width_equal_to_sequence():
     x = jax.random.normal(KEYS[4], (B, S, S))
     w = jax.random.normal(KEYS[5], (S, S)) / 4

@@ -18,6 +18,8 @@ from test_transform import cumulative_model
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples import llama  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 
 def gpt_inputs():
     keys = jax.random.split(jax.random.key(41), 2)

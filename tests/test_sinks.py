@@ -68,6 +68,7 @@ def qkvs(rng, b=2, t=16, h=4, d=8):
 
 # -- the reference -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window,fill,empty_rows", [
     (None, -jnp.inf, "nan"), (3, -jnp.inf, "nan"), (3, F32_MIN, "uniform")])
 def test_reference_is_the_sink_softmax(rng, window, fill, empty_rows):
@@ -87,6 +88,7 @@ def test_reference_is_the_sink_softmax(rng, window, fill, empty_rows):
         assert_close(g, w, 1e-5)
 
 
+@pytest.mark.slow
 def test_sink_gradient_formula(rng):
     """``d sink_h = -Σ_rows exp(sink_h - lse) · rowsum(dO ∘ O)`` (lse including the sink)."""
     q, k, v, s = qkvs(rng)
@@ -116,6 +118,7 @@ def test_minus_inf_sink_is_no_sink(rng):
     np.testing.assert_array_equal(np.asarray(ds), 0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fill,empty_rows", [(-jnp.inf, "nan"), (F32_MIN, "uniform")])
 def test_fully_masked_row_with_a_finite_sink_is_zero(rng, fill, empty_rows):
     args = qkvs(rng)
@@ -130,6 +133,7 @@ def test_fully_masked_row_with_a_finite_sink_is_zero(rng, fill, empty_rows):
         assert_close(g, w, 1e-5)
 
 
+@pytest.mark.slow
 def test_minus_inf_sink_on_an_empty_row(rng):
     """Finite-minimum fill: the ``-inf`` sink's head averages V on the empty row, the other
     heads give 0; gradients (the ``-inf`` sink's is 0, not NaN) as on one device."""
@@ -148,6 +152,7 @@ def test_minus_inf_sink_on_an_empty_row(rng):
         assert_close(g, w, 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [jnp.inf, jnp.nan])
 def test_inf_or_nan_sink_makes_its_rows_nan(rng, bad):
     q, k, v, s = qkvs(rng)
@@ -165,6 +170,7 @@ def test_sinks_shape_is_checked(rng):
         attention(q, k, v, sinks=s[:3])
 
 
+@pytest.mark.slow
 def test_vmap_of_sinks(rng):
     q, k, v, s = qkvs(rng)
     per_batch = jnp.stack([s, s[::-1]])
@@ -186,6 +192,7 @@ def test_every_schedule_is_tested_with_sinks():
     assert set(SCHEDULES) == set(schedules())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["causal", "window"])
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -200,6 +207,7 @@ def test_schedule_matches_one_device(rng, schedule, layout, kind):
                    layout=layout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["ring", "ulysses"])
 def test_sinks_cost_one_small_all_reduce(rng, schedule):
     """Beside the schedule's own collectives, the backward adds one all-reduce of the
@@ -224,6 +232,7 @@ def test_sinks_cost_one_small_all_reduce(rng, schedule):
     assert extra == [("all_reduce", ((1, 8),), 1)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["ring", "ulysses"])
 def test_empty_rows_with_sinks_across_devices(rng, schedule):
     """A query that sees no key: 0 with a finite sink, the mean of V with a ``-inf`` one."""
@@ -237,6 +246,7 @@ def test_empty_rows_with_sinks_across_devices(rng, schedule):
                    layout="contiguous")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,variant", [("ring", "tpu"), ("ulysses", "gpu")])
 def test_pallas_kernels_under_the_schedules(rng, schedule, variant, monkeypatch):
     """The Pallas kernels (interpret mode) never see the sinks: the schedule merges them."""
@@ -307,6 +317,7 @@ def assert_grads_close(fn, module, args):
         assert_close(g, w, 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", [0, 4])
 def test_match_gpt_oss_spelling(rng, window):
     fn = lambda *a: gpt_oss_sdpa(*a, sliding_window=window)  # noqa: E731
@@ -316,6 +327,7 @@ def test_match_gpt_oss_spelling(rng, window):
     assert_grads_close(fn, module, args)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["softmax", "log", "manual", "deferred"])
 def test_match_softmax_forms(rng, form):
     fn = lambda *a: bthd_sinks(*a, form=form, window=3)  # noqa: E731
@@ -383,6 +395,7 @@ def test_sinks_carry_no_sequence_axis(rng):
 
 # -- the transform -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,load_balance", [("ring", "zigzag"), ("allgather", "none")])
 def test_context_parallel_gpt_oss(rng, schedule, load_balance):
     fn = lambda *a: gpt_oss_sdpa(*a, sliding_window=4)  # noqa: E731
@@ -399,6 +412,7 @@ def test_context_parallel_gpt_oss(rng, schedule, load_balance):
         assert_close(g, w, 1e-5)
 
 
+@pytest.mark.slow
 def test_gpt_oss_example_at_its_smallest(capsys):
     """``examples/gpt_oss.py``'s check on a tiny model: both layer kinds are matched with
     sinks, sharded over 8 devices, and the loss and every gradient match one device."""

@@ -67,6 +67,7 @@ def relative(got, want):
     return float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("k", [5, 2 * S])  # 2·S: more indices than keys, duplicates galore
 def test_reference_matches_dense_mask(rng, k):
     q, kk, v = (randn(rng, 2, 16, 2, D) for _ in range(3))
@@ -115,6 +116,7 @@ def test_scatter_of_other_indices_stays_dense(rng):
     assert_close(jax.jit(module.as_function())(q, k, v, idx), fn(q, k, v, idx), RTOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["none", "zigzag"])
 @pytest.mark.parametrize("schedule", ["ring", "allgather", "ulysses"])
 def test_schedules_match_one_device(rng, schedule, layout):
@@ -129,6 +131,7 @@ def test_schedules_match_one_device(rng, schedule, layout):
     assert "topk" in fn.explain(*args)
 
 
+@pytest.mark.slow
 def test_more_indices_than_causal_keys(rng):
     """k = 24 > the causal keys of the first 23 queries: top_k then picks masked (-inf)
     keys, which the causal part keeps hidden."""
@@ -142,6 +145,7 @@ def test_more_indices_than_causal_keys(rng):
     assert all(relative(g, w) <= RTOL for g, w in zip(got, ref))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_duplicate_indices_under_the_ring(rng, mesh8, layout):
     q, k, v = (randn(rng, B, S, 2, D) for _ in range(3))
@@ -163,6 +167,7 @@ def test_duplicate_indices_under_the_ring(rng, mesh8, layout):
     assert all(relative(g, w) <= RTOL for g, w in zip(got, want))
 
 
+@pytest.mark.slow
 def test_chunked_kernel_skips_chunks_no_index_falls_in(rng):
     q, k, v = (randn(rng, 1, 32, 2, D) for _ in range(3))
     pos = jnp.arange(32, dtype=jnp.int32)[None]
@@ -191,6 +196,7 @@ def test_pallas_refuses_indices(rng):
         fn(q, k, v)
 
 
+@pytest.mark.slow
 def test_deepseek_example_matches_one_device():
     """``examples/deepseek_sparse.py``'s check at its smallest size (one zigzag chunk per
     device half, top-k larger than most rows' causal keys)."""
@@ -200,6 +206,7 @@ def test_deepseek_example_matches_one_device():
     assert deepseek_sparse.demo(seq=16, batch=1, schedule="ring")
 
 
+@pytest.mark.slow
 def test_hybrid_matches_one_device(rng):
     args = inputs(rng)
     mesh = make_mesh((2, 4), ("uly", "ring"))

@@ -28,6 +28,7 @@ def llama_case():
     return loss, params, tokens, ref
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,load_balance,cp", [
     ("ring", "zigzag", 8), ("ring", "none", 4), ("ring", "striped", 2),
     ("ulysses", "zigzag", 4), ("ulysses", "none", 2), ("allgather", "striped", 4),
@@ -40,6 +41,7 @@ def test_llama_loss_and_grads(llama_case, schedule, load_balance, cp):
     assert_tree_close(grads, ref_grads)
 
 
+@pytest.mark.slow
 def test_llama_hybrid(llama_case):
     loss, params, tokens, (ref_loss, ref_grads) = llama_case
     mesh = make_mesh((2, 4), ("uly", "ring"))
@@ -50,6 +52,7 @@ def test_llama_hybrid(llama_case):
     assert "hybrid" in f.explain(params, tokens)
 
 
+@pytest.mark.slow
 def test_sgd_step_matches(llama_case):
     loss, params, tokens, (_, ref_grads) = llama_case
     f = context_parallel(loss, cp=4)
@@ -65,6 +68,7 @@ def test_sgd_step_matches(llama_case):
     assert float(f(new, tokens)) < float(f(params, tokens))
 
 
+@pytest.mark.slow
 def test_data_and_cp_mesh(llama_case):
     """A (data=2, cp=4) mesh: batch on data stays automatic, attention islands over cp."""
     loss, params, tokens, (ref_loss, ref_grads) = llama_case
@@ -90,6 +94,7 @@ def encoder(params, tokens, segments):
     return jnp.mean(jnp.tanh(h) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,load_balance", [("ring", "none"), ("ulysses", "striped"),
                                                    ("ring", "zigzag")])
 def test_bidirectional_encoder(schedule, load_balance):
@@ -126,6 +131,7 @@ def test_explain_reads_well(llama_case):
     assert "sequence axis: length 32; inputs: args[1] dim [1]" in text
 
 
+@pytest.mark.slow
 def test_next_token_shift_stays_permuted(llama_case):
     """``logits[:, :-1]`` vs ``tokens[:, 1:]`` under zigzag: the small labels are re-aligned,
     the logits are never un-permuted."""
@@ -141,6 +147,7 @@ def cumulative_model(x):
     return jnp.sum(jax.nn.dot_product_attention(h, x, x, is_causal=True) ** 2)
 
 
+@pytest.mark.slow
 def test_positional_op_is_wrapped_or_refused():
     x = jax.random.normal(jax.random.key(5), (1, 32, 2, 8))
     f = context_parallel(cumulative_model, cp=4, load_balance="zigzag")
@@ -171,6 +178,7 @@ def test_gradients_inside_are_refused(llama_case):
         train_step(params, tokens)
 
 
+@pytest.mark.slow
 def test_seq_axes_override():
     """An input the dataflow cannot reach (a position table) is named explicitly."""
     def fn(x, table):
@@ -185,6 +193,7 @@ def test_seq_axes_override():
         context_parallel(fn, cp=4, seq_axes=(1,))(x, table)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["ring", "ulysses"])
 def test_one_layer_moves_only_schedule_collectives(schedule):
     """Compiled (GSPMD-partitioned) HLO of one layer's value_and_grad: no all-gather of a
@@ -212,6 +221,7 @@ def test_one_layer_moves_only_schedule_collectives(schedule):
     assert kinds <= {"collective-permute", "all-to-all", "all-reduce"}
 
 
+@pytest.mark.slow
 def test_flax_linen_block():
     """A flax MultiHeadDotProductAttention with make_causal_mask, unchanged user code."""
     nn = pytest.importorskip("flax.linen")
@@ -242,6 +252,7 @@ def test_flax_linen_block():
     assert "rewritten [causal]" in f.explain(params, x, verbose=True)
 
 
+@pytest.mark.slow
 def test_bf16_model_is_at_least_as_close_to_float32(llama_case):
     """bf16 parameters: attention accumulates in float32, so the transformed gradients are
     within 2e-2 of the float32 run on the same (rounded) parameters, no worse than the bf16
@@ -264,6 +275,7 @@ def test_bf16_model_is_at_least_as_close_to_float32(llama_case):
     assert error(grads) <= error(single)
 
 
+@pytest.mark.slow
 def test_bare_decorator_and_permuted_outputs():
     """``@context_parallel`` without arguments uses every device; ``keep_permuted`` returns
     sequence outputs in the layout's order (zigzag over 8 devices here)."""
@@ -281,6 +293,7 @@ def test_bare_decorator_and_permuted_outputs():
     np.testing.assert_allclose(kept(x), expected, rtol=RTOL, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_remat_layers_stay_rematerialized(llama_case):
     """Layers under jax.checkpoint inside the scan keep their remat through zigzag
     reordering and lowering, and the numbers still match."""
@@ -316,6 +329,7 @@ def position_table_model(p, tokens):
     return jnp.mean(jnp.tanh(jax.nn.dot_product_attention(q, q, q, is_causal=True)) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("load_balance", ["zigzag", "striped"])
 def test_position_tables_follow_the_reordering(load_balance):
     keys = jax.random.split(jax.random.key(9), 3)
@@ -329,6 +343,7 @@ def test_position_tables_follow_the_reordering(load_balance):
     assert "args[0]['pos'] dim [0], args[1] dim [1]" in f.explain(p, tokens)
 
 
+@pytest.mark.slow
 def test_padded_batch_needs_no_square_mask():
     """``tokens != pad`` masks become segment ids: nothing S×S reaches the schedule."""
     keys = jax.random.split(jax.random.key(11), 2)
@@ -368,6 +383,7 @@ def _scanned_remat_vmapped(params, x):
     return jnp.mean(jax.vmap(per_example)(x) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,load_balance", [
     ("ring", "zigzag"), ("ulysses", "none"), ("allgather", "zigzag"), ("hybrid", "zigzag"),
 ])

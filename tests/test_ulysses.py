@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import make_mesh
-from schedule_cases import HEAD_KINDS, check_schedule, make_case, pairwise_cases
+from schedule_cases import HEAD_KINDS, check_schedule, fast_slice, make_case, pairwise_cases
 
 from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.lowering.schedule import schedules
@@ -13,13 +13,14 @@ from cptransform.lowering.context_parallel_attention import ContextParallelError
     context_parallel_attention
 
 
-@pytest.mark.parametrize("cp,layout,kind,heads,dv", pairwise_cases())
+@pytest.mark.parametrize("cp,layout,kind,heads,dv", fast_slice(pairwise_cases(), fast=(6,)))
 def test_matches_reference(rng, cp, layout, kind, heads, dv):
     case = make_case(rng, kind, heads, dv=dv)
     check_schedule(case, mesh=make_mesh((cp,), ("cp",)), axes="cp", schedule="ulysses",
                    layout=layout)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind,heads", [("dense_causal", "gqa"), ("bias", "mha")])
 def test_bf16_with_dense_operands_shared_by_heads(rng, kind, heads):
     case = make_case(rng, kind, heads, dtype=jnp.bfloat16, dense_heads=False)
@@ -27,6 +28,7 @@ def test_bf16_with_dense_operands_shared_by_heads(rng, kind, heads):
                    layout="zigzag")
 
 
+@pytest.mark.slow
 def test_uniform_empty_rows(rng):
     case = make_case(rng, "dense", "gqa", empty_rows="uniform", seq=16)
     check_schedule(case, mesh=make_mesh((8,), ("cp",)), axes="cp", schedule="ulysses",
@@ -42,12 +44,14 @@ def test_indivisible_heads_is_a_clear_error(rng):
                                    axes="cp", schedule="ulysses")
 
 
+@pytest.mark.slow
 def test_odd_local_length(rng):
     case = make_case(rng, "dense_causal", "mqa", seq=24)
     check_schedule(case, mesh=make_mesh((8,), ("cp",)), axes="cp", schedule="ulysses",
                    layout="contiguous")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads", ["mha", "gqa", "mqa"])
 def test_communication_is_four_all_to_alls(heads):
     s, d, dv, cp = 64, 8, 12, 4

@@ -34,6 +34,7 @@ def assert_sharded(f, *args, schedule: str):
 
 # -- the entry point: every schedule, layout and mask kind at lengths cp does not divide --
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,layout,kind,empty_rows,seq", [
     ("ring", "zigzag", "causal", "nan", 19),           # 2·cp + 3
     ("ring", "none", "window", "uniform", 5),          # shorter than cp: ranks of padding only
@@ -49,6 +50,7 @@ def test_schedules_pad_uneven_lengths(rng, schedule, layout, kind, empty_rows, s
                    layout="contiguous" if layout == "none" else layout)
 
 
+@pytest.mark.slow
 def test_hybrid_pads_uneven_lengths(rng):
     case = make_case(rng, "causal", "mha", batch=1, seq=19, empty_rows="uniform")
     check_schedule(case, mesh=make_mesh((2, 4), ("uly", "ring")), axes=("uly", "ring"),
@@ -85,6 +87,7 @@ def layer_args(seq: int, seed: int = 0):
     return params, x, segments
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule,load_balance,seq,causal,window", [
     ("ring", "zigzag", 19, True, None),
     ("allgather", "none", 5, False, 2),
@@ -112,6 +115,7 @@ def test_explain_reports_the_padding():
     assert "layout: zigzag (applied inside this attention" in text
 
 
+@pytest.mark.slow
 def test_llama_with_an_uneven_length():
     """The Llama example at 27 tokens (26 predicted) over cp=8 with zigzag: RoPE from
     ``arange``, the next-token shift and the causal mask all see the real positions."""

@@ -3,7 +3,7 @@
 JAX 0.10 returns ``ClosedJaxpr`` from ``make_jaxpr``; JAX 0.11 merged ``Jaxpr`` and
 ``ClosedJaxpr`` (the latter is an alias, and ``.jaxpr`` / ``.consts`` still answer). The rest
 of cptransform talks to jaxprs only through the helpers below, so a JAX upgrade touches one
-file. See ``shared/JAX_VERSIONS.md`` for the measured differences.
+file. See ``docs/jax_versions.md`` for the measured differences.
 """
 from __future__ import annotations
 

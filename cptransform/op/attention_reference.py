@@ -87,7 +87,8 @@ def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
     ``spec.mask.empty_rows`` is not applied: that is a property of the whole row, see
     :func:`fill_empty_rows`.
 
-    Non-finite values behave as in the dense single-device softmax (DESIGN §6):
+    Non-finite values behave as in the dense single-device softmax (docs/contract.md,
+    "NaN and Inf"):
 
     * a row with no visible key here has ``lse = -inf`` (so does a row whose visible logits
       are all ``-inf``: it receives no probability mass either); its ``o`` is ``0·ΣV``;

@@ -18,7 +18,8 @@ that calls the backward once per key block computes it once), and then ``o`` and
 are not read; all gradients are float32, ``dbias`` has the bias's shape
 (broadcast dims summed) and is ``None`` without a bias.
 
-Non-finite values (DESIGN §6) follow the dense single-device computation: an empty row is
+Non-finite values (docs/contract.md, "NaN and Inf") follow the dense single-device
+computation: an empty row is
 one with ``lse == -inf`` exactly (:func:`~cptransform.op.attention_reference.empty_rows_of`,
 never ``isfinite``), a NaN ``lse`` is a NaN row, a masked probability is an exact 0 (so
 ``0·NaN`` in V still reaches the output) and a masked logit's gradient is an exact 0. A

@@ -1,4 +1,5 @@
-"""What the tiles a Pallas kernel skips would have added: the ``0·x`` terms of DESIGN §6.
+"""What the tiles a Pallas kernel skips would have added: the ``0·x`` terms of
+docs/contract.md ("NaN and Inf").
 
 A dense softmax multiplies every masked probability (an exact 0) with V, so a NaN or ±Inf
 anywhere in V reaches every query row of its head, and the backward likewise carries ``0·K``,
