@@ -107,6 +107,11 @@ def t5():
     """transformers' ``FlaxT5ForConditionalGeneration`` (relative position bias) trained
     from labels (its own ``shift_tokens_right`` builds the decoder inputs)."""
     t = _transformers()
+    try:
+        jnp.clip(jnp.zeros(1), a_max=1)
+    except TypeError:
+        pytest.skip("transformers 4.x's Flax T5 calls jnp.clip(a_max=...), which this JAX "
+                    "no longer accepts: it fails on one device, before any transform")
     from transformers.models.t5.modeling_flax_t5 import shift_tokens_right
     return _seq2seq(t.FlaxT5ForConditionalGeneration, t.T5Config(
         vocab_size=VOCAB, d_model=DIM, d_kv=DIM // HEADS, d_ff=64, num_layers=1,

@@ -12,7 +12,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from conftest import assert_tree_close
+from conftest import RTOL, assert_tree_close
 from cptransform import context_parallel
 from cptransform.ir.module import iter_eqns
 from cptransform.lowering.sharding_leaks import sequence_all_gathers
@@ -21,6 +21,11 @@ from model_families import CP, FAMILIES, SCHEDULES, SEQ
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+#: Gradients at rounding-noise level on one device pass within this absolute error: a key
+#: projection's bias is cancelled exactly by the softmax, so its gradient is ~1e-13 (BART)
+#: in both runs and a relative comparison of two noises means nothing.
+NOISE = 1e-8
 
 #: (family, schedule) cases that are not exact today, with the reason (strict xfails: a
 #: fix makes them fail until the entry is removed).
@@ -49,7 +54,11 @@ def test_loss_and_gradients_match_one_device(family, schedule):
     got_loss, got_grads = jax.jit(jax.value_and_grad(f))(*args)
     want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(*args)
     assert_tree_close(got_loss, want_loss)
-    assert_tree_close(got_grads, want_grads)
+    for path, got, want in zip(jax.tree_util.tree_flatten_with_path(want_grads)[0],
+                               jax.tree_util.tree_leaves(got_grads),
+                               jax.tree_util.tree_leaves(want_grads)):
+        err, scale = float(abs(got - want).max()), float(abs(want).max())
+        assert err <= RTOL * scale + NOISE, f"{jax.tree_util.keystr(path[0])}: {err} vs {scale}"
     assert _attentions(f, args) > 0, "no attention was matched: the model ran unsharded"
 
 
