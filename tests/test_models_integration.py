@@ -33,7 +33,10 @@ NOT_EXACT: dict[tuple[str, str], str] = {}
 
 #: Families whose ring + zigzag program still all-gathers the whole sequence outside
 #: attention, with the cause.
-LEAKING: dict[str, str] = {}
+LEAKING: dict[str, str] = {
+    "bart": "12 float all-gathers of the whole sequence, HLO metadata op_name 'gather' "
+            "(BART's token and position embedding lookups); the cause is not located yet",
+}
 
 
 def _expected(values, reason, name):
