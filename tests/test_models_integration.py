@@ -14,7 +14,6 @@ import pytest
 
 from conftest import RTOL, assert_tree_close
 from cptransform import context_parallel
-from cptransform.ir.module import iter_eqns
 from cptransform.lowering.sharding_leaks import sequence_all_gathers
 from model_families import CP, FAMILIES, SCHEDULES, SEQ
 
@@ -29,7 +28,11 @@ NOISE = 1e-8
 
 #: (family, schedule) cases that are not exact today, with the reason (strict xfails: a
 #: fix makes them fail until the entry is removed).
-NOT_EXACT: dict[tuple[str, str], str] = {}
+NOT_EXACT: dict[tuple[str, str], str] = {
+    ("penzai_stack", s): "use_layer_stack: the mask's fill value reaches the scan body as a "
+                         "scan constant the matcher does not follow back; no attention is "
+                         "matched, the model runs unsharded (its numbers are right)"
+    for s in SCHEDULES}
 
 #: Families whose ring + zigzag program still all-gathers the whole sequence outside
 #: attention, with the cause.
@@ -44,8 +47,9 @@ def _expected(values, reason, name):
     return pytest.param(*values, marks=marks, id=name)
 
 
-def _attentions(fn, args) -> int:
-    return sum(e.primitive.name == "attention" for e in iter_eqns(fn.module(*args).jaxpr))
+def _scheduled_attentions(fn, args) -> int:
+    """How many attentions the transform matched and scheduled (from ``explain``)."""
+    return fn.explain(*args).count("    schedule: ")
 
 
 @pytest.mark.parametrize("family,schedule", [
@@ -62,7 +66,7 @@ def test_loss_and_gradients_match_one_device(family, schedule):
                                jax.tree_util.tree_leaves(want_grads)):
         err, scale = float(abs(got - want).max()), float(abs(want).max())
         assert err <= RTOL * scale + NOISE, f"{jax.tree_util.keystr(path[0])}: {err} vs {scale}"
-    assert _attentions(f, args) > 0, "no attention was matched: the model ran unsharded"
+    assert _scheduled_attentions(f, args) > 0, "no attention matched: the model ran unsharded"
 
 
 @pytest.mark.parametrize("family", [_expected((f,), LEAKING.get(f), f) for f in FAMILIES])
