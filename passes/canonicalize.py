@@ -1,4 +1,4 @@
-"""``canonicalize``: inline calls, fold scalar scales, drop no-ops.
+"""``canonicalize``: inline calls, fold scalar scales, drop no-ops, place static scatters.
 
 Later passes (the attention matcher above all) look for patterns; this pass removes the
 spelling differences that would hide them:
@@ -28,6 +28,15 @@ spelling differences that would hide them:
   is the identity), multiplication by 1 and addition/subtraction of 0 (``x + 0.0`` turns
   ``-0.0`` into ``+0.0``; dropping it keeps ``-0.0``, the only observable difference).
   Option ``drop_noops``.
+* **Static scatters** (option ``static_scatters``). A ``scatter`` that sets one window at
+  constant indices (``x.at[:, 0].set(t)``, ``x.at[:, 1:].set(y[:, :-1])``: the decoder-input
+  shifts of encoder-decoders) and a ``dynamic_update_slice`` at constant starts become
+  ``select(window, pad(update), operand)``, the window a predicate of iotas. Pads and
+  selects are ops every later pass knows along the sequence (reorder-sequence moves pads,
+  and rewrites the iotas), and XLA's SPMD partitioner partitions them correctly, where it
+  partitions chained sequence-sharded scatters wrongly (docs/spmd_partitioner_bugs.md).
+  A window that is not wholly inside the operand (a scatter would drop or clamp it) and a
+  scatter at data-dependent indices are left as they are.
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -50,6 +60,8 @@ CALL_PRIMITIVES = calls(CallKind.CALL)
 # (kept operand, constant operand) pairs for binary ops
 EITHER_SIDE = ((0, 1), (1, 0))
 RIGHT_SIDE = ((0, 1),)
+# Concatenates of known values up to this size are remembered (scatter index vectors).
+MAX_INDEX_SIZE = 64
 
 
 def _is_concrete(value: Any) -> bool:
@@ -97,6 +109,9 @@ class _Canonicalizer:
         self.chains: dict[int, _Chain] = {}
         # id(value) -> (value, base, perm) for values that are a transpose of ``base``
         self.transposes: dict[int, tuple] = {}
+        # id(value) -> (value, contents thunk) for traced values whose contents are known
+        # (the index operands of ``x.at[:, 0]`` are broadcasts of constant scalars)
+        self.known: dict[int, tuple] = {}
 
     def rules(self) -> dict:
         rules: dict = {}
@@ -116,6 +131,11 @@ class _Canonicalizer:
             })
         rules["mul"] = self.mul
         rules["div"] = self.div
+        if self.p.static_scatters:
+            rules["broadcast_in_dim"] = self.broadcast_in_dim
+            rules["concatenate"] = self.concatenate
+            rules["scatter"] = self.scatter
+            rules["dynamic_update_slice"] = self.dynamic_update_slice
         return rules
 
     # -- no-ops and constant scalars -------------------------------------------------------
@@ -143,6 +163,60 @@ class _Canonicalizer:
         if len(invals) == 1 and _same_type(invals[0], eqn.outvars[0]):
             return [invals[0]]
         return None
+
+    def broadcast_in_dim(self, eqn, invals):
+        same = self.same_shape(eqn, invals) if self.p.drop_noops else None
+        if same is not None:
+            return same
+        c = _concrete_scalar(invals[0])
+        if c is None or len(invals) != 1:
+            return None
+        out = compat.bind_eqn(eqn, invals)[0]
+        self.known[id(out)] = (out, lambda: np.full(jax.typeof(out).shape, c))
+        return [out]
+
+    def concatenate(self, eqn, invals):
+        parts = [self._static(v) for v in invals]
+        if any(p is None for p in parts) or sum(p.size for p in parts) > MAX_INDEX_SIZE:
+            return None
+        out = compat.bind_eqn(eqn, invals)[0]
+        whole = np.concatenate(parts, axis=eqn.params["dimension"])
+        self.known[id(out)] = (out, lambda: whole)
+        return [out]
+
+    def _static(self, value: Any) -> np.ndarray | None:
+        """The contents of ``value`` when known while tracing (a constant, a broadcast of
+        a constant scalar, a concatenate of those), else ``None``."""
+        if _is_concrete(value):
+            return np.asarray(value)
+        known = self.known.get(id(value))
+        if known is None or known[0] is not value:
+            return None
+        return known[1]()
+
+    def scatter(self, eqn, invals):
+        operand, indices, update = invals
+        dnums = eqn.params["dimension_numbers"]
+        index = self._static(indices)
+        if (index is None or dnums.operand_batching_dims or dnums.scatter_indices_batching_dims
+                or index.size != len(dnums.scatter_dims_to_operand_dims)
+                or tuple(dnums.update_window_dims) != tuple(range(jnp.ndim(update)))):
+            return None
+        # One window: the update's dims are the operand's, less the inserted ones.
+        update = lax.expand_dims(update, tuple(dnums.inserted_window_dims))
+        starts = [0] * jnp.ndim(operand)
+        for d, i in zip(dnums.scatter_dims_to_operand_dims, index.reshape(-1)):
+            starts[d] = int(i)
+        return _placed(operand, update, starts)
+
+    def dynamic_update_slice(self, eqn, invals):
+        operand, update, *start_values = invals
+        starts = [self._static(v) for v in start_values]
+        if any(s is None for s in starts):
+            return None
+        # XLA clamps the starts so that the update fits.
+        return _placed(operand, update, [min(max(int(s), 0), n - u) for s, n, u in
+                                         zip(starts, jnp.shape(operand), jnp.shape(update))])
 
     def transpose(self, eqn, invals):
         x = invals[0]
@@ -258,17 +332,40 @@ class _Canonicalizer:
         return np.asarray(factor, dtype=dtype)
 
 
+def _placed(operand: Any, update: Any, starts: list[int]) -> list | None:
+    """``operand`` with ``update`` written at ``starts`` as ``select(window, pad(update),
+    operand)``; ``None`` when the window is not wholly inside ``operand``."""
+    shape, sizes = jnp.shape(operand), jnp.shape(update)
+    if (jax.typeof(update).dtype != jax.typeof(operand).dtype
+            or any(s < 0 or s + u > n for s, u, n in zip(starts, sizes, shape))):
+        return None
+    partial = [d for d, (u, n) in enumerate(zip(sizes, shape)) if u != n]
+    if not partial:
+        return [update]
+    config = [(s, n - s - u, 0) for s, u, n in zip(starts, sizes, shape)]
+    padded = lax.pad(update, np.zeros((), jax.typeof(update).dtype), config)
+    inside = None
+    for d in partial:
+        at = lax.broadcasted_iota(np.int32, shape, d)
+        here = (at >= starts[d]) & (at < starts[d] + sizes[d])
+        inside = here if inside is None else inside & here
+    return [lax.select(inside, padded, operand)]
+
+
 @dataclass(frozen=True)
 class Canonicalize(Pass):
-    """Inline calls, fold scalar scale chains into one multiply, drop no-ops."""
+    """Inline calls, fold scalar scale chains into one multiply, drop no-ops, write
+    static-index scatters and dynamic-update-slices as pad + select."""
 
     name = "canonicalize"
-    summary = "inline jit/closed_call bodies, fold scalar multiplies/divides, drop no-ops"
+    summary = ("inline jit/closed_call bodies, fold scalar multiplies/divides, drop no-ops, "
+               "write static scatters as pad + select")
 
     inline_jit: bool = True
     inline_calls: bool = True
     fold_scales: str = "ulp"
     drop_noops: bool = True
+    static_scatters: bool = True
 
     def __post_init__(self):
         if self.fold_scales not in FOLD_MODES:

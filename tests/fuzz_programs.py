@@ -57,6 +57,7 @@ PROGRAM_CLASSES = (
     "concat_nonseq",    # concatenation / slicing on the feature and head dims
     "cumsum_seq",       # jnp.cumsum along the sequence
     "shift_loss",       # embeddings, logits[:, :-1] vs tokens[:, 1:] cross-entropy
+    "seq_scatter",      # sequence scatters: decoder inputs = tokens shifted by .at[].set
     "custom_vjp_clip",  # custom_vjp gradient clipping (global norm over the sequence) on o
     "straight_through",  # custom_vjp straight-through rounding of the normed activations
     "scan_layers",      # lax.scan over stacked layers
@@ -168,6 +169,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "concat_nonseq": ("concat_features", "slice_heads"),
         "custom_vjp_clip": ("global_norm", "elementwise"),
         "shift_loss": ("mean", "sum"),
+        "seq_scatter": tuple(SEQUENCE_SCATTERS),
         "scan_layers": ("plain", "remat"),
         "nan_weight": ("wo", "wq"),
         "masked_rows": ("where_out", "plain"),
@@ -364,7 +366,7 @@ def make_data(case: FuzzCase):
         w("w1", (e, 2 * e), e)
         w("w3", (e, 2 * e), e)
         w("w2", (2 * e, e), 2 * e)
-    if case.cls == "shift_loss":
+    if case.cls in ("shift_loss", "seq_scatter"):
         vocab = 11
         inp["tokens"] = rng.integers(0, vocab, (b, s)).astype(np.int32)
         p["emb"] = _normal(rng, (vocab, e))
@@ -457,6 +459,20 @@ def ste_round(x):
 ste_round.defvjp(lambda x: (jnp.round(x * 4.0) / 4.0, None), lambda _, g: (g,))
 
 
+#: Sequence scatters with static indices (``seq_scatter``): ``(emb, tokens) -> [B, S, E]``
+#: embeddings of decoder inputs built the way encoder-decoders build them from labels.
+SEQUENCE_SCATTERS = {
+    # transformers' shift_tokens_right: two chained scatters along the sequence
+    "shift_right": lambda emb, t: emb[jnp.zeros_like(t).at[:, 1:].set(t[:, :-1])
+                                      .at[:, 0].set(3)],
+    "start_token": lambda emb, t: emb[t.at[:, 0].set(1)],
+    "update_slice": lambda emb, t: emb[lax.dynamic_update_slice(t, t[:, :-1], (0, 1))],
+    "roll": lambda emb, t: emb[jnp.roll(t, 1, axis=1)],
+    # a float scatter on the embeddings (gradients flow through the update and the operand)
+    "embedding_window": lambda emb, t: emb[t].at[:, 2:5].set(emb[t][:, -3:] * 0.5),
+}
+
+
 def block(case: FuzzCase, p: dict, x, inputs: dict):
     """One attention block on x [B, S, E] with layer weights ``p``; returns [B, S, E]."""
     b, s = x.shape[0], x.shape[1]
@@ -528,6 +544,8 @@ def build(case: FuzzCase):
     def loss(p, inp):
         if case.cls == "shift_loss":
             x = p["emb"][inp["tokens"]]
+        elif case.cls == "seq_scatter":
+            x = SEQUENCE_SCATTERS[case.variant](p["emb"], inp["tokens"])
         else:
             x = p["x"]
         if case.cls == "token_mix":
@@ -561,7 +579,7 @@ def build(case: FuzzCase):
             y = jnp.cumsum(y, axis=1) / y.shape[1]
         if case.cls == "windows":
             y = window_op(case, y, p)
-        if case.cls == "shift_loss":
+        if case.cls in ("shift_loss", "seq_scatter"):
             logits = y @ p["unemb"]
             logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
             nll = -jnp.take_along_axis(logp, inp["tokens"][:, 1:, None], axis=-1)[..., 0]

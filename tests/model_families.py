@@ -1,0 +1,158 @@
+"""Tiny configurations of public model families, random weights, one loss each.
+
+Each builder returns ``(loss, args)``: ``loss(params, *batch)`` is the ordinary
+single-device training loss of the package's own model code (next-token cross-entropy for
+causal LMs; labels in, decoder inputs built by the model's own ``shift_tokens_right`` for
+encoder-decoders), ``args`` its random arguments. Nothing is downloaded: every model is
+built from a config with random weights. A builder skips its test when its package is
+missing (``pytest.importorskip``).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+#: Tokens per sequence and sequences per batch: a multiple of 2·cp for cp ≤ 8.
+SEQ, BATCH, VOCAB = 32, 2, 64
+#: Heads (query and key/value) divisible by cp = 4, so Ulysses applies.
+HEADS, DIM = 4, 32
+CP = 4
+
+
+def tokens(seed: int, shape=(BATCH, SEQ)) -> jax.Array:
+    """Random token ids in ``[1, VOCAB)`` (0 is kept for padding)."""
+    return jnp.asarray(np.random.default_rng(seed).integers(1, VOCAB, shape), jnp.int32)
+
+
+def next_token_loss(logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """Mean cross-entropy of ``logits[:, t]`` predicting ``ids[:, t + 1]``."""
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+
+def label_loss(logits: jax.Array, labels: jax.Array) -> jax.Array:
+    """Mean cross-entropy of ``logits[:, t]`` predicting ``labels[:, t]``."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+# -- transformers (Flax) ---------------------------------------------------------------------
+
+def _transformers():
+    return pytest.importorskip("transformers")
+
+
+def _causal_lm(model_cls, config):
+    model = model_cls(config, seed=0)
+
+    def loss(params, ids):
+        return next_token_loss(model(ids, params=params).logits, ids)
+
+    return loss, (model.params, tokens(1))
+
+
+def llama():
+    """transformers' ``FlaxLlamaForCausalLM`` (RoPE, GQA, RMSNorm, SwiGLU)."""
+    t = _transformers()
+    return _causal_lm(t.FlaxLlamaForCausalLM, t.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ))
+
+
+def mistral():
+    """transformers' ``FlaxMistralForCausalLM`` without a sliding window (full causal)."""
+    t = _transformers()
+    return _causal_lm(t.FlaxMistralForCausalLM, t.MistralConfig(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
+        sliding_window=None))
+
+
+def gpt_neo():
+    """transformers' ``FlaxGPTNeoForCausalLM``: a global and a local (windowed) layer."""
+    t = _transformers()
+    return _causal_lm(t.FlaxGPTNeoForCausalLM, t.GPTNeoConfig(
+        vocab_size=VOCAB, hidden_size=DIM, num_layers=2, num_heads=HEADS,
+        attention_types=[[["global", "local"], 1]], window_size=8,
+        max_position_embeddings=SEQ, embed_dropout=0.0, attention_dropout=0.0,
+        resid_dropout=0.0))
+
+
+def _seq2seq(model_cls, config, shift):
+    model = model_cls(config, seed=0)
+
+    def loss(params, input_ids, labels):
+        decoder_input_ids = shift(labels, config.pad_token_id, config.decoder_start_token_id)
+        logits = model(input_ids, decoder_input_ids=decoder_input_ids, params=params).logits
+        return label_loss(logits, labels)
+
+    return loss, (model.params, tokens(2), tokens(3))
+
+
+def bart():
+    """transformers' ``FlaxBartForConditionalGeneration`` trained from labels (its own
+    ``shift_tokens_right`` builds the decoder inputs)."""
+    t = _transformers()
+    from transformers.models.bart.modeling_flax_bart import shift_tokens_right
+    return _seq2seq(t.FlaxBartForConditionalGeneration, t.BartConfig(
+        vocab_size=VOCAB, d_model=DIM, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=HEADS, decoder_attention_heads=HEADS,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=SEQ,
+        dropout=0.0, attention_dropout=0.0), shift_tokens_right)
+
+
+def t5():
+    """transformers' ``FlaxT5ForConditionalGeneration`` (relative position bias) trained
+    from labels (its own ``shift_tokens_right`` builds the decoder inputs)."""
+    t = _transformers()
+    try:
+        jnp.clip(jnp.zeros(1), a_max=1)
+    except TypeError:
+        pytest.skip("transformers 4.x's Flax T5 calls jnp.clip(a_max=...), which this JAX "
+                    "no longer accepts: it fails on one device, before any transform")
+    from transformers.models.t5.modeling_flax_t5 import shift_tokens_right
+    return _seq2seq(t.FlaxT5ForConditionalGeneration, t.T5Config(
+        vocab_size=VOCAB, d_model=DIM, d_kv=DIM // HEADS, d_ff=64, num_layers=1,
+        num_decoder_layers=1, num_heads=HEADS, relative_attention_num_buckets=8,
+        dropout_rate=0.0, decoder_start_token_id=0), shift_tokens_right)
+
+
+# -- penzai ----------------------------------------------------------------------------------
+
+def penzai_llama(use_layer_stack: bool):
+    """penzai's Llama-style transformer (``llamalike_common``), with or without
+    ``use_layer_stack`` (layers as one scanned stack)."""
+    pytest.importorskip("penzai")
+    from penzai import pz
+    from penzai.models.transformer.variants import llamalike_common
+
+    config = llamalike_common.LlamalikeTransformerConfig(
+        num_kv_heads=HEADS, query_head_multiplier=1, embedding_dim=DIM, projection_dim=8,
+        mlp_hidden_dim=64, num_decoder_blocks=2, vocab_size=VOCAB, mlp_variant="swiglu",
+        tie_embedder_and_logits=False, rope_wavelength=10_000, rms_norm_eps=1e-6,
+        use_layer_stack=use_layer_stack, parameter_dtype=jnp.float32,
+        activation_dtype=jnp.float32)
+    model = llamalike_common.build_llamalike_transformer(config, init_base_rng=jax.random.key(0))
+    graphdef, params = pz.unbind_params(model, freeze=True)
+    params = {p.label: p.value for p in params}
+
+    def loss(params, ids):
+        bound = pz.bind_variables(graphdef, [pz.Parameter(value=v, label=k)
+                                             for k, v in params.items()])
+        named = pz.nx.wrap(ids).tag("batch", "seq")
+        logits = bound(named, token_positions=pz.nx.arange("seq", ids.shape[1]))
+        return next_token_loss(logits.untag("batch", "seq", "vocabulary").unwrap(), ids)
+
+    return loss, (params, tokens(4))
+
+
+FAMILIES = {
+    "llama": llama, "mistral": mistral, "gpt_neo": gpt_neo, "bart": bart, "t5": t5,
+    "penzai": lambda: penzai_llama(False), "penzai_stack": lambda: penzai_llama(True),
+}
+
+#: The schedules each family is checked under: (schedule, load_balance).
+SCHEDULES = {"ring_zigzag": ("ring", "zigzag"), "ulysses": ("ulysses", "none"),
+             "allgather": ("allgather", "none"), "auto": ("auto", "auto")}
