@@ -14,7 +14,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import linear_call
+from jax.custom_derivatives import SymbolicZero, linear_call
 
 
 def _differentiable(x) -> bool:
@@ -29,10 +29,12 @@ def with_forward_mode(call: Callable) -> Callable:
     def program(*flat):
         return call(*flat)
 
-    @program.defjvp
     def jvp(primals, tangents):
         out, vjp = jax.vjp(call, *primals)
-        ins = [i for i, x in enumerate(primals) if _differentiable(x)]
+        # Only perturbed inputs are linear operands: linear_call transposes all of them,
+        # and an input grad does not differentiate (a zero) is known, not linear.
+        ins = [i for i, (x, t) in enumerate(zip(primals, tangents))
+               if _differentiable(x) and not isinstance(t, SymbolicZero)]
         outs = [j for j, y in enumerate(out) if _differentiable(y)]
         # A ShapeDtypeStruct per output: linear_transpose needs only their avals.
         out_avals = [jax.ShapeDtypeStruct(jnp.shape(out[j]), jnp.result_type(out[j]))
@@ -57,4 +59,5 @@ def with_forward_mode(call: Callable) -> Callable:
             full[j] = t
         return out, type(out)(full) if isinstance(out, tuple) else full
 
+    program.defjvp(jvp, symbolic_zeros=True)
     return program
