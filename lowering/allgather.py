@@ -32,6 +32,7 @@ from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import Schedule, any_length, key_count, register_schedule, \
     with_sinks
 from cptransform.lowering.ulysses import gather_sequence
+from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import fill_empty_rows
 
 
@@ -53,7 +54,7 @@ def _forward(block: Block, spec, axis, kernel):
         kv_pos=gather_sequence(block.kv_pos, axis), kv_seg=gather_sequence(block.kv_seg, axis))
     o, lse = kernel.forward(gathered, spec)
     # Pad keys' V is zero: the sum over all keys divided by the real ones is their mean.
-    v_mean = jnp.sum(gathered.v.astype(jnp.float32), axis=1, keepdims=True) \
+    v_mean = jnp.sum(gathered.v.astype(o.dtype), axis=1, keepdims=True) \
         / key_count(spec, gathered.v.shape[1])
     return (o, lse, v_mean), (gathered, o, lse)
 
@@ -63,7 +64,7 @@ def _bwd(spec, axis, kernel, residuals, cotangents):
     do, dlse, dv_mean = cotangents
     dq, dk_all, dv_all, dbias = kernel.backward(gathered, o, lse, do, spec, dlse)
     dv_all = dv_all + dv_mean / key_count(spec, gathered.v.shape[1])
-    dk, dv = (lax.psum_scatter(g.astype(jnp.float32), axis, scatter_dimension=1, tiled=True)
+    dk, dv = (lax.psum_scatter(g.astype(accumulator_dtype(g.dtype)), axis, scatter_dimension=1, tiled=True)
               for g in (dk_all, dv_all))
     bias = gathered.bias
     return (Block(q=dq.astype(gathered.q.dtype), k=dk.astype(gathered.k.dtype),

@@ -238,7 +238,7 @@ def _halo_bwd(spec, axes, kernel, layout, residuals, cotangents):
 
     # dK/dV of each piece go home: local ones in place, halos by the reverse permute.
     g_kv = packed(g_k, g_v)
-    dkv = packed(jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    dkv = packed(jnp.zeros(k.shape, g_k.dtype), jnp.zeros(v.shape, g_v.dtype))
     for shift in (0, -1, 1):
         mine = [(p, start) for p, start in zip(runs, _offsets(runs)) if p.shift == shift]
         if not mine:
@@ -266,7 +266,7 @@ def _halo_bwd(spec, axes, kernel, layout, residuals, cotangents):
 
     dbias = None
     if bias is not None:
-        dbias = jnp.zeros(bias.shape, jnp.float32)
+        dbias = jnp.zeros(bias.shape, g_b.dtype)
         for p, offset in zip(runs, _offsets(runs)):
             start = (rank + p.shift) * tkv + p.offset
             here = lax.dynamic_slice_in_dim(dbias, start, p.width, axis=3)

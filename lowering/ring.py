@@ -60,6 +60,7 @@ from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import Schedule, any_length, fill_empty_rows_sharded, \
     register_schedule, with_sinks
 from cptransform.lowering.kernels import row_delta
+from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import merge
 
 
@@ -70,12 +71,13 @@ def _rotate(tree, axes, cp: int):
 
 
 def _zeros(like, shape, fill=0.0):
-    """Float32 ``fill`` of ``shape``, varying over the same mesh axes as ``like``.
+    """``fill`` of ``shape`` in ``like``'s accumulation dtype (:func:`accumulator_dtype`),
+    varying over the same mesh axes as ``like``.
 
     Loop carries under ``shard_map`` must agree on which axes a value varies over; deriving
     constants from an operand keeps them in step with the kernel's outputs.
     """
-    return jnp.full_like(like, fill, dtype=jnp.float32, shape=shape)
+    return jnp.full_like(like, fill, dtype=accumulator_dtype(like.dtype), shape=shape)
 
 
 def packed(k, v):

@@ -39,6 +39,7 @@ from cptransform.analysis.cost_model import CommVolume
 from cptransform.analysis.hardware import Hardware
 from cptransform.analysis.local_memory import query_state_bytes, shard_bytes
 from cptransform.analysis.prediction import Prediction, predict
+from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import fill_empty_rows, merge_sinks
 from cptransform.op.attention_spec import AttentionSpec
 
@@ -167,7 +168,7 @@ def fill_empty_rows_sharded(spec: AttentionSpec, o, lse, v, axes, kv_len: int):
     """
     if spec.mask.empty_rows == "zero":
         return o
-    total = jnp.sum(v.astype(jnp.float32), axis=1, keepdims=True)
+    total = jnp.sum(v.astype(accumulator_dtype(v.dtype)), axis=1, keepdims=True)
     if axes:
         total = lax.psum(total, tuple(axes))
     return fill_empty_rows(spec, o, lse, total / key_count(spec, kv_len)).astype(o.dtype)

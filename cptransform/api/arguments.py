@@ -57,6 +57,12 @@ class CallArguments:
                 dyn_kwargs[name] = value
         return cls(tuple(dyn_args), dyn_kwargs, tuple(static), len(args))
 
+    @property
+    def static_key(self) -> tuple:
+        """``static`` keyed by value *and* type, as ``jax.jit`` keys static arguments: ``1``,
+        ``1.0`` and ``True`` are equal and hash alike, yet trace different programs."""
+        return tuple((kind, where, _typed(value)) for kind, where, value in self.static)
+
     def bind(self, fn: Callable) -> Callable:
         """``fn`` as a function of the traced arguments only (static ones baked in)."""
         fixed = {i: v for kind, i, v in self.static if kind == "arg"}
@@ -73,6 +79,11 @@ class CallArguments:
         """Original positions of the traced positional arguments, in order."""
         fixed = {i for kind, i, _ in self.static if kind == "arg"}
         return [i for i in range(self.positional) if i not in fixed]
+
+
+def _typed(value: Any) -> tuple:
+    leaves, tree = jax.tree_util.tree_flatten(value)
+    return tree, tuple((type(leaf), leaf) for leaf in leaves)
 
 
 def _hashable(value: Any, what: str) -> Any:

@@ -1,6 +1,8 @@
 """``context_parallel``: the transform users apply to ordinary single-device code."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -12,11 +14,12 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from cptransform.analysis.hardware import HARDWARE, memory_limit_problem
 from cptransform.api.argument_writes import returning_argument_writes, write_back
 from cptransform.api.arguments import CallArguments
+from cptransform.api.forward_mode import with_forward_mode
 from cptransform.ir import compat
 from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError, \
     did_you_mean, unknown_name
@@ -309,6 +312,45 @@ def refuse_gradients(module: Module) -> None:
                 f"    grads = jax.grad(loss)(params, batch)")
 
 
+_TRACING: contextvars.ContextVar[str | None] = contextvars.ContextVar("cp_tracing", default=None)
+"""The name of the transformed function whose program is being traced, if any: a transformed
+function called inside it runs inline, as part of that program and under its plan."""
+
+
+@contextlib.contextmanager
+def _tracing(name: str):
+    token = _TRACING.set(name)
+    try:
+        yield
+    finally:
+        _TRACING.reset(token)
+
+
+def _on_mesh(leaves: list, mesh) -> list:
+    """Concrete arrays committed to devices outside ``mesh`` (``jax.device_put(x,
+    jax.devices()[3])``) copied onto it, replicated; the program shards them from there."""
+    devices = set(mesh.devices.flat)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return [jax.device_put(x, replicated)
+            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+            and x.committed and x.sharding.device_set != devices else x
+            for x in leaves]
+
+
+def refuse_set_mesh_gradients(name: str, leaves: list) -> None:
+    """Raise when differentiated inside a ``jax.set_mesh`` context: JAX builds the
+    cotangents of the transformed program's outputs against the context's mesh, which is not
+    the transform's CP mesh (the forward call alone works there)."""
+    axes = compat.context_mesh_axes()
+    if axes and compat.differentiated(leaves):
+        raise ContextParallelError(
+            f"{name} is differentiated inside `with jax.set_mesh(...)` (a mesh with axes "
+            f"{axes}): the gradient would be built against that mesh, not the transform's "
+            "CP mesh. Apply jax.grad / jax.value_and_grad / jax.jvp outside the "
+            "`with jax.set_mesh(...)` block (calling the function inside it works), and give "
+            "the mesh as context_parallel(..., mesh=mesh)")
+
+
 class ContextParallelFunction:
     """The result of :func:`context_parallel`: call it like the original function."""
 
@@ -331,9 +373,10 @@ class ContextParallelFunction:
 
     def _build(self, args, kwargs):
         split = self.options.split(args, kwargs)
-        key = (_signature(split.args, split.kwargs), split.static)
+        key = (_signature(split.args, split.kwargs), split.static_key)
         if key not in self._built:
-            self._built[key], self._stats[key] = self._transform(split, args)
+            with compat.no_mesh_context():
+                self._built[key], self._stats[key] = self._transform(split, args)
             self.last_transform_stats = self._stats[key]
         final, written, call = self._built[key]
         return final, written, call, split
@@ -345,8 +388,9 @@ class ContextParallelFunction:
         name, written = getattr(self.fn, "__name__", "fn"), []
         log.info("%s: tracing", name)
         start = time.perf_counter()
-        module = trace(returning_argument_writes(split.bind(self.fn), name, written),
-                       *abstract[0], name=name, **abstract[1])
+        with _tracing(name):
+            module = trace(returning_argument_writes(split.bind(self.fn), name, written),
+                           *abstract[0], name=name, **abstract[1])
         traced = time.perf_counter() - start
         refuse_gradients(module)
         overrides = _seq_axis_overrides(self.options.seq_axes, args, split.traced_positions())
@@ -356,21 +400,27 @@ class ContextParallelFunction:
         report_unsharded(final, self.options)
         stats = TransformStats(name, traced, result.timings)
         log.info("%s", stats.describe())
-        return (final, tuple(written), jax.jit(lambda *flat: final.flat_call(*flat))), stats
+        return (final, tuple(written), jax.jit(with_forward_mode(final.flat_call))), stats
 
     # -- calling --
     def __call__(self, *args, **kwargs):
+        if _TRACING.get() is not None:
+            return self.fn(*args, **kwargs)
         final, written, call, split = self._build(args, kwargs)
         arguments = (split.args, split.kwargs)
-        out, writes = jax.tree_util.tree_unflatten(
-            final.out_tree, call(*jax.tree_util.tree_leaves(arguments)))
+        refuse_set_mesh_gradients(final.name, jax.tree_util.tree_leaves(arguments))
+        flat = _on_mesh(jax.tree_util.tree_leaves(arguments), final.facts.mesh)
+        with compat.no_mesh_context():
+            flat_out = call(*flat)
+        out, writes = jax.tree_util.tree_unflatten(final.out_tree, flat_out)
         write_back(arguments, written, writes)
         return out
 
     def lower(self, *args, **kwargs):
         """``jax.jit(...).lower`` of the transformed program (ShapeDtypeStructs allowed)."""
         _, _, call, split = self._build(args, kwargs)
-        return call.lower(*jax.tree_util.tree_leaves((split.args, split.kwargs)))
+        with compat.no_mesh_context():
+            return call.lower(*jax.tree_util.tree_leaves((split.args, split.kwargs)))
 
     def explain(self, *args, leaks: bool = False, verbose: bool = False, **kwargs) -> str:
         """A readable account of what the transform does for these arguments: the plan,
@@ -393,7 +443,7 @@ class ContextParallelFunction:
         predicted times, the layouts' balance, the conversions and the pass timings."""
         from cptransform.api.plan import build_plan
         final, _, _, split = self._build(args, kwargs)
-        key = (_signature(split.args, split.kwargs), split.static)
+        key = (_signature(split.args, split.kwargs), split.static_key)
         return build_plan(final, self.options.kernel, self._stats[key].passes)
 
 

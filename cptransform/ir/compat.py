@@ -262,3 +262,34 @@ def dce(closed: Any) -> Any:
 def name_stack(eqn: Any) -> str:
     """The transformation/name stack an equation was traced under, e.g. ``transpose(jvp(f))``."""
     return str(getattr(eqn.source_info, "name_stack", "") or "")
+
+
+@contextlib.contextmanager
+def no_mesh_context() -> Iterator[None]:
+    """No ``jax.set_mesh`` mesh in context: the transformed program carries its own CP mesh
+    (Auto axes), and the sharding constraints it places would be read against a user's
+    Explicit mesh, where they act as assertions. Outside ``jit`` both the concrete and the
+    abstract mesh are cleared; inside it (``set_mesh`` is refused there) the abstract one."""
+    import jax
+    from jax._src import mesh as _mesh
+    if _core.trace_state_clean():
+        with jax.set_mesh(None):
+            yield
+    else:
+        with jax.sharding.use_abstract_mesh(_mesh.empty_abstract_mesh):
+            yield
+
+
+def context_mesh_axes() -> tuple[str, ...]:
+    """The axis names of the mesh a ``jax.set_mesh`` context holds (empty without one)."""
+    from jax._src import mesh as _mesh
+    return tuple(_mesh.get_abstract_mesh().axis_names)
+
+
+def differentiated(values) -> bool:
+    """Whether any of ``values`` is traced by JAX's autodiff (``jvp``, ``grad``,
+    ``linearize``) rather than only staged (``jit``)."""
+    from jax._src.interpreters import ad as _ad
+    kinds = tuple(k for k in (getattr(_ad, "JVPTracer", None),
+                              getattr(_ad, "LinearizeTracer", None)) if k is not None)
+    return any(isinstance(v, kinds) for v in values)

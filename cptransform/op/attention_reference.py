@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_spec import AttentionSpec, MaskSpec
 
 
@@ -62,17 +63,19 @@ def selected(topk, kv_pos):
 
 
 def logits(spec: AttentionSpec, q, k, bias=None):
-    """Float32 ``[B, H, Tq, Tkv]`` logits from canonical ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``."""
+    """``[B, H, Tq, Tkv]`` logits (:func:`accumulator_dtype`) from canonical
+    ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``."""
     b, tq, h, d = q.shape
     hkv = k.shape[2]
+    acc = accumulator_dtype(q.dtype, k.dtype)
     qg = q.reshape(b, tq, hkv, h // hkv, d)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
-    s = s.reshape(b, h, tq, k.shape[1]).astype(jnp.float32) * jnp.float32(spec.scale)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=acc)
+    s = s.reshape(b, h, tq, k.shape[1]).astype(acc) * acc.type(spec.scale)
     if spec.softcap is not None:
-        cap = jnp.float32(spec.softcap)
+        cap = acc.type(spec.softcap)
         s = jnp.tanh(s / cap) * cap
     if bias is not None:
-        s = s + bias.astype(jnp.float32)
+        s = s + bias.astype(acc)
     return s
 
 
@@ -110,8 +113,8 @@ def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
     b, tkv, hkv, dv = v.shape
     h = q.shape[2]
     pg = (p / l_safe).reshape(b, hkv, h // hkv, q.shape[1], tkv)
-    o = jnp.einsum("bhgqk,bkhd->bqhgd", pg, v.astype(jnp.float32),
-                   preferred_element_type=jnp.float32).reshape(b, q.shape[1], h, dv)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", pg, v.astype(s.dtype),
+                   preferred_element_type=s.dtype).reshape(b, q.shape[1], h, dv)
     lse = jnp.where(l[..., 0] == 0, -jnp.inf, jnp.log(l_safe[..., 0]) + m_safe[..., 0])
     return o, lse
 
@@ -151,13 +154,13 @@ def merge_sinks(o, lse, sinks):
     ``lse' = sink`` (empty only when the sink is ``-inf``); a ``+inf`` or NaN sink makes the
     row NaN (``0·exp(inf - inf)``), as a softmax over the extra column does on one device.
     """
-    sink = sinks.astype(jnp.float32)[..., None]
+    sink = sinks.astype(o.dtype)[..., None]
     # A row with no mass from its keys nor its sink stays empty. ``logaddexp(-inf, -inf)``
     # has a NaN derivative (one device's softmax gives the ``-inf`` sink a 0 gradient), so
     # such rows merge stand-in zeros (``o`` is ``0·ΣV`` there: halving it changes nothing)
     # and get their ``-inf`` back.
     empty = empty_rows_of(lse) & empty_rows_of(sink)
-    o, total = merge(o, jnp.where(empty, 0.0, lse), jnp.zeros((), jnp.float32),
+    o, total = merge(o, jnp.where(empty, 0.0, lse), jnp.zeros((), o.dtype),
                      jnp.where(empty, 0.0, sink))
     return o, jnp.where(empty, -jnp.inf, total)
 
@@ -243,7 +246,7 @@ def attention_reference(*operands, spec: AttentionSpec):
                     bcast(a["topk_indices"]))
     if spec.sinks:
         o, lse = merge_sinks(o, lse, bcast(a["sinks"]))
-    v_mean = jnp.mean(v.astype(jnp.float32), axis=1, keepdims=True)
+    v_mean = jnp.mean(v.astype(accumulator_dtype(q.dtype)), axis=1, keepdims=True)
     o = fill_empty_rows(spec, o, lse, v_mean)
     o = o.reshape(batch_shape + o.shape[1:]).astype(a["q"].dtype)
     return from_canonical(spec, o)

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from cptransform.ir.errors import ContextParallelOptionError, unknown_name
+from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 
@@ -77,14 +78,15 @@ class ProfiledKernel:
 
 def row_delta(o, do, dlse=None):
     """Float32 ``[B, H, Tq]``: ``rowsum(dO ∘ O) - dlse``, the backward's per-row term."""
-    delta = jnp.swapaxes(jnp.sum(do.astype(jnp.float32) * o.astype(jnp.float32), axis=-1), 1, 2)
-    return delta if dlse is None else delta - dlse.astype(jnp.float32)
+    acc = accumulator_dtype(o.dtype, do.dtype)
+    delta = jnp.swapaxes(jnp.sum(do.astype(acc) * o.astype(acc), axis=-1), 1, 2)
+    return delta if dlse is None else delta - dlse.astype(acc)
 
 
 def zero_times(x):
     """``0·x`` in float32: 0, or NaN where ``x`` is NaN or ±Inf (what a skipped block adds:
     a dense softmax multiplies exact-zero probabilities with V, see the module doc)."""
-    return x.astype(jnp.float32) * 0.0
+    return x.astype(accumulator_dtype(x.dtype)) * 0.0
 
 
 def sum_to(x, shape):

@@ -41,13 +41,12 @@ from jax import lax
 from cptransform.analysis.block_work import DEFAULT_CHUNK, kernel_grid
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import register_kernel, row_delta, sum_to, zero_times
+from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import visible
 from cptransform.op.attention_spec import AttentionSpec
 
 #: Pair kinds of :func:`chunk_kinds` (also the ``lax.switch`` branch indices).
 EMPTY, FULL, PARTIAL = 0, 1, 2
-
-F32 = jnp.float32
 
 
 def _pad(x, axis: int, to: int, value=None):
@@ -199,6 +198,11 @@ class _Problem:
         return cls(padded, spec, q, k, v, cq, nq, ck, nk, block.k.shape[1], kinds)
 
     @property
+    def acc(self):
+        """The dtype the softmax and the gradients accumulate in (:func:`accumulator_dtype`)."""
+        return accumulator_dtype(self.q.dtype)
+
+    @property
     def groups(self) -> int:
         return self.q.shape[2]
 
@@ -218,21 +222,21 @@ class _Problem:
         return lax.dynamic_slice(x, (0, 0, i * self.cq, j * self.ck), (bx, hx, self.cq, self.ck))
 
     def logits(self, qc, kc, i, j):
-        """Float32 ``(s, tanh)`` of pair ``(i, j)``: scaled, soft-capped (``tanh`` is the
+        """``(s, tanh)`` (:attr:`acc` dtype) of pair ``(i, j)``: scaled, soft-capped (``tanh`` is the
         soft-cap's ``tanh`` for the backward, else ``None``) and biased; not masked."""
-        spec = self.spec
+        spec, accum = self.spec, self.acc
         # The scale goes on q, not on the product: XLA contracts ``product * scale - max``
         # into an FMA, which rounds the logit differently from the max it is compared with;
         # at huge logits (~1e29) that one-ulp gap is exp(±4e22) instead of 1.
-        qs = qc.astype(F32) * F32(spec.scale)
-        s = jnp.einsum("bhqd,bhkd->bhqk", qs, kc.astype(F32), preferred_element_type=F32)
+        qs = qc.astype(accum) * accum.type(spec.scale)
+        s = jnp.einsum("bhqd,bhkd->bhqk", qs, kc.astype(accum), preferred_element_type=accum)
         tanh = None
         if spec.softcap is not None:
-            cap = F32(spec.softcap)
+            cap = accum.type(spec.softcap)
             tanh = jnp.tanh(s / cap)
             s = tanh * cap
         if self.block.bias is not None:
-            s = s + _rows(self._tile(self.block.bias, i, j), self.groups).astype(F32)
+            s = s + _rows(self._tile(self.block.bias, i, j), self.groups).astype(accum)
         return s, tanh
 
     def visible(self, i, j):
@@ -284,10 +288,11 @@ class ChunkedKernel:
         pb = _Problem.build(block, spec, self.chunk)
         b, hkv, g, _, _ = pb.q.shape
         dv = pb.v.shape[-1]
+        accum = pb.acc
 
         def q_chunk(_, i):
             qc = pb.q_rows(i)
-            m0 = jnp.full_like(qc, -jnp.inf, dtype=F32, shape=(b, hkv, g * pb.cq))
+            m0 = jnp.full_like(qc, -jnp.inf, dtype=accum, shape=(b, hkv, g * pb.cq))
             state = (m0, jnp.zeros_like(m0), jnp.zeros_like(m0, shape=(*m0.shape, dv)),
                      jnp.zeros_like(m0, dtype=bool))
 
@@ -298,7 +303,7 @@ class ChunkedKernel:
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 alpha = jnp.exp(m - m_safe)
                 p = jnp.exp(s - m_safe[..., None])
-                pv = jnp.einsum("bhqk,bhkd->bhqd", p, vc.astype(F32), preferred_element_type=F32)
+                pv = jnp.einsum("bhqk,bhkd->bhqd", p, vc.astype(accum), preferred_element_type=accum)
                 return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv, seen
 
             def full(j, state):
@@ -338,17 +343,18 @@ class ChunkedKernel:
         """``(dq, dk, dv, dbias)`` (kernel contract). ``delta``, when given, is
         :func:`row_delta` of the merged output (then ``o`` and ``dlse`` are not read)."""
         pb = _Problem.build(block, spec, self.chunk)
+        accum = pb.acc
         if delta is None:
             delta = row_delta(o, do, dlse)
         # Padded query rows: lse = +inf makes their probabilities 0, do = 0 their dV terms.
-        lse_rows = pb.fold(_pad(jnp.swapaxes(lse.astype(F32), 1, 2), 1, pb.cq * pb.nq,
+        lse_rows = pb.fold(_pad(jnp.swapaxes(lse.astype(accum), 1, 2), 1, pb.cq * pb.nq,
                                 jnp.inf)[..., None])[..., 0]
         delta_rows = pb.fold(jnp.swapaxes(delta, 1, 2)[..., None])[..., 0]
-        nan_rows = jnp.where(jnp.isnan(lse_rows), jnp.nan, 0.0).astype(F32)
-        do_rows = pb.fold(do.astype(F32))
+        nan_rows = jnp.where(jnp.isnan(lse_rows), jnp.nan, 0.0).astype(accum)
+        do_rows = pb.fold(do.astype(accum))
         b, hkv, g, _, d = pb.q.shape
         bias = pb.block.bias
-        scale = F32(spec.scale)
+        scale = accum.type(spec.scale)
 
         def pair(i, j, kc, vc, masked):
             qc = pb.q_rows(i)
@@ -362,8 +368,8 @@ class ChunkedKernel:
                 p = jnp.where(ok, p, 0.0)
             p = p + nan_rows[i][..., None]
             do_i = do_rows[i]
-            g_v = jnp.einsum("bhqk,bhqd->bhkd", p, do_i, preferred_element_type=F32)
-            dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, vc.astype(F32), preferred_element_type=F32)
+            g_v = jnp.einsum("bhqk,bhqd->bhkd", p, do_i, preferred_element_type=accum)
+            dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, vc.astype(accum), preferred_element_type=accum)
             ds = p * (dp - delta_rows[i][..., None])
             if masked:  # a masked logit's gradient is an exact 0
                 ds = jnp.where(ok, ds, 0.0)
@@ -374,17 +380,17 @@ class ChunkedKernel:
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
             ds = ds * scale
-            g_q = jnp.einsum("bhqk,bhkd->bhqd", ds, kc.astype(F32), preferred_element_type=F32)
-            g_k = jnp.einsum("bhqk,bhqd->bhkd", ds, qc.astype(F32), preferred_element_type=F32)
+            g_q = jnp.einsum("bhqk,bhkd->bhqd", ds, kc.astype(accum), preferred_element_type=accum)
+            g_k = jnp.einsum("bhqk,bhqd->bhkd", ds, qc.astype(accum), preferred_element_type=accum)
             return g_q, g_k, g_v, g_b
 
         def k_chunk(dq, j):
             kc, vc = pb.kv(j)
             zq = jnp.zeros_like(dq[0])
-            zk = jnp.zeros_like(kc, dtype=F32)
-            zv = jnp.zeros_like(vc, dtype=F32)
+            zk = jnp.zeros_like(kc, dtype=accum)
+            zv = jnp.zeros_like(vc, dtype=accum)
             zb = None if bias is None else jnp.zeros_like(
-                bias, dtype=F32, shape=(*bias.shape[:2], pb.cq, pb.ck))
+                bias, dtype=accum, shape=(*bias.shape[:2], pb.cq, pb.ck))
             dbias_col = None if bias is None else jnp.zeros_like(zb, shape=(pb.nq, *zb.shape))
             def skip(i):
                 # What the pair gives with zero probabilities and zero logit gradients: only
@@ -411,7 +417,7 @@ class ChunkedKernel:
             dq, dk, dv, dbias_col = lax.fori_loop(0, pb.nq, step, (dq, zk, zv, dbias_col))
             return dq, (dk, dv, dbias_col)
 
-        dq0 = jnp.zeros_like(do_rows, dtype=F32, shape=(pb.nq, b, hkv, g * pb.cq, d))
+        dq0 = jnp.zeros_like(do_rows, dtype=accum, shape=(pb.nq, b, hkv, g * pb.cq, d))
         dq, (dk, dv, dbias) = lax.scan(k_chunk, dq0, jnp.arange(pb.nk))
         tq, tkv = block.q.shape[1], block.k.shape[1]
         dq = pb.unfold(dq)[:, :tq]

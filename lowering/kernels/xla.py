@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import attend, empty_rows_of, logits, visible
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
@@ -37,16 +38,16 @@ class XlaKernel:
         q, k, v, bias = block.q, block.k, block.v, block.bias
         b, tq, h, d = q.shape
         _, tkv, hkv, dv_dim = v.shape
-        f32 = jnp.float32
+        accum = accumulator_dtype(q.dtype)
         raw = logits(spec.replace(softcap=None), q, k)
         if spec.softcap is not None:
-            cap = f32(spec.softcap)
+            cap = accum.type(spec.softcap)
             tanh = jnp.tanh(raw / cap)
             s = tanh * cap
         else:
             s = raw
         if bias is not None:
-            s = s + bias.astype(f32)
+            s = s + bias.astype(accum)
         ok = visible(spec.mask, block.q_pos, block.kv_pos, block.q_seg, block.kv_seg,
                      block.mask)
         # Empty rows (lse = -inf) get p = 0; a NaN row keeps its NaN lse, so its p is NaN
@@ -54,26 +55,26 @@ class XlaKernel:
         lse_safe = jnp.where(empty_rows_of(lse), 0.0, lse)[..., None]
         p = jnp.where(ok, jnp.exp(jnp.where(ok, s, -jnp.inf) - lse_safe), 0.0) + 0.0 * lse_safe
 
-        do32 = do.astype(f32)
-        delta = jnp.swapaxes(jnp.sum(do32 * o.astype(f32), axis=-1), 1, 2)  # [B, H, Tq]
+        do32 = do.astype(accum)
+        delta = jnp.swapaxes(jnp.sum(do32 * o.astype(accum), axis=-1), 1, 2)  # [B, H, Tq]
         if dlse is not None:
-            delta = delta - dlse.astype(f32)
+            delta = delta - dlse.astype(accum)
         dog = do32.reshape(b, tq, hkv, h // hkv, dv_dim)
         dv = jnp.einsum("bhgqk,bqhgd->bkhd", _grouped(p, hkv), dog,
-                        preferred_element_type=f32)
-        dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, v.astype(f32),
-                        preferred_element_type=f32).reshape(b, h, tq, tkv)
+                        preferred_element_type=accum)
+        dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, v.astype(accum),
+                        preferred_element_type=accum).reshape(b, h, tq, tkv)
         # A masked logit's gradient is an exact 0 (the fill does not depend on it), even
         # where dp or delta is NaN.
         ds = jnp.where(ok, p * (dp - delta[..., None]), 0.0)
         dbias = None if bias is None else sum_to(ds, bias.shape)
         if spec.softcap is not None:
             ds = ds * (1.0 - tanh * tanh)
-        ds = ds * f32(spec.scale)
+        ds = ds * accum.type(spec.scale)
         dsg = _grouped(ds, hkv)
-        dq = jnp.einsum("bhgqk,bkhd->bqhgd", dsg, k.astype(f32),
-                        preferred_element_type=f32).reshape(b, tq, h, d)
-        qg = q.astype(f32).reshape(b, tq, hkv, h // hkv, d)
-        dk = jnp.einsum("bhgqk,bqhgd->bkhd", dsg, qg, preferred_element_type=f32)
+        dq = jnp.einsum("bhgqk,bkhd->bqhgd", dsg, k.astype(accum),
+                        preferred_element_type=accum).reshape(b, tq, h, d)
+        qg = q.astype(accum).reshape(b, tq, hkv, h // hkv, d)
+        dk = jnp.einsum("bhgqk,bqhgd->bkhd", dsg, qg, preferred_element_type=accum)
         return dq, dk, dv, dbias
 

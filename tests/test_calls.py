@@ -1,0 +1,188 @@
+"""The calls around the transform (issue 16): nested decorated functions, forward-mode
+derivatives, static arguments keyed by value and type, flags that flip, NNX state across
+steps, ``jax.set_mesh`` contexts, inputs committed to one device, and float64 end to end.
+Each compares with the undecorated function or expects one clear error."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import assert_tree_close
+from cptransform import context_parallel
+from cptransform.ir.errors import ContextParallelError
+from cptransform.op.accumulation import accumulator_dtype
+
+RTOL = 1e-5
+
+
+def attend(x, w, *, causal=True):
+    """Hand-written causal attention (``jax.nn.dot_product_attention`` computes its own
+    softmax in float32, so it cannot be a float64 reference)."""
+    q, k, v = (jnp.einsum("bsd,dhe->bshe", x, w[i]) for i in range(3))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[-1])
+    if causal:
+        t = jnp.arange(x.shape[1])
+        s = jnp.where(t[None, :] <= t[:, None], s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def loss(x, w):
+    return jnp.sum(attend(x, w) ** 2)
+
+
+@pytest.fixture(scope="module")
+def data():
+    kx, kw = jax.random.split(jax.random.PRNGKey(3))
+    return jax.random.normal(kx, (2, 32, 8)), jax.random.normal(kw, (3, 8, 4, 4)) / 3
+
+
+def test_a_decorated_function_called_inside_another_runs_inline(data):
+    inner = context_parallel(lambda x, w: attend(x, w), cp=4, schedule="allgather")
+    outer = context_parallel(lambda x, w: jnp.sum(inner(x, w) ** 2), cp=4, schedule="ring")
+    assert_tree_close(jax.value_and_grad(outer, argnums=(0, 1))(*data),
+                      jax.value_and_grad(loss, argnums=(0, 1))(*data))
+    assert "ring" in outer.explain(*data)
+
+
+@pytest.mark.slow
+def test_jvp_and_linearize_match_one_device(data):
+    x, w = data
+    tangents = jax.random.normal(jax.random.PRNGKey(4), x.shape), w[::-1]
+    f = context_parallel(loss, cp=4)
+    assert_tree_close(jax.jvp(f, data, tangents), jax.jvp(loss, data, tangents))
+    out, lin = jax.linearize(f, x, w)
+    want, want_lin = jax.linearize(loss, x, w)
+    assert_tree_close((out, lin(*tangents)), (want, want_lin(*tangents)))
+    # Only x perturbed: w's tangent is a symbolic zero (and grad of x alone still works).
+    assert_tree_close(jax.jvp(lambda x: f(x, w), (x,), (tangents[0],)),
+                      jax.jvp(lambda x: loss(x, w), (x,), (tangents[0],)))
+    assert_tree_close(jax.grad(f)(x, w), jax.grad(loss)(x, w))
+
+
+def test_static_arguments_of_equal_hash_are_separate_programs(data):
+    """``1 == True == 1.0`` and they hash alike; ``jax.jit`` keys static arguments by type
+    too, and so must the transform's cache."""
+    def fn(x, w, n):
+        return loss(x, w) * {int: 2.0, bool: 3.0, float: 5.0}[type(n)]
+
+    f = context_parallel(fn, cp=4)
+    for n in (1, True, 1.0, 1):
+        np.testing.assert_allclose(f(*data, n), fn(*data, n), rtol=RTOL)
+
+
+def test_a_bool_flag_that_flips_between_calls(data):
+    def fn(x, w, causal):
+        return jnp.sum(attend(x, w, causal=causal) ** 2)
+
+    f = context_parallel(fn, cp=4)
+    for causal in (True, False, True):
+        assert_tree_close(jax.value_and_grad(f, argnums=(0, 1))(*data, causal),
+                          jax.value_and_grad(fn, argnums=(0, 1))(*data, causal))
+
+
+@pytest.mark.slow
+def test_nnx_dropout_state_across_steps_of_a_jitted_train_step():
+    """Dropout after attention advances the ``Rngs`` every step; three AdamW steps in
+    ``nnx.jit`` draw the same masks and reach the same parameters as one device."""
+    nnx = pytest.importorskip("flax.nnx")
+    optax = pytest.importorskip("optax")
+
+    class Model(nnx.Module):
+        def __init__(self):
+            rngs = nnx.Rngs(0, dropout=1)
+            self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8,
+                                               use_bias=False, decode=False, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+    def fn(model, x):
+        return jnp.sum(model.drop(model.attn(x, mask=nnx.make_causal_mask(x[..., 0]))) ** 2)
+
+    x = jax.random.normal(jax.random.PRNGKey(5), (2, 32, 8))
+    runs = []
+    for loss_fn in (fn, context_parallel(fn, cp=4)):
+        model = Model()
+        optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+        @nnx.jit
+        def step(model, optimizer, x, loss_fn=loss_fn):
+            value, grads = nnx.value_and_grad(loss_fn)(model, x)
+            optimizer.update(model, grads)
+            return value
+
+        runs.append(([step(model, optimizer, x) for _ in range(3)],
+                     nnx.state(model, nnx.Param)))
+    (want, want_params), (got, got_params) = runs
+    assert len(set(np.asarray(want).round(3).tolist())) == 3   # each step's mask differs
+    np.testing.assert_allclose(got, want, rtol=RTOL)
+    assert_tree_close(got_params, want_params, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_under_jax_set_mesh_the_call_matches_and_gradients_are_refused(data):
+    mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4])
+    f = context_parallel(loss, mesh=mesh)
+    with jax.set_mesh(mesh):
+        np.testing.assert_allclose(f(*data), loss(*data), rtol=RTOL)
+        np.testing.assert_allclose(jax.jit(f)(*data), loss(*data), rtol=RTOL)
+        with pytest.raises(ContextParallelError, match="outside the `with jax.set_mesh"):
+            jax.grad(f)(*data)
+    assert_tree_close(jax.grad(f)(*data), jax.grad(loss)(*data))
+
+
+def test_inputs_committed_to_one_device_are_moved_onto_the_mesh(data):
+    x, w = data
+    f = context_parallel(loss, cp=4)
+    for device in (jax.devices()[3], jax.devices()[6]):
+        np.testing.assert_allclose(f(jax.device_put(x, device), jax.device_put(w, device)),
+                                   loss(x, w), rtol=RTOL)
+
+
+@pytest.fixture
+def x64():
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.mark.parametrize("schedule, load_balance", [
+    pytest.param("ring", "zigzag", marks=pytest.mark.slow),
+    pytest.param("ulysses", "none", marks=pytest.mark.slow),
+    pytest.param("allgather", "striped", marks=pytest.mark.slow),
+    pytest.param("hybrid", "zigzag", marks=pytest.mark.slow),
+    pytest.param("halo", "none", marks=pytest.mark.slow),
+])
+def test_float64_end_to_end_at_float64_accuracy(x64, data, schedule, load_balance):
+    x, w = (a.astype(jnp.float64) for a in data)
+
+    def fn(x, w):
+        if schedule == "halo":   # a sliding window of 4 keys
+            q, k, v = (jnp.einsum("bsd,dhe->bshe", x, w[i]) for i in range(3))
+            t = jnp.arange(x.shape[1])
+            near = (t[None, :] <= t[:, None]) & (t[None, :] >= t[:, None] - 4)
+            s = jnp.where(near, jnp.einsum("bqhd,bkhd->bhqk", q, k), -jnp.inf)
+            return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v) ** 2)
+        return loss(x, w)
+
+    f = context_parallel(fn, cp=4, schedule=schedule, load_balance=load_balance)
+    got = jax.value_and_grad(f, argnums=(0, 1))(x, w)
+    want = jax.value_and_grad(fn, argnums=(0, 1))(x, w)
+    assert all(leaf.dtype == jnp.float64 for leaf in jax.tree_util.tree_leaves(got))
+    assert_tree_close(got, want, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype, accum", [(jnp.bfloat16, jnp.float32),
+                                          (jnp.float16, jnp.float32),
+                                          (jnp.float32, jnp.float32)])
+def test_low_precision_still_accumulates_in_float32(dtype, accum):
+    assert accumulator_dtype(dtype) == accum
+
+
+@pytest.mark.slow
+def test_bfloat16_runs_at_bfloat16_accuracy(data):
+    x, w = (a.astype(jnp.bfloat16) for a in data)
+    f = context_parallel(loss, cp=4)
+    got = jax.value_and_grad(lambda x, w: f(x, w).astype(jnp.float32))(x, w)
+    want = jax.value_and_grad(lambda x, w: loss(x, w).astype(jnp.float32))(x, w)
+    assert got[1].dtype == jnp.bfloat16
+    assert_tree_close(got, want, rtol=2e-2)
