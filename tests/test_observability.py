@@ -11,7 +11,8 @@ import pytest
 
 from cptransform import attention, context_parallel
 
-PASSES = ["canonicalize", "match-attention", "infer-seq-axes", "plan-context-parallel",
+PASSES = ["canonicalize", "match-attention", "match-windows", "infer-seq-axes",
+          "plan-context-parallel",
           "reorder-sequence", "lower-context-parallel"]
 
 
