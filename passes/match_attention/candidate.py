@@ -146,7 +146,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
 
     v_in, v_dims, v_feature, dv = _value_operand(pv, p_dims, shared, qk)
     sizes = {**qk.sizes, V_FEATURE: dv}
-    if kv_head is not None and not group:
+    if kv_head is not None and not group and kv_head in v_dims:
         rk = unrepeat(graph, k_in, qk.k_dims[kv_head])
         rv = unrepeat(graph, v_in, v_dims[kv_head])
         if rk is not None and rv is not None and rk[1] == rv[1]:
@@ -157,7 +157,10 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         raise NotAttention(f"{hq} query heads over {hk} KV heads")
 
     out_labels = _out_labels(pv, p_dims)
-    if sorted(map(str, out_labels)) != sorted(map(str, [*batch, q_seq, *heads, V_FEATURE])):
+    want = [lab for lab in [*batch, q_seq, *heads, V_FEATURE]
+            if lab in out_labels or sizes[lab] != 1]
+    if sorted(map(str, (lab for lab in out_labels if lab is not None))) \
+            != sorted(map(str, want)):
         raise NotAttention("the output dims do not line up with q's dims")
 
     # Padding masks (a query-only or key-only predicate, e.g. ``tokens != pad``) need no
@@ -239,10 +242,18 @@ def _value_operand(pv: ValueProduct, p_dims: tuple, shared: list, qk: QKProduct)
     pc, pb, vc, vb = pv.dims()
     if len(pc) != 1 or p_dims[pc[0]] != qk.kv:
         raise NotAttention("the value product does not contract the softmax axis")
-    if sorted(p_dims[i] for i in pb) != sorted(shared):
-        raise NotAttention("the value product's batch dims differ from the q·k product's")
     v_shape = compat.aval_of(pv.v).shape
     v_free = [d for d in range(len(v_shape)) if d not in vc and d not in vb]
+    # A size-1 batch dim the q·k product had no dim for (``jnp.matmul`` drops size-1 batch
+    # dims, ``einsum`` keeps them) is no dim of the attention: it carries no label.
+    unit = [j for j, i in enumerate(pb) if p_dims[i] is None and v_shape[vb[j]] == 1]
+    pb = [i for j, i in enumerate(pb) if j not in unit]
+    vb = [d for j, d in enumerate(vb) if j not in unit]
+    held = [p_dims[i] for i in pb]
+    # ... and a size-1 batch dim of the q·k product the p·v product dropped is none either.
+    if len(set(held)) != len(held) or not set(held) <= set(shared) \
+            or any(qk.sizes[lab] != 1 for lab in set(shared) - set(held)):
+        raise NotAttention("the value product's batch dims differ from the q·k product's")
     if len(v_free) != 1 or v_shape[vc[0]] != qk.sizes[qk.kv]:
         raise NotAttention("V must have one feature dim and K's sequence length")
     v_dims = {p_dims[i]: vb[j] for j, i in enumerate(pb)}
