@@ -68,6 +68,7 @@ def test_matched_causal(rng, name, shape):
     assert spec.mask.causal and not spec.mask.dense
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["ring", "ulysses", "allgather"])
 @pytest.mark.parametrize("name", ["matmul", "matmul_then_einsum", "einsum_then_matmul"])
 def test_batch1_loss_and_grads(rng, name, schedule):
@@ -80,3 +81,12 @@ def test_batch1_loss_and_grads(rng, name, schedule):
     got = jax.value_and_grad(cp, (0, 1, 2))(q, k, v)
     want = jax.value_and_grad(loss, (0, 1, 2))(q, k, v)
     jax.tree.map(assert_same, got, want)
+
+
+@pytest.mark.parametrize("name", ["matmul", "matmul_then_einsum"])
+def test_batch1_heads_stay_heads(rng, name):
+    """``jnp.matmul`` drops the size-1 batch: the remaining shared dim is still the heads
+    (Ulysses can split them), not a batch."""
+    q, k, v = (randn(rng, 1, T, 4, D) for _ in range(3))
+    (spec,) = specs(check(SPELLINGS[name], q, k, v, analytic=True))
+    assert spec.k.heads is not None and spec.groups == 1, spec

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.mask_parts import MaskParts, classify
 from cptransform.analysis.mask_values import And, as_dense
 from cptransform.ir import compat
@@ -23,7 +24,7 @@ from cptransform.passes.match_attention.qk_product import QKProduct
 from cptransform.passes.match_attention.sink import SinkColumn, sink_source
 from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
 from cptransform.passes.match_attention.value_product import Split, ValueProduct
-from cptransform.passes.match_attention.walk import strip_scale, unrepeat
+from cptransform.passes.match_attention.walk import UNIT_RESHAPES, strip_scale, unrepeat
 
 #: Labels of the feature dims of q, k and v (the q·k dims are labelled by integers).
 Q_FEATURE, K_FEATURE, V_FEATURE = "qd", "kd", "dv"
@@ -123,8 +124,9 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     shared = list(range(qk.n_batch))
     # The kv-heads dim: the last shared dim in K's order that is not K's leading dim
     # (by convention the batch); others are batch. Any choice is exact.
-    cand = [lab for lab in shared if qk.k_dims[lab] != 0]
-    kv_head = max(cand, key=lambda lab: qk.k_dims[lab]) if cand else None
+    k_order = _dims_before_squeeze(graph, qk.k)
+    cand = [lab for lab in shared if k_order[qk.k_dims[lab]] != 0]
+    kv_head = max(cand, key=lambda lab: k_order[qk.k_dims[lab]]) if cand else None
     batch = [lab for lab in shared if lab != kv_head]
 
     q_in, q_scale = strip_scale(graph, qk.q)
@@ -184,6 +186,20 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
         groups=hq // hk, mask_kinds=kinds, sink=sink,
         topk=None if topk is None else topk.indices)
+
+
+def _dims_before_squeeze(graph: Graph, k: Any) -> tuple:
+    """For each dim of ``k``, its position in the value ``k`` was squeezed from (its own
+    position when no reshape dropped size-1 dims: ``jnp.matmul`` drops a size-1 batch,
+    which must not make the heads K's leading dim)."""
+    nd = len(compat.aval_of(k).shape)
+    eqn = graph.producer(k)
+    if eqn is not None and eqn.primitive.name in UNIT_RESHAPES:
+        src = unit_reshape_dims(compat.aval_of(eqn.invars[0]).shape,
+                                compat.aval_of(k).shape, tuple(range(nd)))
+        if src is not None:
+            return tuple(src.index(d) for d in range(nd))
+    return tuple(range(nd))
 
 
 def _sink_operand(graph: Graph, column: SinkColumn, qk: QKProduct, batch: list, q_seq,
