@@ -9,13 +9,13 @@ replacement equation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.mask_parts import MaskParts, classify
-from cptransform.analysis.mask_values import And, as_dense
+from cptransform.analysis.mask_values import And, Pred, as_dense, conjuncts
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
@@ -117,9 +117,11 @@ class Candidate:
 
 
 def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
-                    stats: RuleStats, column: SinkColumn | None = None) -> Candidate:
+                    stats: RuleStats, column: SinkColumn | None = None,
+                    zeroing: Sequence[Pred] = ()) -> Candidate:
     """Put the two products together (or refuse, with the first reason found); ``column``
-    is the sink column concatenated after the logits, if any."""
+    is the sink column concatenated after the logits, if any; ``zeroing``: the predicates
+    of the masks that zero the probabilities after the softmax (``pv.zeroed``)."""
     p_dims = _resolve(pv.p_dims, qk)
     shared = list(range(qk.n_batch))
     # The kv-heads dim: the last shared dim in K's order that is not K's leading dim
@@ -133,6 +135,8 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     k_in, k_scale = strip_scale(graph, qk.k)
     scale, softcap, biases = visible_form(qk.steps, q_scale * k_scale)
     rows, preds = empty_rows(qk.steps)
+    if zeroing:
+        rows = _zeroed_rows(preds, zeroing, column)
     parts = _mask_parts(qk, preds, batch, stats)
     sides = [d.source for d in parts.dense] + [b for b, _ in biases] \
         + list(parts.segments or ()) + ([parts.topk.indices] if parts.topk else [])
@@ -186,6 +190,17 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
         groups=hq // hk, mask_kinds=kinds, sink=sink,
         topk=None if topk is None else topk.indices)
+
+
+def _zeroed_rows(preds: list, zeroing: Sequence[Pred], column: SinkColumn | None) -> str:
+    """``"zero"``: probabilities zeroed after the softmax by exactly the logits' mask are
+    unchanged in a row that sees a key (the hidden ones are already 0) and all zero in a
+    row that sees none. Any other zeroing mask changes the attention: refused."""
+    want = set(conjuncts(And(tuple(preds))))
+    if column is not None or not want or any(set(conjuncts(z)) != want for z in zeroing):
+        raise NotAttention("the probabilities are zeroed after the softmax by a mask other "
+                           "than the one applied to the logits")
+    return "zero"
 
 
 def _dims_before_squeeze(graph: Graph, k: Any) -> tuple:
