@@ -28,6 +28,7 @@ are cached per ``(value, dim map)``, so a mask shared by many layers is analysed
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from typing import Any, Callable
@@ -39,7 +40,8 @@ from cptransform.analysis.intervals import complement, normalize
 from cptransform.analysis.mask_values import (TOPK_DIM, AbsAffine, Affine, And, Band, Const,
                                               Dense,
                                               DimMap, Indicator, Opaque, Pred, Scalar,
-                                              Segments, TopK, p_and, p_not, p_or)
+                                              Segments, TopK, conjuncts, p_and, p_not,
+                                              p_or)
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
@@ -196,8 +198,8 @@ class MaskAnalyzer:
             label = _FRESH - next(self._fresh)
             shift[label] = (d, start)
             inner.append(label)
-        moved = _shift(self.analyze(operand, tuple(inner)), shift, here)
-        return self._opaque(atom, here) if moved is None else moved
+        moved = _shift(self.analyze(operand, tuple(inner)), shift)
+        return self._opaque(atom, here) if moved is None else _read_from(moved, atom, here)
 
     def _combine(self, op: str, a: Any, b: Any, atom: Any, here: Opaque) -> Any:
         """``a op b`` of two masks taking one value where a predicate holds and another
@@ -214,7 +216,7 @@ class MaskAnalyzer:
         regions: dict = {}
         for pa, va in ca:
             for pb, vb in cb:
-                region = p_and(pa, pb, here)
+                region = p_and(pa, pb)
                 if not _empty(region):
                     regions.setdefault(fn(va, vb), []).append(region)
         if not regions:
@@ -227,11 +229,13 @@ class MaskAnalyzer:
         (x, rx), (y, ry) = regions.items()
         if is_bool:
             x, rx, y = (x, rx, y) if x else (y, ry, x)
-            return _union(rx, here)
-        px, py = _union(rx, here), _union(ry, here)
-        if isinstance(px, Dense) and not isinstance(py, Dense):
-            return Indicator(py, y, x)
-        return Indicator(px, x, y)
+        for on, region, off in ((x, rx, y), (y, ry, x)):
+            pred = _union(region)
+            if _known(pred):
+                return _read_from(pred if is_bool else Indicator(pred, on, off), atom, here)
+            if is_bool:
+                break
+        return self._opaque(atom, here)
 
     def _topk_scatter(self, eqn, dims: DimMap, here: Opaque) -> TopK | None:
         """The :class:`TopK` a boolean scatter of True into all-False computes, or None.
@@ -434,14 +438,36 @@ def _empty(p: Pred) -> bool:
     return False
 
 
-def _union(regions: list, origin: Opaque) -> Pred:
+def _union(regions: list) -> Pred:
     out = regions[0]
     for r in regions[1:]:
-        out = p_or(out, r, origin)
+        out = p_or(out, r, None)
     return out
 
 
-def _shift(value: Any, shift: dict, origin: Opaque) -> Any:
+def _known(p: Pred) -> bool:
+    """Whether every part of ``p`` says what it is (no :class:`Dense` without a source:
+    a union or negation of parts that is no analytic predicate and no value of the
+    program)."""
+    return all(not isinstance(t, Dense) or t.source is not None for t in conjuncts(p))
+
+
+def _read_from(value: Any, atom: Any, here: Opaque) -> Any:
+    """``value`` computed for ``atom`` from other values: its predicate's origin becomes
+    ``atom`` where ``atom`` holds exactly where the predicate does (a boolean, or an
+    indicator that is 0 elsewhere), so a part kept as data reads ``atom`` itself; else
+    the parts keep their own origins."""
+    is_bool = compat.aval_of(atom).dtype == np.bool_
+    if isinstance(value, Pred) and is_bool and not isinstance(value, (And, Dense)):
+        return dataclasses.replace(value, origin=here)
+    if isinstance(value, Indicator) and not is_bool and bool(value.on_true) \
+            and not value.on_false and not isinstance(value.pred, (And, Dense)):
+        return Indicator(dataclasses.replace(value.pred, origin=here), value.on_true,
+                         value.on_false)
+    return value
+
+
+def _shift(value: Any, shift: dict) -> Any:
     """``value`` (read with fresh labels) in terms of the top dims: fresh label ``f`` is
     index ``shift[f] = (top dim or None, start)`` plus its start. None where a part of
     ``value`` is data or a band becomes a bound on one index alone."""
@@ -457,17 +483,17 @@ def _shift(value: Any, shift: dict, origin: Opaque) -> Any:
             out = out.plus(Affine(((top, c),) if top is not None else (), c * start))
         return out
     if isinstance(value, AbsAffine):
-        return AbsAffine(_shift(value.inner, shift, origin))
+        return AbsAffine(_shift(value.inner, shift))
     if isinstance(value, Indicator):
-        pred = _shift(value.pred, shift, origin)
+        pred = _shift(value.pred, shift)
         return None if pred is None else Indicator(pred, value.on_true, value.on_false)
     if isinstance(value, And):
         out: Pred = Const(value=True)
         for term in value.terms:
-            moved = _shift(term, shift, origin)
+            moved = _shift(term, shift)
             if moved is None:
                 return None
-            out = p_and(out, moved, origin)
+            out = p_and(out, moved)
         return out
     if isinstance(value, Band):
         (ta, sa), (tb, sb) = index(value.a), index(value.b)
@@ -476,14 +502,14 @@ def _shift(value: Any, shift: dict, origin: Opaque) -> Any:
                     for lo, hi in value.intervals)
         if ta is None and tb is None or ta == tb:
             return Const(value=any((lo is None or lo <= 0) and (hi is None or hi >= 0)
-                                   for lo, hi in ivs), origin=origin)
+                                   for lo, hi in ivs))
         if ta is None or tb is None:
             return None
         if ta > tb:
             ta, tb = tb, ta
             ivs = tuple((None if hi is None else -hi, None if lo is None else -lo)
                         for lo, hi in ivs)
-        return Band(ta, tb, normalize(ivs), origin=origin)
+        return Band(ta, tb, normalize(ivs))
     return None
 
 

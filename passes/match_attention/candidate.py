@@ -213,7 +213,8 @@ def _dims_before_squeeze(graph: Graph, k: Any) -> tuple:
         src = unit_reshape_dims(compat.aval_of(eqn.invars[0]).shape,
                                 compat.aval_of(k).shape, tuple(range(nd)))
         if src is not None:
-            return tuple(src.index(d) for d in range(nd))
+            at = {label: i for i, label in enumerate(src) if label is not None}
+            return tuple(at.get(d, d) for d in range(nd))
     return tuple(range(nd))
 
 
