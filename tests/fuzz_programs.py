@@ -46,7 +46,7 @@ from cptransform.ir.errors import CPTransformError
 
 #: One attention with a drawn mask, around projections (norm / RoPE / residual drawn).
 MASK_CLASSES = ("mask_none", "mask_causal", "mask_window", "mask_two_sided", "mask_segments",
-                "mask_key_padding", "mask_dense", "mask_bias")
+                "mask_key_padding", "mask_dense", "mask_bias", "mask_builders")
 #: The surrounding-program classes (mask drawn from the simple ones unless stated).
 PROGRAM_CLASSES = (
     "llama_block",      # RMSNorm, RoPE (positions from jnp.arange), GQA, SwiGLU, residuals
@@ -90,6 +90,12 @@ KNOWN_BROKEN: dict[str, str] = {
 #: a depthwise causal conv (Mamba's short conv), a token shift by pad+slice, a roll.
 WINDOW_KINDS = ("maxpool", "minpool", "avgpool", "causalmax", "conv", "shift", "roll")
 WINDOW_VARIANTS = tuple(f"{kind}_{width}" for kind in WINDOW_KINDS for width in (1, 2, 3, 4, 5))
+#: How public libraries build masks (the ``mask_builders`` class draws one): transformers'
+#: precomputed causal mask cut to the sequence (static or dynamic slice), GPT-Neo's and
+#: Mistral's local windows, a difference of ``tril`` masks, keras-hub's ``minimum`` of int
+#: masks (with Keras' post-softmax zeroing), a padding mask spelled ``data > 0``.
+MASK_BUILDERS = ("hf_slice", "hf_dynamic_slice", "neo_xor", "mistral_triu",
+                 "tril_difference", "keras_minimum", "keras_softmax_zero", "data_padding")
 
 SPELLINGS = ("jnn", "einsum", "matmul")
 SCHEDULES = ("ring", "ulysses", "allgather", "auto")
@@ -153,13 +159,13 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
     mask = {"mask_none": "none", "mask_causal": "causal", "mask_window": "window",
             "mask_two_sided": "two_sided", "mask_segments": "segments",
             "mask_key_padding": "key_padding", "mask_dense": "dense",
-            "mask_bias": "bias"}.get(cls)
+            "mask_bias": "bias", "mask_builders": "builder"}.get(cls)
     if cls == "masked_rows":
         mask = "key_padding"
     elif mask is None:
         mask = choose("mask", ("none", "causal", "causal", "window"))
     spelling = choose("spelling", SPELLINGS)
-    if cls in ("masked_rows",) and spelling == "jnn":
+    if cls in ("masked_rows", "mask_builders") and spelling == "jnn":
         spelling = "einsum"   # the -inf fill is a hand-written where-mask
     if cls in ("dtype_f64", "dtype_fp16") and spelling == "jnn":
         # jax.nn.dot_product_attention's softmax is float32 even for f64, and its float16
@@ -174,7 +180,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         mask in ("segments", "key_padding", "dense", "bias") and choose("causal", (False, True)))
     if cls == "masked_rows":
         causal = True
-    window = choose("window", (1, 3, 5, 8, 17)) if mask in ("window", "two_sided") else 0
+    window = choose("window", (1, 3, 5, 8, 17)) if mask in ("window", "two_sided", "builder") \
+        else 0
     fill = "neg_inf" if cls == "masked_rows" else choose("fill", ("neg_big", "finfo_min",
                                                                   "neg_inf"))
     variants = {
@@ -190,6 +197,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "masked_rows": ("where_out", "plain"),
         "windows": WINDOW_VARIANTS,
         "static_equal_hash": ((1, True, 1.0, 1), (True, 1, 1.0), (1.0, True, 1)),
+        "mask_builders": MASK_BUILDERS,
     }.get(cls, ("",))
     variant = choose("variant", variants)
     llama = cls == "llama_block"
@@ -284,8 +292,59 @@ def _bias(case, params):
     return params["bias"]
 
 
+def _precomputed_causal(n: int):
+    """flax's ``make_causal_mask(ones((1, n)))`` as transformers precomputes it: [1,1,n,n]."""
+    idx = jnp.broadcast_to(jnp.arange(n), (1, n))
+    return jnp.greater_equal(idx[:, None, :, None], idx[:, None, None, :])
+
+
+def _built_mask(case: FuzzCase, inputs: dict):
+    """The visibility [B|1, 1, S, S] (boolean or 0/1 int) the drawn library builder makes."""
+    s, w = case.seq, case.window
+    valid = inputs["key_valid"]
+    full = _precomputed_causal(2 * s)
+    kind = case.variant
+    if kind in ("keras_minimum", "keras_softmax_zero"):
+        i = jnp.arange(s, dtype="float32")[:, None]
+        causal = (i >= jnp.arange(s, dtype="float32"))[None].astype("int32")
+        return jnp.minimum(valid[:, None, :].astype("int32"), causal)[:, None]
+    if kind == "data_padding":
+        tokens = valid.astype(jnp.int32) * 7
+        return (tokens > 0)[:, None, None, :] & jnp.tril(jnp.ones((s, s), bool))
+    local = {"hf_slice": lambda: full[:, :, :s, :s],
+             "hf_dynamic_slice": lambda: lax.dynamic_slice(full, (0, 0, 0, 0), (1, 1, s, s)),
+             "neo_xor": lambda: (full ^ jnp.tril(full, -w))[:, :, :s, :s],
+             "mistral_triu": lambda: jnp.triu(full, -w)[:, :, :s, :s],
+             "tril_difference": lambda: (jnp.tril(jnp.ones((s, s)))
+                                         - jnp.tril(jnp.ones((s, s)), -w))[None, None]}[kind]()
+    return jnp.logical_and(local > 0, valid[:, None, None, :])
+
+
+def _attend_built(case: FuzzCase, q, k, v, inputs):
+    """Attention under a library-built mask (``mask_builders``), einsum or matmul."""
+    h, kh = q.shape[2], k.shape[2]
+    if kh != h:
+        k, v = jnp.repeat(k, h // kh, axis=2), jnp.repeat(v, h // kh, axis=2)
+    visible = _built_mask(case, inputs) > 0
+    if case.spelling == "einsum":
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    else:
+        s = q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1)
+    s = jnp.where(visible, s.astype(jnp.float32) / math.sqrt(q.shape[-1]),
+                  _fill_value(case.fill, jnp.float32))
+    p = jax.nn.softmax(s, axis=-1)
+    if case.variant == "keras_softmax_zero":
+        p = jnp.where(visible, p, 0.0)
+    p = p.astype(v.dtype)
+    if case.spelling == "einsum":
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return (p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+
+
 def attend(case: FuzzCase, q, k, v, params, inputs):
     """q [B,S,H,D], k [B,S,K,D], v [B,S,K,Dv] -> [B,S,H,Dv] in the drawn spelling."""
+    if case.mask == "builder":
+        return _attend_built(case, q, k, v, inputs)
     h, kh = q.shape[2], k.shape[2]
     bias = _bias(case, params)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -422,6 +481,9 @@ def make_data(case: FuzzCase):
                 inp["lengths"] = lengths
             else:
                 inp["key_valid"] = np.arange(s)[None, :] < lengths[:, None]
+    if case.mask == "builder":
+        lengths = rng.integers(s // 2, s + 1, (b,))
+        inp["key_valid"] = np.arange(s)[None, :] < lengths[:, None]
     if case.mask == "dense":
         mb = b if case.variant == "batch" else 1
         m = rng.random((mb, 1, s, s)) < 0.6

@@ -28,6 +28,8 @@ are cached per ``(value, dim map)``, so a mask shared by many layers is analysed
 """
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from typing import Any, Callable
 
@@ -35,9 +37,11 @@ import numpy as np
 
 from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.intervals import complement, normalize
-from cptransform.analysis.mask_values import (TOPK_DIM, AbsAffine, Affine, Band, Const, Dense,
+from cptransform.analysis.mask_values import (TOPK_DIM, AbsAffine, Affine, And, Band, Const,
+                                              Dense,
                                               DimMap, Indicator, Opaque, Pred, Scalar,
-                                              Segments, TopK, p_and, p_not, p_or)
+                                              Segments, TopK, conjuncts, p_and, p_not,
+                                              p_or)
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
@@ -56,6 +60,7 @@ class MaskAnalyzer:
     def __init__(self, graph: Graph):
         self.graph = graph
         self._cache: dict = {}
+        self._fresh = itertools.count()
 
     def analyze(self, atom: Any, dims: DimMap) -> Any:
         """The abstract value of ``atom`` whose dim ``i`` indexes top dim ``dims[i]``."""
@@ -123,8 +128,19 @@ class MaskAnalyzer:
                 else self.analyze(ins[0], src_dims)
         if name == "convert_element_type":
             return self._convert(self.analyze(ins[0], dims), eqn.params["new_dtype"], atom, here)
+        if name in ("slice", "dynamic_slice"):
+            starts = self._slice_starts(eqn)
+            if starts is not None:
+                return self._sliced(ins[0], dims, starts, atom, here)
         if name in ("add", "sub", "mul"):
-            return self._arith(name, *(self.analyze(a, dims) for a in ins), atom, here)
+            a, b = (self.analyze(x, dims) for x in ins)
+            out = self._arith(name, a, b, atom, here)
+            return self._combine(name, a, b, atom, here) if out is here else out
+        if name in ("min", "max") or (name in ("and", "or", "xor") and
+                                      compat.aval_of(atom).dtype != np.bool_):
+            return self._combine(name, *(self.analyze(a, dims) for a in ins), atom, here)
+        if name == "xor":
+            return self._combine(name, *(self.predicate(a, dims) for a in ins), atom, here)
         if name == "neg":
             return self._arith("mul", self.analyze(ins[0], dims), Scalar(-1), atom, here)
         if name == "abs":
@@ -152,6 +168,73 @@ class MaskAnalyzer:
         if name == "select_n" and len(ins) == 3 and compat.aval_of(ins[0]).dtype == np.bool_:
             return self._select(self.predicate(ins[0], dims), self.analyze(ins[1], dims),
                                 self.analyze(ins[2], dims), atom, here)
+        return self._opaque(atom, here)
+
+    def _slice_starts(self, eqn) -> tuple | None:
+        """The start of a unit-stride ``slice`` per operand dim, or of a ``dynamic_slice``
+        whose starts are constants (clamped as XLA clamps them); None otherwise."""
+        shape = compat.aval_of(eqn.invars[0]).shape
+        if eqn.primitive.name == "slice":
+            if any(s != 1 for s in eqn.params.get("strides") or ()):
+                return None
+            return tuple(eqn.params["start_indices"])
+        out = compat.aval_of(eqn.outvars[0]).shape
+        starts = [self.analyze(x, ()) for x in eqn.invars[1:1 + len(shape)]]
+        if not all(isinstance(x, Scalar) and _is_int(x.value) for x in starts):
+            return None
+        return tuple(min(max(int(x.value), 0), n - m) for x, n, m in zip(starts, shape, out))
+
+    def _sliced(self, operand: Any, dims: DimMap, starts: tuple, atom: Any,
+                here: Opaque) -> Any:
+        """A slice of ``operand`` starting at ``starts``: operand index ``i`` along a dim is
+        the result's index plus the start. The operand is read with a fresh label on each
+        shifted dim, and its index expressions and bands are moved back onto the top
+        dims; data inside it (anything else) makes the slice data."""
+        inner, shift = [], {}
+        for d, start in zip(dims, starts):
+            if start == 0 and d is not None:
+                inner.append(d)
+                continue
+            label = _FRESH - next(self._fresh)
+            shift[label] = (d, start)
+            inner.append(label)
+        moved = _shift(self.analyze(operand, tuple(inner)), shift)
+        return self._opaque(atom, here) if moved is None else _read_from(moved, atom, here)
+
+    def _combine(self, op: str, a: Any, b: Any, atom: Any, here: Opaque) -> Any:
+        """``a op b`` of two masks taking one value where a predicate holds and another
+        elsewhere (booleans, 0/1 indicators, constants), case by case: the result is an
+        indicator of the union of the cases it is one value on (``min``/``*``/``&`` of a
+        padding and a causal mask, ``causal ^ tril(causal, -w)``,
+        ``tril(ones) - tril(ones, -w)``); more than two values, or anything else, is
+        data."""
+        is_bool = compat.aval_of(atom).dtype == np.bool_
+        ca, cb = _cases(a), _cases(b)
+        if ca is None or cb is None:
+            return self._opaque(atom, here)
+        fn = _COMBINE[op]
+        regions: dict = {}
+        for pa, va in ca:
+            for pb, vb in cb:
+                region = p_and(pa, pb)
+                if not _empty(region):
+                    regions.setdefault(fn(va, vb), []).append(region)
+        if not regions:
+            return self._opaque(atom, here)
+        if len(regions) == 1:
+            (value,) = regions
+            return Const(value=bool(value), origin=here) if is_bool else Scalar(value)
+        if len(regions) > 2:
+            return self._opaque(atom, here)
+        (x, rx), (y, ry) = regions.items()
+        if is_bool:
+            x, rx, y = (x, rx, y) if x else (y, ry, x)
+        for on, region, off in ((x, rx, y), (y, ry, x)):
+            pred = _union(region)
+            if _known(pred):
+                return _read_from(pred if is_bool else Indicator(pred, on, off), atom, here)
+            if is_bool:
+                break
         return self._opaque(atom, here)
 
     def _topk_scatter(self, eqn, dims: DimMap, here: Opaque) -> TopK | None:
@@ -321,6 +404,113 @@ class MaskAnalyzer:
         else:
             return self._opaque(atom, here)
         return out if is_bool else Indicator(out, 1, 0)
+
+
+#: Fresh labels (below every top dim and every update-dim label) for the shifted dims of
+#: a sliced operand.
+_FRESH = -(1 << 20)
+
+_COMBINE: dict[str, Callable] = {
+    "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "mul": lambda x, y: x * y,
+    "min": min, "max": max, "and": lambda x, y: x & y, "or": lambda x, y: x | y,
+    "xor": lambda x, y: x ^ y}
+
+
+def _cases(value: Any) -> list | None:
+    """``value`` as ``(predicate, value there)`` cases covering every position, or None."""
+    if isinstance(value, Scalar):
+        return [(Const(value=True), value.value)]
+    if isinstance(value, Indicator):
+        return [(value.pred, value.on_true), (p_not(value.pred, None), value.on_false)]
+    if isinstance(value, Pred):
+        return [(value, True), (p_not(value, None), False)]
+    return None
+
+
+def _empty(p: Pred) -> bool:
+    """Whether ``p`` provably holds nowhere."""
+    if isinstance(p, Const):
+        return not p.value
+    if isinstance(p, Band):
+        return not p.intervals
+    if isinstance(p, And):
+        return any(_empty(t) for t in p.terms)
+    return False
+
+
+def _union(regions: list) -> Pred:
+    out = regions[0]
+    for r in regions[1:]:
+        out = p_or(out, r, None)
+    return out
+
+
+def _known(p: Pred) -> bool:
+    """Whether every part of ``p`` says what it is (no :class:`Dense` without a source:
+    a union or negation of parts that is no analytic predicate and no value of the
+    program)."""
+    return all(not isinstance(t, Dense) or t.source is not None for t in conjuncts(p))
+
+
+def _read_from(value: Any, atom: Any, here: Opaque) -> Any:
+    """``value`` computed for ``atom`` from other values: its predicate's origin becomes
+    ``atom`` where ``atom`` holds exactly where the predicate does (a boolean, or an
+    indicator that is 0 elsewhere), so a part kept as data reads ``atom`` itself; else
+    the parts keep their own origins."""
+    is_bool = compat.aval_of(atom).dtype == np.bool_
+    if isinstance(value, Pred) and is_bool and not isinstance(value, (And, Dense)):
+        return dataclasses.replace(value, origin=here)
+    if isinstance(value, Indicator) and not is_bool and bool(value.on_true) \
+            and not value.on_false and not isinstance(value.pred, (And, Dense)):
+        return Indicator(dataclasses.replace(value.pred, origin=here), value.on_true,
+                         value.on_false)
+    return value
+
+
+def _shift(value: Any, shift: dict) -> Any:
+    """``value`` (read with fresh labels) in terms of the top dims: fresh label ``f`` is
+    index ``shift[f] = (top dim or None, start)`` plus its start. None where a part of
+    ``value`` is data or a band becomes a bound on one index alone."""
+    def index(label):
+        return shift.get(label, (label, 0))
+
+    if isinstance(value, (Scalar, Const)):
+        return value
+    if isinstance(value, Affine):
+        out = Affine((), value.const)
+        for d, c in value.coeffs:
+            top, start = index(d)
+            out = out.plus(Affine(((top, c),) if top is not None else (), c * start))
+        return out
+    if isinstance(value, AbsAffine):
+        return AbsAffine(_shift(value.inner, shift))
+    if isinstance(value, Indicator):
+        pred = _shift(value.pred, shift)
+        return None if pred is None else Indicator(pred, value.on_true, value.on_false)
+    if isinstance(value, And):
+        out: Pred = Const(value=True)
+        for term in value.terms:
+            moved = _shift(term, shift)
+            if moved is None:
+                return None
+            out = p_and(out, moved)
+        return out
+    if isinstance(value, Band):
+        (ta, sa), (tb, sb) = index(value.a), index(value.b)
+        # index_b - index_a = (top_b - top_a) + (sb - sa) lies in the intervals.
+        ivs = tuple((None if lo is None else lo - (sb - sa), None if hi is None else hi - (sb - sa))
+                    for lo, hi in value.intervals)
+        if ta is None and tb is None or ta == tb:
+            return Const(value=any((lo is None or lo <= 0) and (hi is None or hi >= 0)
+                                   for lo, hi in ivs))
+        if ta is None or tb is None:
+            return None
+        if ta > tb:
+            ta, tb = tb, ta
+            ivs = tuple((None if hi is None else -hi, None if lo is None else -lo)
+                        for lo, hi in ivs)
+        return Band(ta, tb, normalize(ivs))
+    return None
 
 
 def _unwrapped_index(graph: Graph, eqn) -> Any:

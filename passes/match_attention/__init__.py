@@ -42,10 +42,10 @@ from cptransform.analysis.match_report import MatchReport
 from cptransform.ir import compat
 from cptransform.ir.errors import MatchAttentionError
 from cptransform.ir.facts import Fact
-from cptransform.ir.graph import Graph
 from cptransform.ir.module import Module
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import Rewriter
+from cptransform.passes.match_attention.bound_constants import BoundGraph, bound_inputs
 from cptransform.passes.match_attention.matcher import Matcher
 from cptransform.passes.match_attention.stats import RuleStats
 
@@ -79,10 +79,11 @@ class MatchAttention(Pass):
         reports: list[MatchReport] = []
         refusals: list[tuple[MatchReport, bool]] = []
         known = _closed_jaxprs(module.jaxpr)
+        bound = bound_inputs(module.jaxpr)
 
         def plan(jaxpr):
             closed, depth = known.get(id(jaxpr), (jaxpr, 0))
-            matcher = Matcher(Graph(closed), stats, depth)
+            matcher = Matcher(BoundGraph(closed, bound.get(id(jaxpr), {})), stats, depth)
             reps, found = matcher.run()
             reports.extend(found)
             refusals.extend(matcher.refusals)

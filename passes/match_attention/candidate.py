@@ -9,12 +9,13 @@ replacement equation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
+from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.mask_parts import MaskParts, classify
-from cptransform.analysis.mask_values import And, as_dense
+from cptransform.analysis.mask_values import And, Pred, as_dense, conjuncts
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
@@ -23,7 +24,7 @@ from cptransform.passes.match_attention.qk_product import QKProduct
 from cptransform.passes.match_attention.sink import SinkColumn, sink_source
 from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
 from cptransform.passes.match_attention.value_product import Split, ValueProduct
-from cptransform.passes.match_attention.walk import strip_scale, unrepeat
+from cptransform.passes.match_attention.walk import UNIT_RESHAPES, strip_scale, unrepeat
 
 #: Labels of the feature dims of q, k and v (the q·k dims are labelled by integers).
 Q_FEATURE, K_FEATURE, V_FEATURE = "qd", "kd", "dv"
@@ -116,21 +117,26 @@ class Candidate:
 
 
 def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
-                    stats: RuleStats, column: SinkColumn | None = None) -> Candidate:
+                    stats: RuleStats, column: SinkColumn | None = None,
+                    zeroing: Sequence[Pred] = ()) -> Candidate:
     """Put the two products together (or refuse, with the first reason found); ``column``
-    is the sink column concatenated after the logits, if any."""
+    is the sink column concatenated after the logits, if any; ``zeroing``: the predicates
+    of the masks that zero the probabilities after the softmax (``pv.zeroed``)."""
     p_dims = _resolve(pv.p_dims, qk)
     shared = list(range(qk.n_batch))
     # The kv-heads dim: the last shared dim in K's order that is not K's leading dim
     # (by convention the batch); others are batch. Any choice is exact.
-    cand = [lab for lab in shared if qk.k_dims[lab] != 0]
-    kv_head = max(cand, key=lambda lab: qk.k_dims[lab]) if cand else None
+    k_order = _dims_before_squeeze(graph, qk.k)
+    cand = [lab for lab in shared if k_order[qk.k_dims[lab]] != 0]
+    kv_head = max(cand, key=lambda lab: k_order[qk.k_dims[lab]]) if cand else None
     batch = [lab for lab in shared if lab != kv_head]
 
     q_in, q_scale = strip_scale(graph, qk.q)
     k_in, k_scale = strip_scale(graph, qk.k)
     scale, softcap, biases = visible_form(qk.steps, q_scale * k_scale)
     rows, preds = empty_rows(qk.steps)
+    if zeroing:
+        rows = _zeroed_rows(preds, zeroing, column)
     parts = _mask_parts(qk, preds, batch, stats)
     sides = [d.source for d in parts.dense] + [b for b, _ in biases] \
         + list(parts.segments or ()) + ([parts.topk.indices] if parts.topk else [])
@@ -146,7 +152,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
 
     v_in, v_dims, v_feature, dv = _value_operand(pv, p_dims, shared, qk)
     sizes = {**qk.sizes, V_FEATURE: dv}
-    if kv_head is not None and not group:
+    if kv_head is not None and not group and kv_head in v_dims:
         rk = unrepeat(graph, k_in, qk.k_dims[kv_head])
         rv = unrepeat(graph, v_in, v_dims[kv_head])
         if rk is not None and rv is not None and rk[1] == rv[1]:
@@ -157,7 +163,10 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         raise NotAttention(f"{hq} query heads over {hk} KV heads")
 
     out_labels = _out_labels(pv, p_dims)
-    if sorted(map(str, out_labels)) != sorted(map(str, [*batch, q_seq, *heads, V_FEATURE])):
+    want = [lab for lab in [*batch, q_seq, *heads, V_FEATURE]
+            if lab in out_labels or sizes[lab] != 1]
+    if sorted(map(str, (lab for lab in out_labels if lab is not None))) \
+            != sorted(map(str, want)):
         raise NotAttention("the output dims do not line up with q's dims")
 
     # Padding masks (a query-only or key-only predicate, e.g. ``tokens != pad``) need no
@@ -181,6 +190,32 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
         groups=hq // hk, mask_kinds=kinds, sink=sink,
         topk=None if topk is None else topk.indices)
+
+
+def _zeroed_rows(preds: list, zeroing: Sequence[Pred], column: SinkColumn | None) -> str:
+    """``"zero"``: probabilities zeroed after the softmax by exactly the logits' mask are
+    unchanged in a row that sees a key (the hidden ones are already 0) and all zero in a
+    row that sees none. Any other zeroing mask changes the attention: refused."""
+    want = set(conjuncts(And(tuple(preds))))
+    if column is not None or not want or any(set(conjuncts(z)) != want for z in zeroing):
+        raise NotAttention("the probabilities are zeroed after the softmax by a mask other "
+                           "than the one applied to the logits")
+    return "zero"
+
+
+def _dims_before_squeeze(graph: Graph, k: Any) -> tuple:
+    """For each dim of ``k``, its position in the value ``k`` was squeezed from (its own
+    position when no reshape dropped size-1 dims: ``jnp.matmul`` drops a size-1 batch,
+    which must not make the heads K's leading dim)."""
+    nd = len(compat.aval_of(k).shape)
+    eqn = graph.producer(k)
+    if eqn is not None and eqn.primitive.name in UNIT_RESHAPES:
+        src = unit_reshape_dims(compat.aval_of(eqn.invars[0]).shape,
+                                compat.aval_of(k).shape, tuple(range(nd)))
+        if src is not None:
+            at = {label: i for i, label in enumerate(src) if label is not None}
+            return tuple(at.get(d, d) for d in range(nd))
+    return tuple(range(nd))
 
 
 def _sink_operand(graph: Graph, column: SinkColumn, qk: QKProduct, batch: list, q_seq,
@@ -239,10 +274,18 @@ def _value_operand(pv: ValueProduct, p_dims: tuple, shared: list, qk: QKProduct)
     pc, pb, vc, vb = pv.dims()
     if len(pc) != 1 or p_dims[pc[0]] != qk.kv:
         raise NotAttention("the value product does not contract the softmax axis")
-    if sorted(p_dims[i] for i in pb) != sorted(shared):
-        raise NotAttention("the value product's batch dims differ from the q·k product's")
     v_shape = compat.aval_of(pv.v).shape
     v_free = [d for d in range(len(v_shape)) if d not in vc and d not in vb]
+    # A size-1 batch dim the q·k product had no dim for (``jnp.matmul`` drops size-1 batch
+    # dims, ``einsum`` keeps them) is no dim of the attention: it carries no label.
+    unit = [j for j, i in enumerate(pb) if p_dims[i] is None and v_shape[vb[j]] == 1]
+    pb = [i for j, i in enumerate(pb) if j not in unit]
+    vb = [d for j, d in enumerate(vb) if j not in unit]
+    held = [p_dims[i] for i in pb]
+    # ... and a size-1 batch dim of the q·k product the p·v product dropped is none either.
+    if len(set(held)) != len(held) or not set(held) <= set(shared) \
+            or any(qk.sizes[lab] != 1 for lab in set(shared) - set(held)):
+        raise NotAttention("the value product's batch dims differ from the q·k product's")
     if len(v_free) != 1 or v_shape[vc[0]] != qk.sizes[qk.kv]:
         raise NotAttention("V must have one feature dim and K's sequence length")
     v_dims = {p_dims[i]: vb[j] for j, i in enumerate(pb)}

@@ -8,7 +8,7 @@ from cptransform.ir.graph import Graph
 from cptransform.ir.rewrite import Replacement
 from cptransform.passes.match_attention.anchor import Softmax, find_softmax, is_normalizer
 from cptransform.passes.match_attention.candidate import Candidate, build_candidate
-from cptransform.passes.match_attention.chain import ChainReader
+from cptransform.passes.match_attention.chain import ChainReader, side_dims
 from cptransform.passes.match_attention.emit import replacement
 from cptransform.passes.match_attention.log_normalized import log_normalized
 from cptransform.passes.match_attention.qk_product import read_qk_product
@@ -85,7 +85,11 @@ class Matcher:
         try:
             with self.stats.attempt(Rule.VALUE_PRODUCT):
                 qk = read_qk_product(self.chains, chain, softmax.axis)
-                return build_candidate(g, qk, product, self.stats, column), rule
+                zeroing = [self.chains.masks.predicate(
+                    mask, side_dims(mask, tuple(None if d is None else qk.labels[d]
+                                                for d in dims)))
+                    for mask, dims in product.zeroed]
+                return build_candidate(g, qk, product, self.stats, column, zeroing), rule
         except NotAttention as err:
             err.attention_like = True
             err.rule = rule.value

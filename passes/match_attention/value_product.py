@@ -12,13 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from cptransform.analysis.dim_rules import reshape_groups
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.passes.match_attention.anchor import Softmax, is_normalizer
 from cptransform.passes.match_attention.stats import NotAttention
-from cptransform.passes.match_attention.walk import UNIT_RESHAPES, single_user
+from cptransform.passes.match_attention.walk import UNIT_RESHAPES, scalar_value, single_user
 
 _CASTS = moving(Moves.CAST)
 _PERMUTES = moving(Moves.PERMUTE)
@@ -40,7 +42,9 @@ class ValueProduct:
 
     ``p``: the probabilities operand of ``eqn``; ``p_dims``: which softmax-input dim (or
     :class:`Split` part of one) each of its dims is; ``root``: the equation the attention replaces (the product, or the
-    division after it); ``out``: that equation's output.
+    division after it); ``out``: that equation's output; ``zeroed``: ``(mask, softmax-input
+    dim of each of its dims)`` for each ``where(mask, p, 0)`` on the way (Keras'
+    ``Softmax(mask=...)`` zeroes the probabilities the mask hides after the softmax).
     """
 
     eqn: Any
@@ -48,6 +52,7 @@ class ValueProduct:
     p_dims: tuple
     root: Any
     out: Any
+    zeroed: tuple = ()
 
     @property
     def p_is_lhs(self) -> bool:
@@ -67,15 +72,18 @@ def normalized(graph: Graph, probs: Any, dims: tuple,
                sink: tuple[int, int] | None = None) -> ValueProduct:
     """``p = e / sum`` then ``p @ v``: the product is the root. ``sink``: ``(softmax axis,
     key count)`` when the last column along the axis is a sink to slice away."""
-    pv, p_dims, p = _to_product(graph, probs, dims, sink=sink)
-    return ValueProduct(pv, p, p_dims, pv, pv.outvars[0])
+    pv, p_dims, p, zeroed = _to_product(graph, probs, dims, sink=sink)
+    return ValueProduct(pv, p, p_dims, pv, pv.outvars[0], zeroed)
 
 
 def deferred(graph: Graph, softmax: Softmax, dims: tuple,
              sink: tuple[int, int] | None = None) -> ValueProduct:
     """``(e @ v) / sum``: the division after the value product is the root (``sink`` as
     in :func:`normalized`)."""
-    pv, p_dims, p = _to_product(graph, softmax.e, dims, softmax.sum_eqn, sink)
+    pv, p_dims, p, zeroed = _to_product(graph, softmax.e, dims, softmax.sum_eqn, sink)
+    if zeroed:
+        raise NotAttention("unnormalised exponentials are zeroed by a mask before the value "
+                           "product")
     out = pv.outvars[0]
     user = single_user(graph, out)
     if user is None or user.primitive.name != "div" or user.invars[0] is not out:
@@ -95,8 +103,10 @@ def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None,
     ``also_read_by``: an equation allowed to read ``p`` itself besides the path (the
     row sum, when the normalisation comes after the value product). ``sink``: ``(axis,
     width)``: one slice must keep the first ``width`` entries of softmax-input dim ``axis``
-    (and everything else), dropping the sink column.
+    (and everything else), dropping the sink column. Returns the product, the
+    probabilities' dims there, the probabilities operand and the zeroing masks met.
     """
+    zeroed: list = []
     while True:
         users = [u for u in graph.users(p) if u is not also_read_by]
         also_read_by = None
@@ -112,10 +122,14 @@ def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None,
             if sink is not None:
                 raise NotAttention("the sink column's probability is not sliced away before "
                                    "the value product")
-            return user, dims, p
+            return user, dims, p, tuple(zeroed)
         if name == "slice" and sink is not None:
             _check_drops_sink(user, dims, *sink)
             sink = None
+        elif _zeroes(graph, user, p):
+            if any(isinstance(d, Split) for d in dims):
+                raise NotAttention("the probabilities are zeroed by a mask after a reshape")
+            zeroed.append((user.invars[0], dims))
         elif name in _CASTS:
             pass
         elif name in _PERMUTES:
@@ -127,6 +141,17 @@ def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None,
             raise NotAttention(f"the probabilities go through {name} before the value "
                                "product (dropout or another use), not plain attention")
         p = user.outvars[0]
+
+
+def _zeroes(graph: Graph, eqn: Any, p: Any) -> bool:
+    """Whether ``eqn`` is ``where(mask, p, 0)``: ``select_n(mask, 0, p)`` of a boolean
+    mask of ``p``'s rank."""
+    if eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
+        return False
+    mask, on_false, on_true = eqn.invars
+    return on_true is p and on_false is not p and scalar_value(graph, on_false) == 0 \
+        and compat.aval_of(mask).dtype == np.bool_ \
+        and len(compat.aval_of(mask).shape) == len(compat.aval_of(p).shape)
 
 
 def _check_drops_sink(eqn: Any, dims: tuple, axis: int, width: int) -> None:
