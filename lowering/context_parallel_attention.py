@@ -31,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 from cptransform.analysis.attention_shape import attention_shape
 from cptransform.ir.errors import ContextParallelError
 from cptransform.lowering.block import Block
-from cptransform.lowering.kernels import get_kernel
+from cptransform.lowering.kernels import kernels
+from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
 from cptransform.lowering.padding import pad_block
 from cptransform.lowering.schedule import MESH_AXES_HINT, schedules
 from cptransform.op.attention import attention_p
@@ -108,9 +109,10 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
             f"got {axes}; {MESH_AXES_HINT[want]}")
     if layout not in LAYOUTS:
         raise ContextParallelError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
-    # "auto" means the fastest kernel that computes this mask: the Pallas kernels do not
-    # read top-k indices, the chunked XLA kernel does.
-    local_kernel = get_kernel("xla" if kernel == "auto" and spec.mask.topk else kernel)
+    local_kernel, reason = choose_kernel(
+        kernel, spec, operands[0].dtype,
+        (operands[0].shape[spec.q.feature], operands[2].shape[spec.v.feature]), kernels())
+    warn_passed_over(reason)
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing or not axes:
         raise ContextParallelError(

@@ -186,7 +186,7 @@ def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipe
     passes = [Canonicalize(), MatchAttention(), InferSeqAxes(),
               PlanContextParallel(schedule=schedule, load_balance=options.load_balance,
                                   hardware=options.hardware,
-                                  memory_limit=options.memory_limit),
+                                  memory_limit=options.memory_limit, kernel=options.kernel),
               ReorderSequence(strict=options.strict, keep_permuted=options.keep_permuted)]
     if lower:
         passes.append(LowerContextParallel(kernel=options.kernel))

@@ -72,6 +72,7 @@ def explain_module(module, options: Any, hlo_text: str | None = None) -> str:
                       "" if p.layout == "contiguous" or (layout is not None) else
                       " (applied inside this attention; the program stays in natural order)"),
                   f"    padding: {p.shape.describe_padding()}",
+                  f"    kernel: {p.kernel}",
                   f"    forward communication per device: {bytes_line}"]
         if p.predictions:
             lines.append("    predicted per device (fastest first):")

@@ -10,6 +10,11 @@ class CPTransformError(ValueError):
     """Base class: input, options or a program that cptransform refuses, with the fix."""
 
 
+class KernelError(CPTransformError, NotImplementedError):
+    """The requested local-step kernel cannot run an attention (a mask term, dtype, head dim
+    or backend it does not support), or no kernel can."""
+
+
 class PipelineError(CPTransformError):
     """A pipeline text names an unknown pass or option, a bad option value, or a pass runs
     without the facts it requires."""

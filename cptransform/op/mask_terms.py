@@ -259,7 +259,7 @@ class TopK:
     key_hull = None
 
     def describe(self) -> str:
-        return "topk"
+        return "top-k"
 
 
 def _topk_hits(topk, kv_pos: Ranges):

@@ -43,6 +43,8 @@ class Kernel(Protocol):
     """What a schedule calls for one (query block, key block) step; see the module doc."""
 
     name: str
+    #: What it can run (:class:`~cptransform.lowering.kernels.capabilities.Capabilities`).
+    capabilities: object
 
     def forward(self, block: Block, spec: AttentionSpec):
         ...
@@ -72,9 +74,6 @@ def sum_to(x, shape):
 #: Local-step kernels by name (filled by the modules of this package; see :func:`kernels`).
 KERNELS: dict[str, Kernel] = {}
 
-#: Backends whose ``"auto"`` kernel is Pallas.
-_PALLAS_BACKENDS = ("tpu", "gpu", "cuda", "rocm")
-
 
 def register_kernel(kernel: Kernel) -> Kernel:
     """Register ``kernel`` under ``kernel.name``; returns it."""
@@ -91,12 +90,13 @@ def kernels() -> dict[str, Kernel]:
 
 
 def get_kernel(name: str) -> Kernel:
-    """The kernel called ``name``; ``"auto"`` picks Pallas on TPU and GPU and XLA elsewhere
-    (on CPU Pallas only interprets: correct, but far slower than XLA), by
-    ``jax.default_backend()`` when the program is lowered."""
+    """The kernel called ``name``; ``"auto"`` is the one
+    :func:`~cptransform.lowering.kernels.capabilities.choose_kernel` picks for a plain causal
+    float32 attention on ``jax.default_backend()`` (schedules choose per attention)."""
     known = kernels()
     if name == "auto":
-        return known["pallas" if jax.default_backend() in _PALLAS_BACKENDS else "xla"]
+        from cptransform.lowering.kernels.capabilities import plain_choice
+        return plain_choice(known)
     if name in known:
         return known[name]
     raise ValueError(f"unknown kernel {name!r}; use one of {', '.join(sorted({*known, 'auto'}))}")

@@ -40,6 +40,7 @@ from jax import lax
 from cptransform.analysis.block_work import DEFAULT_CHUNK, kernel_grid
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import register_kernel, row_delta, sum_to, zero_times
+from cptransform.lowering.kernels.capabilities import Capabilities
 from cptransform.op import mask_terms
 from cptransform.op.attention_reference import visible
 from cptransform.op.attention_spec import AttentionSpec
@@ -221,6 +222,8 @@ class ChunkedKernel:
 
     chunk: int = DEFAULT_CHUNK
     name: str = "xla"
+    #: Every mask term, dtype, head dim and backend; plain JAX needs no self-check.
+    capabilities = Capabilities()
 
     def forward(self, block: Block, spec: AttentionSpec):
         """``(o, lse)`` of the queries of ``block`` against its keys (kernel contract)."""
