@@ -31,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 from cptransform.analysis.attention_shape import attention_shape
 from cptransform.ir.errors import ContextParallelError, unknown_name
 from cptransform.lowering.block import Block
-from cptransform.lowering.kernels import ProfiledKernel, kernel_for
+from cptransform.lowering.kernels import ProfiledKernel, kernels
+from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
 from cptransform.lowering.padding import pad_block
 from cptransform.lowering.schedule import MESH_AXES_HINT, schedules
 from cptransform.op.attention import attention_p
@@ -108,7 +109,11 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
             f"got {axes}; {MESH_AXES_HINT[want]}")
     if layout not in LAYOUTS:
         raise ContextParallelError(unknown_name("layout", layout, LAYOUTS))
-    local_kernel = ProfiledKernel(kernel_for(kernel, spec.mask))
+    local_kernel, reason = choose_kernel(
+        kernel, spec, operands[0].dtype,
+        (operands[0].shape[spec.q.feature], operands[2].shape[spec.v.feature]), kernels())
+    local_kernel = ProfiledKernel(local_kernel)
+    warn_passed_over(reason)
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing or not axes:
         raise ContextParallelError(

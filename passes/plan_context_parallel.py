@@ -54,6 +54,8 @@ from cptransform.ir.facts import Fact
 from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import Rewriter
+from cptransform.lowering.kernels import kernels
+from cptransform.lowering.kernels.capabilities import choose_kernel
 from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import MaskSpec
@@ -87,7 +89,8 @@ class AttentionPlan:
     ``predictions``: the :class:`Prediction` of each candidate that was priced, fastest
     first (empty when no hardware row applies); ``runner_up``: the next feasible one under
     ``auto``; ``source`` the nearest frame in the user's code, ``library_source`` the
-    installed library's frame that emitted the attention when there is one (Flax's).
+    installed library's frame that emitted the attention when there is one (Flax's);
+    ``kernel``: the local-step kernel and why, one line (``choose_kernel``).
     """
 
     index: int
@@ -101,6 +104,7 @@ class AttentionPlan:
     runner_up: str | None = None
     layout: str = "contiguous"
     library_source: str | None = None
+    kernel: str = ""
 
     def describe(self) -> str:
         mib = {k: f"{v / MiB:.2f} MiB" for k, v in self.bytes_per_device.items()}
@@ -182,6 +186,7 @@ class PlanContextParallel(Pass):
     load_balance: str = "auto"
     hardware: str | None = None
     memory_limit: int | str | None = None
+    kernel: str = "auto"
 
     def check(self) -> None:
         """One clear error for an unknown option value."""
@@ -346,8 +351,11 @@ class PlanContextParallel(Pass):
             if problems[name] is None}
         ranked = tuple(sorted(predictions.values(), key=lambda p: p.time_s))
         where, library = compat.source_lines(eqn)
+        q, _, v = (x.aval for x in eqn.invars[:3])
+        _, kernel = choose_kernel(self.kernel, spec, q.dtype, (q.shape[spec.q.feature],
+                                                             v.shape[spec.v.feature]), kernels())
         plan = partial(AttentionPlan, index=index, source=where, mask=spec.mask, shape=shape,
-                       layout=layout, library_source=library,
+                       layout=layout, library_source=library, kernel=kernel,
                        bytes_per_device=costs, predictions=ranked)
         if self.schedule != "auto":
             chosen = known[self.schedule]

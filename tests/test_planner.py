@@ -88,7 +88,8 @@ def test_links_follow_the_device_span():
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 @pytest.mark.parametrize("mask", [MaskSpec(causal=True), MaskSpec(window=(5, 0)),
-                                  MaskSpec(causal=True, window=(9, None))])
+                                  MaskSpec(causal=True, window=(9, None)),
+                                  MaskSpec(causal=True, chunk=12), MaskSpec(chunk=8)])
 def test_executed_entries_match_the_kernel_classification(layout, mask):
     """The analysis counts exactly the score entries the chunked kernel computes."""
     seq, cp, chunk = 64, 4, 4
@@ -101,7 +102,7 @@ def test_executed_entries_match_the_kernel_classification(layout, mask):
                           v=jnp.zeros((1, len(k_pos), 1, 1)), q_pos=jnp.asarray(q_pos)[None],
                           kv_pos=jnp.asarray(k_pos)[None])
             kernel = float(executed_fraction(block, spec, chunk)) * len(q_pos) * len(k_pos)
-            assert executed_entries(q_pos, k_pos, mask.band(), chunk) == round(kernel)
+            assert executed_entries(q_pos, k_pos, mask.terms(), chunk) == round(kernel)
 
 
 def test_zigzag_balances_and_skips_half():

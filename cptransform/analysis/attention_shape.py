@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from cptransform.op import mask_terms
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.op.layouts import layout_multiple
 
@@ -25,8 +26,9 @@ class AttentionShape:
     when the mask reads them (``positions``: causal or window; XLA drops unused transfers);
     segment ids (``segments``) are ``[segment_batch, seq_len]`` of ``segment_bytes``.
     ``band`` is the mask's ``(lo, hi)`` band on ``kv_pos - q_pos`` (``None``: open; see
-    :meth:`MaskSpec.band`) and ``layout`` the sequence layout, which together decide the
-    work the chunked kernel skips.
+    :meth:`MaskSpec.band`), ``chunk`` the chunk of Llama-4 chunked attention (``None``:
+    none) and ``layout`` the sequence layout, which together decide the work the kernels
+    skip.
     ``explicit_positions`` says the positions are operands of the caller rather than the
     token indices (so a key in the window may sit anywhere in the sequence); without them
     the ring derives the kv positions from the layout rather than sending them.
@@ -54,6 +56,15 @@ class AttentionShape:
     explicit_positions: bool = False
     kv_seq_len: int | None = None
     multiple: int = 1
+    chunk: int | None = None
+
+    @property
+    def position_terms(self) -> tuple:
+        """The mask's terms of positions alone: the band and, for Llama-4 chunked attention,
+        the chunk (what the block skipping the cost model counts depends on)."""
+        lo, hi = self.band
+        band = () if (lo, hi) == (None, None) else (mask_terms.Band(lo, hi),)
+        return band + (() if self.chunk is None else (mask_terms.Chunks(self.chunk),))
 
     @property
     def kv_len(self) -> int:
@@ -108,4 +119,4 @@ def attention_shape(spec: AttentionSpec, q, k, v, *, cp: int, ulysses: int = 1,
         batch=math.prod(q.shape[d] for d in spec.q.batch), dtype_bytes=q.dtype.itemsize,
         cp=cp, ulysses=ulysses, band=spec.mask.band(), layout=layout,
         explicit_positions=spec.positions, kv_seq_len=k.shape[spec.k.seq],
-        multiple=layout_multiple(layout, cp))
+        multiple=layout_multiple(layout, cp), chunk=spec.mask.chunk)

@@ -1,13 +1,14 @@
 """The work a chunked local step executes: (query chunk, key chunk) pairs after skipping.
 
 The chunked kernel (:mod:`cptransform.lowering.kernels.chunked`) cuts each call's queries
-and keys into chunks (:func:`kernel_grid`) and skips a pair exactly when the position
-ranges of its chunks prove that no query sees a key under the mask band
-(``lo ≤ kv_pos - q_pos ≤ hi``). :func:`executed_entries` counts the score entries of the
-pairs it does not skip (full and partial pairs cost the same tile), from the same position
-ranges, so the count is exact for causal, window and full masks on every layout. Segment
-ids and dense masks depend on the data and are not counted (their pairs count as visible:
-an upper bound).
+and keys into chunks (:func:`kernel_grid`) and skips a pair exactly when the mask's terms
+prove from the position ranges of its chunks that no query sees a key
+(:func:`~cptransform.op.mask_terms.meet`). :func:`executed_entries` counts the score entries
+of the pairs it does not skip (full and partial pairs cost the same tile) from the same
+ranges and the same terms (:func:`~cptransform.op.mask_terms.key_hull`), so the count is
+exact for causal, window, chunked and full masks on every layout. Segment ids, dense masks
+and top-k indices depend on the data and are not counted (their pairs count as visible: an
+upper bound).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from cptransform.analysis.attention_shape import AttentionShape
+from cptransform.op import mask_terms
 from cptransform.op.layouts import SequenceLayout
 
 #: Default chunk length (queries and keys) of the ``"xla"`` kernel: small enough that the
@@ -55,24 +57,26 @@ def _ranges(positions: np.ndarray, size: int, count: int) -> tuple[np.ndarray, n
     return chunks.min(axis=1), chunks.max(axis=1)
 
 
-def executed_entries(q_pos: np.ndarray, k_pos: np.ndarray, band: tuple,
+def executed_entries(q_pos: np.ndarray, k_pos: np.ndarray, terms: tuple,
                      target: int = DEFAULT_CHUNK) -> int:
     """Score entries (per head and batch row) one kernel call computes for queries at
-    ``q_pos`` against keys at ``k_pos`` under the mask ``band = (lo, hi)`` (``None``: open).
+    ``q_pos`` against keys at ``k_pos`` under the positional mask ``terms``
+    (:attr:`AttentionShape.position_terms`).
 
-    A pair is visible unless ``k_max - q_min < lo`` or ``k_min - q_max > hi``; since
-    ``k_min ≤ k_max`` the two exclusions are disjoint when ``lo ≤ hi``, so each query chunk
-    counts its visible key chunks with two binary searches over sorted ranges.
+    The terms' key hull ``[first, last]`` of a query chunk (:func:`mask_terms.key_hull`)
+    keeps a key chunk unless ``k_max < first`` or ``k_min > last``; since
+    ``k_min ≤ k_max`` the two exclusions are disjoint when ``first ≤ last + 1``, so each
+    query chunk counts its visible key chunks with two binary searches over sorted ranges.
     """
     (cq, nq), (ck, nk) = kernel_grid(len(q_pos), len(k_pos), target)
-    lo, hi = band
     q_min, q_max = _ranges(np.asarray(q_pos, np.int64), cq, nq)
     k_min, k_max = _ranges(np.asarray(k_pos, np.int64), ck, nk)
+    first, last = mask_terms.key_hull(terms, q_min, q_max)
     visible = np.full(nq, nk, dtype=np.int64)
-    if hi is not None:
-        visible = np.searchsorted(np.sort(k_min), q_max + hi, side="right")
-    if lo is not None:
-        visible = visible - np.searchsorted(np.sort(k_max), q_min + lo, side="left")
+    if last is not None:
+        visible = np.searchsorted(np.sort(k_min), last, side="right")
+    if first is not None:
+        visible = visible - np.searchsorted(np.sort(k_max), first, side="left")
     return int(np.maximum(visible, 0).sum()) * cq * ck
 
 
@@ -117,7 +121,7 @@ def work_of(shape: AttentionShape, calls, heads: int) -> Work:
     """The :class:`Work` of a schedule whose device ``r`` makes the kernel calls
     ``calls[r]`` (``(q_pos, k_pos)`` pairs), each over ``heads`` heads of ``shape.batch``
     rows (``calls`` lists every device of the group that decides the layout's balance)."""
-    per_device = [sum(executed_entries(q, k, shape.band) for q, k in device) * heads
+    per_device = [sum(executed_entries(q, k, shape.position_terms) for q, k in device) * heads
                   * shape.batch for device in calls]
     slowest = max(per_device)
     mean = sum(per_device) / len(per_device)

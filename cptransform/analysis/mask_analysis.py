@@ -37,11 +37,10 @@ import numpy as np
 
 from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.intervals import complement, normalize
-from cptransform.analysis.mask_values import (TOPK_DIM, AbsAffine, Affine, And, Band, Const,
-                                              Dense,
-                                              DimMap, Indicator, Opaque, Pred, Scalar,
-                                              Segments, TopK, conjuncts, p_and, p_not,
-                                              p_or)
+from cptransform.analysis.mask_values import (TOPK_DIM, AbsAffine, Affine, And, Band, Chunk,
+                                              Const, Dense, DimMap, FloorDiv, Indicator, Opaque,
+                                              Pred, Scalar, Segments, TopK, conjuncts, p_and,
+                                              p_not, p_or)
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
@@ -161,6 +160,13 @@ class MaskAnalyzer:
             if isinstance(inner, Affine) and inner.const >= 0 \
                     and all(c > 0 for _, c in inner.coeffs):
                 return inner
+        floor = _floor_division(g, eqn)
+        if floor is not None:
+            scalar = lambda a: () if not compat.aval_of(a).shape else dims  # noqa: E731
+            inner, size = (self.analyze(a, scalar(a)) for a in floor)
+            if _non_negative(inner) and isinstance(size, Scalar) and _is_int(size.value) \
+                    and int(size.value) > 0:
+                return FloorDiv(inner, int(size.value))
         if name == "scatter" and compat.aval_of(atom).dtype == np.bool_:
             found = self._topk_scatter(eqn, dims, here)
             if found is not None:
@@ -383,6 +389,10 @@ class MaskAnalyzer:
                 return self.as_pred(Indicator(x.pred, t, f), here)
         if op == "eq" and isinstance(a, Opaque) and isinstance(b, Opaque):
             return Segments(a, b, origin=here)
+        if op == "eq" and isinstance(a, FloorDiv) and isinstance(b, FloorDiv):
+            chunk = _chunk(a, b, here)
+            if chunk is not None:
+                return chunk
         return Dense(source=here, origin=here)
 
     def _select(self, p: Pred, on_false: Any, on_true: Any, atom: Any, here: Opaque) -> Any:
@@ -511,6 +521,47 @@ def _shift(value: Any, shift: dict) -> Any:
                         for lo, hi in ivs)
         return Band(ta, tb, normalize(ivs))
     return None
+def _floor_division(graph: Graph, eqn) -> tuple | None:
+    """``(x, c)`` when ``eqn`` is ``x // c`` as ``jnp.floor_divide`` traces it for integers:
+    ``select_n((sign(x) != sign(c)) & (rem(x, c) != 0), div(x, c), div(x, c) - 1)``."""
+    if eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
+        return None
+    quotient, corrected = (graph.producer(a) for a in eqn.invars[1:])
+    if quotient is None or quotient.primitive.name != "div" or corrected is None \
+            or corrected.primitive.name != "sub" or corrected.invars[0] is not eqn.invars[1]:
+        return None
+    cond = graph.producer(eqn.invars[0])
+    if cond is None or cond.primitive.name != "and":
+        return None
+    rems = [graph.producer(graph.producer(a).invars[0]) for a in cond.invars
+            if graph.producer(a) is not None and graph.producer(a).primitive.name == "ne"]
+    x, c = quotient.invars
+
+    def same(a, b):
+        if compat.is_literal(a) and compat.is_literal(b):
+            return np.array_equal(compat.literal_value(a), compat.literal_value(b))
+        return a is b
+
+    if not any(r is not None and r.primitive.name == "rem" and r.invars[0] is x
+               and same(r.invars[1], c) for r in rems):
+        return None
+    return x, c
+
+
+def _non_negative(value: Any) -> bool:
+    """An index expression that no index makes negative (positive coefficients)."""
+    return isinstance(value, Affine) and value.const >= 0 and all(c > 0 for _, c in value.coeffs)
+
+
+def _chunk(a: FloorDiv, b: FloorDiv, origin: Opaque) -> Chunk | None:
+    """``index[i] // C == index[j] // C`` of two different plain indices, or None."""
+    if a.size != b.size or a.inner.const or b.inner.const \
+            or len(a.inner.coeffs) != 1 or len(b.inner.coeffs) != 1:
+        return None
+    (da, ca), (db, cb) = a.inner.coeffs[0], b.inner.coeffs[0]
+    if ca != 1 or cb != 1 or da == db:
+        return None
+    return Chunk(min(da, db), max(da, db), a.size, origin=origin)
 
 
 def _unwrapped_index(graph: Graph, eqn) -> Any:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from cptransform.analysis.intervals import intersect, normalize
-from cptransform.analysis.mask_values import (TOPK_DIM, Band, Const, Dense, Opaque, Pred,
-                                              Segments, TopK, as_dense, conjuncts)
+from cptransform.analysis.mask_values import (TOPK_DIM, Band, Chunk, Const, Dense, Opaque,
+                                              Pred, Segments, TopK, as_dense, conjuncts)
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,8 @@ class MaskParts:
     dim that is the query position (None when no analytic part says); ``segments``:
     ``(q_ids, kv_ids)`` opaque values; ``dense``: predicates kept as data (each
     :class:`Dense`, to be and-ed); ``topk``: the :class:`TopK` whose indices select the
-    keys (or None); ``kinds``: names of the parts found, for reports.
+    keys (or None); ``chunk``: the chunk size of a Llama-4 chunk predicate (or None);
+    ``kinds``: names of the parts found, for reports.
     """
 
     band: tuple | None
@@ -31,6 +32,7 @@ class MaskParts:
     dense: tuple
     kinds: tuple
     topk: TopK | None = None
+    chunk: int | None = None
 
 
 def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[[int], int],
@@ -46,6 +48,7 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
     bands: list[Band] = []
     segs: list[Segments] = []
     topks: list[TopK] = []
+    chunks: list[Chunk] = []
     kinds: list[str] = []
     q_dim: int | None = None
     for term in conjuncts(pred):
@@ -61,6 +64,14 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
                     normalize(tuple((None if hi is None else -hi, None if lo is None else -lo)
                                      for lo, hi in term.intervals))
                 bands.append(Band(qd, kv_dim, ivs, origin=term.origin))
+            else:
+                dense.append(as_dense(term, term.origin))
+        elif isinstance(term, Chunk):
+            qd = term.a if term.b == kv_dim else term.b
+            if kv_dim in (term.a, term.b) and qd in q_dims and q_dim in (None, qd) \
+                    and not chunks:
+                q_dim = qd
+                chunks.append(term)
             else:
                 dense.append(as_dense(term, term.origin))
         elif isinstance(term, TopK):
@@ -102,6 +113,8 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
                     kinds.append("causal" if hi == 0 else f"causal({hi:+d})")
                 if lo is not None:
                     kinds.append(f"window({-lo})")
+    if chunks:
+        kinds.append(f"chunk({chunks[0].size})")
     if segs:
         kinds.append("segments")
     if topks:
@@ -109,7 +122,8 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
     if dense:
         kinds.append("dense")
     return MaskParts(band, q_dim, (segs[0].x, segs[0].y) if segs else None, tuple(dense),
-                     tuple(kinds), topks[0] if topks else None)
+                     tuple(kinds), topks[0] if topks else None,
+                     chunks[0].size if chunks else None)
 
 
 def _segment_sides(term: Segments, q_dims, kv_dim, batch_dims, q_dim):

@@ -55,6 +55,15 @@ class AbsAffine:
 
 
 @dataclass(frozen=True)
+class FloorDiv:
+    """``inner // size`` of an index expression that cannot be negative (``size > 0``):
+    compared for equality with another it is a chunk predicate (Llama-4)."""
+
+    inner: Affine
+    size: int
+
+
+@dataclass(frozen=True)
 class Scalar:
     """A constant, the same everywhere."""
 
@@ -82,6 +91,16 @@ class Band(Pred):
     a: int = 0
     b: int = 0
     intervals: tuple = ()
+
+
+@dataclass(frozen=True)
+class Chunk(Pred):
+    """``index[a] // size == index[b] // size`` (``a < b`` are top dims): Llama-4 chunked
+    attention's fixed chunks of ``size`` positions."""
+
+    a: int = 0
+    b: int = 0
+    size: int = 1
 
 
 @dataclass(frozen=True)

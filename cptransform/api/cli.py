@@ -490,7 +490,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     module, options = prepare_cp(trace_program(fn, example_args, name), args)
     ran = run_pipeline(cp_pipeline(module, options, lower=False), module)
     result = ran.module
-    plan = build_plan(result, options.kernel, ran.timings)
+    plan = build_plan(result, ran.timings)
     if args.json:
         print(plan.to_json(indent=1))
         return 0

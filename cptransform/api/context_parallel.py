@@ -272,7 +272,7 @@ def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipe
     passes = [Canonicalize(), MatchAttention(), MatchWindows(), InferSeqAxes(),
               PlanContextParallel(schedule=schedule, load_balance=options.load_balance,
                                   hardware=options.hardware,
-                                  memory_limit=options.memory_limit),
+                                  memory_limit=options.memory_limit, kernel=options.kernel),
               ReorderSequence(strict=options.strict, keep_permuted=options.keep_permuted)]
     if lower:
         passes.append(LowerContextParallel(kernel=options.kernel))
@@ -444,7 +444,7 @@ class ContextParallelFunction:
         from cptransform.api.plan import build_plan
         final, _, _, split = self._build(args, kwargs)
         key = (_signature(split.args, split.kwargs), split.static_key)
-        return build_plan(final, self.options.kernel, self._stats[key].passes)
+        return build_plan(final, self._stats[key].passes)
 
 
 def context_parallel(fn: Callable | None = None, **options) -> Any:

@@ -42,7 +42,7 @@ def explain_module(module, options: Any, hlo_text: str | None = None, *,
     sharding leaks. ``verbose`` adds what the user did not ask about: the softmaxes left
     alone, the schedules excluded and why, every candidate's bytes and prices, padding
     that is none, and the balance of every candidate layout."""
-    plan = build_plan(module, options.kernel)
+    plan = build_plan(module)
     facts = module.facts
     seq = facts.seq_axes
     program = plan.layout if plan.reordered or plan.layout == "contiguous" else \
@@ -93,7 +93,7 @@ def _group_lines(group, verbose: bool) -> list[str]:
               f"head dim {shape.head_dim}, " + (
                   f"sequence {shape.seq_len}" if shape.kv_len == shape.seq_len else
                   f"cross-attention: {shape.seq_len} queries, {shape.kv_len} keys"),
-              f"    layout: {group.layout}; kernel: {group.kernel}"]
+              f"    layout: {group.layout}; kernel: {group.kernel} ({group.kernel_reason})"]
     padding = shape.describe_padding()
     if verbose or padding != "none":
         lines.append(f"    padding: {padding}")

@@ -20,7 +20,6 @@ from cptransform.analysis.load_balance import LayoutBalance
 from cptransform.analysis.prediction import Prediction
 from cptransform.ir.module import Module
 from cptransform.ir.pipeline import PassTiming
-from cptransform.lowering.kernels import kernel_for
 
 
 @dataclass(frozen=True)
@@ -30,7 +29,7 @@ class AttentionGroup:
 
     ``source`` is the nearest frame in the user's code, ``library_source`` the installed
     library's frame that emitted the attention (``None`` when the user wrote it); ``reason``
-    why the schedule was chosen; ``bytes_per_device`` the forward bytes per device of every
+    why the schedule was chosen; ``kernel_reason`` why that local-step kernel; ``bytes_per_device`` the forward bytes per device of every
     candidate schedule; ``predictions`` the priced candidates, fastest first.
     """
 
@@ -41,6 +40,7 @@ class AttentionGroup:
     reason: str
     layout: str
     kernel: str
+    kernel_reason: str
     mask: str
     shape: AttentionShape
     bytes_per_device: dict[str, int]
@@ -110,15 +110,15 @@ def index_ranges(indices: tuple[int, ...]) -> str:
     return ", ".join(f"{r[0]}–{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
-def build_plan(module: Module, kernel: str, passes: tuple[PassTiming, ...] = ()) -> Plan:
-    """The :class:`Plan` of a module planned by ``plan-context-parallel`` (lowered or not)
-    under the ``kernel`` option."""
+def build_plan(module: Module, passes: tuple[PassTiming, ...] = ()) -> Plan:
+    """The :class:`Plan` of a module planned by ``plan-context-parallel`` (lowered or not)."""
     facts = module.facts
     groups: dict[tuple, list] = {}
     for p in facts.plan or ():
         entry = dict(source=p.source, library_source=p.library_source, schedule=p.schedule,
                      reason=p.reason, layout=p.layout,
-                     kernel=kernel_for(kernel, p.mask).name, mask=p.mask.describe(),
+                     kernel=p.kernel.split(":", 1)[0],
+                     kernel_reason=p.kernel.split(":", 1)[-1].strip(), mask=p.mask.describe(),
                      shape=p.shape, bytes_per_device=dict(p.bytes_per_device),
                      predictions=tuple(p.predictions), runner_up=p.runner_up)
         key = tuple((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)

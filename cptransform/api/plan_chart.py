@@ -2,8 +2,8 @@
 rank under every candidate layout.
 
 A schedule's picture is one or more :class:`Chart` grids, each cell one (query shard, key
-shard) block classified skip / partial / full by the mask's band (``?`` where segment ids
-or a dense mask decide): the ring is devices × steps; all-gather devices × key shards (one
+shard) block classified skip / partial / full by the mask's terms of positions (``?`` where
+segment ids, a dense mask or top-k indices decide): the ring is devices × steps; all-gather devices × key shards (one
 kernel call); Ulysses the query shards × key shards every device runs for its ``H/cp``
 heads; the hybrid both levels (ring groups × steps, then the shards inside a group). A
 schedule without an entry in :data:`CHARTS` gets a line saying so, never another
@@ -20,6 +20,7 @@ import numpy as np
 from cptransform.ir.errors import PlotError
 from cptransform.lowering.halo import key_pieces
 from cptransform.lowering.schedule import schedules
+from cptransform.op import mask_terms
 from cptransform.op.attention_reference import visible
 from cptransform.op.attention_spec import MaskSpec
 from cptransform.op.layouts import SequenceLayout
@@ -28,23 +29,52 @@ FULL, PARTIAL, SKIP, UNKNOWN = "#", "+", ".", "?"
 LEGEND = f"({FULL} full, {PARTIAL} partial, {SKIP} skipped, {UNKNOWN} data-dependent)"
 
 
+#: At most this many pieces per side classify a block: a side whose positions form more
+#: runs of consecutive positions (striped layouts) is cut into this many equal pieces.
+MAX_PIECES = 64
+
+
+def _pieces(positions: np.ndarray) -> mask_terms.Ranges:
+    """``[1, n]`` (min, max) of the runs of consecutive positions in ``positions`` (exact
+    ranges), or of :data:`MAX_PIECES` equal pieces when there are more runs (hulls)."""
+    pos = np.asarray(positions, np.int64)
+    starts = np.flatnonzero(np.diff(pos) != 1) + 1
+    if len(starts) >= MAX_PIECES:
+        starts = np.linspace(0, len(pos), MAX_PIECES, endpoint=False).astype(np.int64)[1:]
+    edges = np.concatenate([[0], starts, [len(pos)]])
+    lo = np.minimum.reduceat(pos, edges[:-1])
+    hi = np.maximum.reduceat(pos, edges[:-1])
+    return mask_terms.Ranges(lo[None], hi[None])
+
+
 def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
                segment_ids: np.ndarray | None = None) -> str:
-    """Classify one (query shard, key shard) block by the band mask on positions.
+    """Classify one (query shard, key shard) block by the mask's terms of positions.
 
-    Segment ids, dense masks and top-k indices depend on data: such blocks are ``?`` unless the band
-    already hides them entirely — or, for segments, unless ``segment_ids`` (``[B, S]`` in
-    natural order) gives the data: then the block is classified for that batch."""
-    data = mask.segments and segment_ids is not None
-    known = mask.replace(segments=data, dense=False, bias=False, topk=False)
-    seg = np.asarray(segment_ids) if data else None
-    seen = np.asarray(visible(known, q_pos[None], kv_pos[None],
-                              seg[:, q_pos] if data else None, seg[:, kv_pos] if data else None))
-    if not seen.any():
+    The terms classify the runs of consecutive positions of each side from their ranges
+    (:func:`~cptransform.op.mask_terms.meet`), never a dense visibility, so a chart at
+    a million tokens costs a few arrays of ``MAX_PIECES²``. Segment ids, dense masks and
+    top-k indices depend on data: such blocks are ``?`` unless the positions already hide
+    them entirely — or, for segments, unless ``segment_ids`` (``[B, S]`` in natural order,
+    an example-sized batch) gives the data: then the block is classified for that batch
+    element by element."""
+    terms = mask.terms()
+    positional = tuple(t for t in terms if t.key_hull is not None)
+    may, full = mask_terms.meet(positional, mask_terms.Blocks(_pieces(q_pos), _pieces(kv_pos)))
+    if not np.any(may):
         return SKIP
-    if mask.dense or mask.topk or (mask.segments and not data):
+    if mask.segments and segment_ids is not None:
+        seg = np.asarray(segment_ids)
+        known = mask.replace(dense=False, bias=False, topk=False)
+        seen = np.asarray(visible(known, q_pos[None], kv_pos[None], seg[:, q_pos],
+                                  seg[:, kv_pos]))
+        if not seen.any():
+            return SKIP
+        if not (mask.dense or mask.topk):
+            return FULL if seen.all() else PARTIAL
+    if len(positional) < len(terms):
         return UNKNOWN
-    return FULL if seen.all() else PARTIAL
+    return FULL if np.all(full) else PARTIAL
 
 
 def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
@@ -52,7 +82,8 @@ def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
     """Visible (query, key) pairs per device (rows of ``positions``); ``None`` when the mask
     depends on data not given: a dense mask, top-k indices, or segment ids without ``segment_ids``
     (``[B, S]`` in natural order; the pairs are then summed over the batch, counted on a
-    ``[B, S, S]`` array: for inspecting example-sized batches)."""
+    ``[B, S, S]`` array: for inspecting example-sized batches). Without data, each query's
+    visible keys are the interval its terms' key hull gives."""
     if mask.dense or mask.topk or (mask.segments and segment_ids is None):
         return None
     if mask.segments:
@@ -61,10 +92,10 @@ def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
         seen = visible(mask.replace(bias=False), pos, pos, seg, seg)  # [B, 1, S, S]
         per_query = np.asarray(seen).sum(axis=(0, 1, 3))
         return per_query[positions].sum(axis=-1).astype(float)
-    lo, hi = mask.band()
     q = positions.astype(np.int64)
-    first = np.maximum(0, q + (lo if lo is not None else -seq_len))
-    last = np.minimum(seq_len - 1, q + (hi if hi is not None else seq_len))
+    first, last = mask_terms.key_hull(mask.terms(), q, q)
+    first = np.zeros_like(q) if first is None else np.maximum(0, first)
+    last = np.full_like(q, seq_len - 1) if last is None else np.minimum(seq_len - 1, last)
     return np.maximum(0, last - first + 1).sum(axis=-1).astype(float)
 
 

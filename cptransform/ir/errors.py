@@ -26,6 +26,9 @@ def unknown_name(what: str, word: object, choices: Iterable[str], sep: str = " "
     choices = list(choices)
     return (f"unknown {what}{sep}{word!r}{did_you_mean(word, choices)}; use one of "
             f"{', '.join(map(str, choices)) or 'none'}")
+class KernelError(CPTransformError, NotImplementedError):
+    """The requested local-step kernel cannot run an attention (a mask term, dtype, head dim
+    or backend it does not support), or no kernel can."""
 
 
 class PipelineError(CPTransformError):

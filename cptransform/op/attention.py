@@ -155,7 +155,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
               window: tuple[int | None, int | None] | None = None,
               segment_ids=None, scale: float | None = None, softcap: float | None = None,
               layout: str | None = None, positions=None, empty_rows: str = "zero",
-              sinks=None, topk_indices=None):
+              sinks=None, topk_indices=None, chunk_size: int | None = None):
     """Attention over ``q``, ``k``, ``v`` as one ``attention_p`` equation.
 
     Args:
@@ -178,6 +178,9 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
         :class:`AttentionSpec`).
       topk_indices: int, broadcastable to ``[batch, heads, q_len, k]``: the key positions
         each query may see (a sparse-attention indexer's top-k; and-ed with the rest).
+      chunk_size: ``C`` for Llama-4 chunked attention: a token sees only the keys of its
+        own chunk of ``C`` positions, ``q_pos // C == kv_pos // C`` (with ``causal``, the
+        earlier ones).
     """
     if layout is None:
         layout = {4: "BTHD", 3: "THD"}.get(jnp.ndim(q))
@@ -228,7 +231,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
         softcap=None if softcap is None else float(softcap), groups=hq // hk,
         mask=MaskSpec(causal=bool(causal), window=win, segments=segment_ids is not None,
                       dense=mask is not None, bias=bias is not None, empty_rows=empty_rows,
-                      topk=topk_indices is not None),
+                      topk=topk_indices is not None,
+                      chunk=None if chunk_size is None else int(chunk_size)),
         positions=positions is not None, sinks=sinks is not None)
     return attention_p.bind(*operands, spec=spec)
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cptransform.op.accumulation import accumulator_dtype
+from cptransform.op import mask_terms
 from cptransform.op.attention_spec import AttentionSpec, MaskSpec
 
 
@@ -23,21 +24,11 @@ def visible(mask_spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, dense=N
     is a boolean ``[B|1, H|1, Tq, Tkv]`` tile or ``None``; ``topk`` int ``[B|1, H|1, Tq, k]``
     selected key positions or ``None``.
     """
+    side = lambda x, at: None if x is None else jnp.expand_dims(x, (1, at))  # noqa: E731
+    tile = mask_terms.Tile(side(q_pos, 3), side(kv_pos, 2), side(q_seg, 3), side(kv_seg, 2),
+                           dense, None if topk is None else selected(topk, kv_pos))
     out = jnp.ones((1, 1, q_pos.shape[-1], kv_pos.shape[-1]), dtype=bool)
-    lo, hi = mask_spec.band()
-    if lo is not None or hi is not None:
-        d = kv_pos[:, None, None, :] - q_pos[:, None, :, None]
-        if lo is not None:
-            out = out & (d >= lo)
-        if hi is not None:
-            out = out & (d <= hi)
-    if mask_spec.segments:
-        out = out & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
-    if mask_spec.dense:
-        out = out & dense
-    if mask_spec.topk:
-        out = out & selected(topk, kv_pos)
-    return out
+    return out & mask_terms.visible(mask_spec.terms(), tile)
 
 
 def selected(topk, kv_pos):

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
+from cptransform.op import mask_terms
 from cptransform.op.layouts import SequenceLayout
 
 EmptyRows = Literal["zero", "uniform", "nan"]
@@ -82,7 +83,12 @@ class MaskSpec:
       attention indexer's top-k): key ``kv`` is visible to ``q`` iff its position is one of
       ``indices[..., q, :]``. Repeated indices select a key once; an index that is no key's
       position selects nothing. It is and-ed with the other predicates, so the keys a
-      top-k picks among masked (``-inf``) scores stay hidden by the causal part.
+      top-k picks among masked (``-inf``) scores stay hidden by the causal part;
+    * ``chunk=C`` (Llama-4 chunked attention): ``q_pos // C == kv_pos // C``, each token
+      sees only its own fixed chunk of ``C`` positions (with ``causal``, its earlier ones).
+
+    :meth:`terms` gives the predicate as :mod:`~cptransform.op.mask_terms` terms, which
+    every kernel, the cost model and the plan chart read.
 
     ``empty_rows`` says what a query with no visible key returns: ``"zero"`` (zero output,
     zero gradient; what :func:`cptransform.attention` does) or ``"uniform"`` (the mean of V
@@ -100,6 +106,7 @@ class MaskSpec:
     bias: bool = False
     empty_rows: EmptyRows = "zero"
     topk: bool = False
+    chunk: int | None = None
 
     def __post_init__(self):
         if self.empty_rows not in ("zero", "uniform", "nan"):
@@ -111,9 +118,12 @@ class MaskSpec:
                 if side is not None and (not isinstance(side, int) or side < 0):
                     raise ValueError(f"window sides must be non-negative ints or None, got "
                                      f"{self.window}")
+        if self.chunk is not None and (not isinstance(self.chunk, int) or self.chunk < 1):
+            raise ValueError(f"chunk must be a positive int or None, got {self.chunk!r}")
 
-    def band(self) -> tuple[int | None, int | None]:
-        """Bounds ``(lo, hi)`` on ``d = kv_pos - q_pos`` from causal and window (None: open)."""
+    def terms(self) -> tuple:
+        """The predicate as a tuple of :mod:`~cptransform.op.mask_terms` terms (their
+        conjunction); the bias is not a predicate and has none."""
         lo = hi = None
         if self.causal:
             hi = self.causal_offset
@@ -123,7 +133,21 @@ class MaskSpec:
                 lo = -left
             if right is not None:
                 hi = right if hi is None else min(hi, right)
-        return lo, hi
+        out = [] if lo is None and hi is None else [mask_terms.Band(lo, hi)]
+        if self.chunk is not None:
+            out.append(mask_terms.Chunks(self.chunk))
+        if self.segments:
+            out.append(mask_terms.Segments())
+        if self.dense:
+            out.append(mask_terms.Dense())
+        if self.topk:
+            out.append(mask_terms.TopK())
+        return tuple(out)
+
+    def band(self) -> tuple[int | None, int | None]:
+        """Bounds ``(lo, hi)`` on ``d = kv_pos - q_pos`` that every visible pair satisfies
+        (the hull of the terms' bands: causal, window, chunks; ``None``: open)."""
+        return mask_terms.band_of(self.terms())
 
     @property
     def is_trivial(self) -> bool:
@@ -139,6 +163,8 @@ class MaskSpec:
             left, right = self.window
             parts.append(f"window=({'inf' if left is None else left},"
                          f"{'inf' if right is None else right})")
+        if self.chunk is not None:
+            parts.append(f"chunk={self.chunk}")
         if self.segments:
             parts.append("segments")
         if self.dense:

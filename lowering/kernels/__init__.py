@@ -47,6 +47,8 @@ class Kernel(Protocol):
     """What a schedule calls for one (query block, key block) step; see the module doc."""
 
     name: str
+    #: What it can run (:class:`~cptransform.lowering.kernels.capabilities.Capabilities`).
+    capabilities: object
 
     def forward(self, block: Block, spec: AttentionSpec):
         ...
@@ -98,9 +100,6 @@ def sum_to(x, shape):
 #: Local-step kernels by name (filled by the modules of this package; see :func:`kernels`).
 KERNELS: dict[str, Kernel] = {}
 
-#: Backends whose ``"auto"`` kernel is Pallas.
-_PALLAS_BACKENDS = ("tpu", "gpu", "cuda", "rocm")
-
 
 def register_kernel(kernel: Kernel) -> Kernel:
     """Register ``kernel`` under ``kernel.name``; returns it."""
@@ -116,20 +115,14 @@ def kernels() -> dict[str, Kernel]:
     return KERNELS
 
 
-def kernel_for(name: str, mask) -> Kernel:
-    """The kernel an attention with ``mask`` runs under the ``kernel`` option ``name``:
-    ``auto`` is the fastest that computes the mask (the Pallas kernels do not read top-k
-    indices, the chunked XLA kernel does), else :func:`get_kernel`'s choice."""
-    return get_kernel("xla" if name == "auto" and mask.topk else name)
-
-
 def get_kernel(name: str) -> Kernel:
-    """The kernel called ``name``; ``"auto"`` picks Pallas on TPU and GPU and XLA elsewhere
-    (on CPU Pallas only interprets: correct, but far slower than XLA), by
-    ``jax.default_backend()`` when the program is lowered."""
+    """The kernel called ``name``; ``"auto"`` is the one
+    :func:`~cptransform.lowering.kernels.capabilities.choose_kernel` picks for a plain causal
+    float32 attention on ``jax.default_backend()`` (schedules choose per attention)."""
     known = kernels()
     if name == "auto":
-        return known["pallas" if jax.default_backend() in _PALLAS_BACKENDS else "xla"]
+        from cptransform.lowering.kernels.capabilities import plain_choice
+        return plain_choice(known)
     if name in known:
         return known[name]
     raise ContextParallelOptionError(unknown_name("kernel", name, sorted({*known, "auto"})))

@@ -1,10 +1,9 @@
 """The chunked XLA kernel: flash-style attention in plain ``jax.numpy`` (kernel ``"xla"``).
 
 The local problem is cut into a static grid of query chunks × key chunks. Each (query
-chunk, key chunk) pair is classified once per call (:func:`chunk_kinds`) from position
-ranges (min/max per chunk against the mask band), segment-id ranges, the dense-mask
-tile (``any``/``all``) and the top-k indices (does any index of the query chunk fall in
-the key chunk's position range; :func:`_topk_hits`):
+chunk, key chunk) pair is classified once per call (:func:`chunk_kinds`) by the mask's terms
+(:mod:`cptransform.op.mask_terms`: position and segment-id ranges per chunk, ``any``/``all``
+of dense tiles, whether an index of the query chunk falls in the key chunk's positions):
 
 * ``EMPTY`` pairs are skipped (``lax.switch`` runs a branch with no matmul: it only adds
   the ``0·V`` a dense softmax would, so a NaN or Inf in V still reaches every row, see
@@ -42,11 +41,13 @@ from cptransform.analysis.block_work import DEFAULT_CHUNK, kernel_grid
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import register_kernel, row_delta, sum_to, zero_times
 from cptransform.op.accumulation import accumulator_dtype
+from cptransform.lowering.kernels.capabilities import Capabilities
+from cptransform.op import mask_terms
 from cptransform.op.attention_reference import visible
 from cptransform.op.attention_spec import AttentionSpec
 
 #: Pair kinds of :func:`chunk_kinds` (also the ``lax.switch`` branch indices).
-EMPTY, FULL, PARTIAL = 0, 1, 2
+EMPTY, FULL, PARTIAL = mask_terms.SKIP, mask_terms.FULL, mask_terms.PARTIAL
 
 
 def _pad(x, axis: int, to: int, value=None):
@@ -62,12 +63,6 @@ def _pad(x, axis: int, to: int, value=None):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _ranges(x, size: int, count: int):
-    """Per-chunk (min, max) of ``x [B|1, T]``: two ``[B|1, count]`` arrays."""
-    x = _pad(x, 1, size * count).reshape(x.shape[0], count, size)
-    return jnp.min(x, axis=-1), jnp.max(x, axis=-1)
-
-
 def _grid(block: Block, target: int):
     """``((cq, nq), (ck, nk))``: chunk length and count for queries and keys."""
     return kernel_grid(block.q.shape[1], block.k.shape[1], target)
@@ -78,71 +73,20 @@ def chunk_kinds(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
     chunk) pair of ``block`` cut as the kernel with chunk ``target`` cuts it.
 
     ``EMPTY`` is a proof that no query of the chunk sees a key of the chunk in any batch
-    row; ``FULL`` that every query sees every key; ranges make both conservative (e.g.
+    row and head; ``FULL`` that every query sees every key; the mask's terms decide both
+    from ranges (:func:`~cptransform.op.mask_terms.meet`), so both are conservative (e.g.
     segment ranges that overlap without a common id are ``PARTIAL``).
     """
-    (cq, nq), (ck, nk) = _grid(block, target)
-    may = jnp.ones((1, nq, nk), bool)
-    full = jnp.ones((1, nq, nk), bool)
-    lo, hi = spec.mask.band()
-    if lo is not None or hi is not None:
-        q_min, q_max = _ranges(block.q_pos, cq, nq)
-        k_min, k_max = _ranges(block.kv_pos, ck, nk)
-        d_max = k_max[:, None, :] - q_min[:, :, None]
-        d_min = k_min[:, None, :] - q_max[:, :, None]
-        if lo is not None:
-            may, full = may & (d_max >= lo), full & (d_min >= lo)
-        if hi is not None:
-            may, full = may & (d_min <= hi), full & (d_max <= hi)
-    if spec.mask.segments:
-        qs_min, qs_max = _ranges(block.q_seg, cq, nq)
-        ks_min, ks_max = _ranges(block.kv_seg, ck, nk)
-        may = may & (ks_max[:, None, :] >= qs_min[:, :, None]) \
-            & (qs_max[:, :, None] >= ks_min[:, None, :])
-        one = (qs_min == qs_max)[:, :, None] & (ks_min == ks_max)[:, None, :]
-        full = full & one & (qs_min[:, :, None] == ks_min[:, None, :])
-    if spec.mask.dense:
-        m = _pad(_pad(block.mask, 2, cq * nq), 3, ck * nk)
-        m = m.reshape(m.shape[0], m.shape[1], nq, cq, nk, ck)
-        may = may & jnp.any(m, axis=(1, 3, 5))
-        full = full & jnp.all(m, axis=(1, 3, 5))
-    if spec.mask.topk:
-        # A top-k row sees at most k keys: only a proof of emptiness is worth having.
-        may = may & _topk_hits(block.topk, block.kv_pos, cq, nq, ck, nk)
-        full = full & False
+    (cq, _), (ck, nk) = _grid(block, target)
+    may, full = mask_terms.meet(spec.mask.terms(), mask_terms.Blocks.cut(
+        block.q_pos, block.kv_pos, block.q_seg, block.kv_seg, block.mask, block.topk, cq, ck))
     # Padded keys must be masked, so the last key chunk is never FULL when it is padded.
     # (An iota, not a NumPy constant: a body that gains constants cannot stay under remat.)
     complete = jnp.arange(nk) * ck + ck <= block.k.shape[1]
-    full = full & complete
-    return jnp.where(jnp.any(may, axis=0),
-                     jnp.where(jnp.all(full, axis=0), FULL, PARTIAL), EMPTY).astype(jnp.int32)
-
-
-def _topk_hits(topk, kv_pos, cq: int, nq: int, ck: int, nk: int):
-    """Bool ``[B|1, nq, nk]``: some index of query chunk ``i`` (any head) lies in the
-    position range of key chunk ``j``.
-
-    Each query chunk's indices are sorted once and the key chunks' ranges looked up in
-    them (two ``searchsorted``), so the work is ``Tq·k·log`` and the memory ``Tq·k``,
-    never ``Tq·k·nk``.
-    """
-    k_min, k_max = _ranges(kv_pos, ck, nk)
-    idx = _pad(topk, 2, cq * nq)
-    bi, h, _, k = idx.shape
-    idx = jnp.moveaxis(idx.reshape(bi, h, nq, cq * k), 1, 2).reshape(bi, nq, h * cq * k)
-    idx = jnp.sort(idx, axis=-1)
-    b = max(bi, k_min.shape[0])
-    idx = jnp.broadcast_to(idx, (b, *idx.shape[1:]))
-    k_min = jnp.broadcast_to(k_min, (b, nk))
-    k_max = jnp.broadcast_to(k_max, (b, nk))
-
-    def row(sorted_idx, lo, hi):
-        return jnp.searchsorted(sorted_idx, hi, side="right") \
-            > jnp.searchsorted(sorted_idx, lo, side="left")
-
-    # vmap over batch rows, then query chunks; the key chunks' bounds are a vector.
-    per_chunk = lambda s, lo, hi: jax.vmap(row, in_axes=(0, None, None))(s, lo, hi)  # noqa: E731
-    return jax.vmap(per_chunk)(idx, k_min, k_max)
+    grid = jnp.ones((1, 1, -(-block.q.shape[1] // cq), nk), bool)
+    may = jnp.any(grid & may, axis=(0, 1))
+    full = jnp.all(grid & full, axis=(0, 1)) & complete
+    return jnp.where(may, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
 
 
 def executed_fraction(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
@@ -282,6 +226,8 @@ class ChunkedKernel:
 
     chunk: int = DEFAULT_CHUNK
     name: str = "xla"
+    #: Every mask term, dtype, head dim and backend; plain JAX needs no self-check.
+    capabilities = Capabilities()
 
     def forward(self, block: Block, spec: AttentionSpec):
         """``(o, lse)`` of the queries of ``block`` against its keys (kernel contract)."""

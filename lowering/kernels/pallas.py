@@ -16,8 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from cptransform.op import mask_terms
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
+from cptransform.lowering.kernels.capabilities import ALL_TERMS, Capabilities
 from cptransform.lowering.kernels import pallas_gpu, pallas_tpu, register_kernel, row_delta, \
     sum_to
 from cptransform.lowering.kernels.pallas_operands import heads_major, prepare, tokens_major
@@ -39,6 +41,12 @@ class PallasKernel:
     """
 
     name = "pallas"
+    #: No top-k indices yet; never compiled on a GPU or TPU by the test suite, so ``auto``
+    #: takes it there only after its on-device self-check.
+    capabilities = Capabilities(
+        mask_terms=ALL_TERMS - {mask_terms.TopK},
+        dtypes=frozenset({"float16", "bfloat16", "float32"}),
+        needs_check=frozenset({"gpu", "cuda", "rocm", "tpu"}))
 
     def __init__(self, variant: str | None = None, block_q: int | None = None,
                  block_kv: int | None = None, interpret: bool | None = None):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import jax.numpy as jnp
 from jax import lax
 
+from cptransform.op import mask_terms
 from cptransform.op.attention_spec import AttentionSpec
 
 F32 = jnp.float32
@@ -55,19 +56,12 @@ def visible_tile(spec: AttentionSpec, t: TileSides):
     """Bool ``[rows, cols]``: the pairs the mask lets through (what
     :func:`~cptransform.op.attention_reference.visible` says for this tile), padding
     excluded."""
-    ok = t.row_valid & t.col_valid
-    lo, hi = spec.mask.band()
-    if lo is not None or hi is not None:
-        d = t.row_pos - t.col_pos if t.transposed else t.col_pos - t.row_pos
-        if lo is not None:
-            ok = ok & (d >= lo)
-        if hi is not None:
-            ok = ok & (d <= hi)
-    if spec.mask.segments:
-        ok = ok & (t.row_seg == t.col_seg)
-    if t.dense is not None:
-        ok = ok & (t.dense != 0)
-    return ok
+    dense = None if t.dense is None else t.dense != 0
+    if t.transposed:
+        tile = mask_terms.Tile(t.col_pos, t.row_pos, t.col_seg, t.row_seg, dense)
+    else:
+        tile = mask_terms.Tile(t.row_pos, t.col_pos, t.row_seg, t.col_seg, dense)
+    return t.row_valid & t.col_valid & mask_terms.visible(spec.mask.terms(), tile)
 
 
 def dot_nt(a, b):

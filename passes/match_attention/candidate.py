@@ -80,6 +80,7 @@ class Candidate:
     mask_kinds: tuple
     sink: Operand | None = None
     topk: Any = None
+    chunk: int | None = None
 
     @property
     def heads(self) -> tuple:
@@ -110,7 +111,7 @@ class Candidate:
             window=(-lo, hi if two_sided else None) if lo is not None else None,
             segments=bool(self.segments) or bool(self.q_pads or self.kv_pads),
             dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows,
-            topk=self.topk is not None)
+            topk=self.topk is not None, chunk=self.chunk)
         return AttentionSpec(q=canonical, k=k_layout, v=k_layout, scale=float(self.scale),
                              softcap=self.softcap, groups=self.groups, mask=mask,
                              sinks=self.sink is not None)
@@ -189,7 +190,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         biases=tuple(biases), empty_rows=rows, band=parts.band,
         segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
         groups=hq // hk, mask_kinds=kinds, sink=sink,
-        topk=None if topk is None else topk.indices)
+        topk=None if topk is None else topk.indices, chunk=parts.chunk)
 
 
 def _zeroed_rows(preds: list, zeroing: Sequence[Pred], column: SinkColumn | None) -> str:

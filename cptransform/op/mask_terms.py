@@ -1,0 +1,336 @@
+"""A mask as a conjunction of terms, each owning its predicate and its block classification.
+
+Modelled on splash attention's ``Mask`` classes and ``MaskInfo``: one class per kind of
+predicate. A term says
+
+* which operands it reads (:attr:`MaskTerm.operands`, names of
+  :meth:`~cptransform.op.attention_spec.AttentionSpec.operand_names`);
+* its element predicate (:meth:`MaskTerm.visible`) on a :class:`Tile` whose query side and
+  key side are already broadcast against each other, so the reference, the chunked kernel
+  and the Pallas tiles (keys as rows in the dK/dV kernel) share it;
+* its block classification (:meth:`MaskTerm.block_kind`) from per-block ``(min, max)``
+  ranges (:class:`Blocks`), never from a dense visibility: ``may`` is False only when no
+  pair of the block is visible, ``full`` True only when every pair is;
+* its band hull (:meth:`MaskTerm.band`): bounds on ``d = kv_pos - q_pos`` that every visible
+  pair satisfies (what halo and the ring's step skipping need);
+* for terms of positions alone, :meth:`MaskTerm.key_hull`: the key positions a query range
+  can see, which the cost model counts with binary searches.
+
+Every consumer — the reference, the chunked XLA kernel, both Pallas kernels, the cost model
+and the plan chart — loops over the terms (:func:`visible`, :func:`meet`); a new mask kind
+is one class here.
+
+The code uses operators only (``&``, ``//``, comparisons) for the terms of positions, so
+NumPy arrays (planner, chart) and traced JAX arrays (kernels) go through the same lines.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+#: Block kinds (also the ``lax.switch`` branch indices of the chunked kernel and the entries
+#: of the Pallas block table): no pair visible, every pair visible, some pairs visible.
+SKIP, FULL, PARTIAL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """Per-block ``lo`` (minimum) and ``hi`` (maximum) of one operand along the sequence."""
+
+    lo: object
+    hi: object
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """What the terms classify a grid of ``nq × nk`` blocks from.
+
+    Query-side ranges are ``[B|1, nq]``, key-side ranges ``[B|1, nk]``; ``dense`` is the
+    mask cut into tiles ``[B|1, H|1, nq, bq, nk, bk]`` (padding repeats real entries or is
+    ``False``) and ``topk`` the indices grouped per query block ``[B|1, H|1, nq, bq·k]``.
+    Absent operands are ``None``.
+    """
+
+    q_pos: Ranges
+    kv_pos: Ranges
+    q_seg: Ranges | None = None
+    kv_seg: Ranges | None = None
+    dense: object = None
+    topk: object = None
+
+    @classmethod
+    def cut(cls, q_pos, kv_pos, q_seg, kv_seg, dense, topk, bq: int, bk: int) -> "Blocks":
+        """The blocks of ``bq`` queries × ``bk`` keys of one kernel call's operands
+        (positions and segment ids ``[B|1, T]``, ``dense`` ``[B|1, H|1, Tq, Tkv]``, ``topk``
+        ``[B|1, H|1, Tq, k]``; ``None`` when absent). The last blocks are padded by
+        repeating the last entry, which leaves every range, ``any`` and ``all`` that of the
+        real entries."""
+        nq, nk = -(-q_pos.shape[-1] // bq), -(-kv_pos.shape[-1] // bk)
+        q_ranges = lambda x: None if x is None else _ranges(x, bq, nq)  # noqa: E731
+        kv_ranges = lambda x: None if x is None else _ranges(x, bk, nk)  # noqa: E731
+        if dense is not None:
+            dense = _pad_edge(_pad_edge(dense, 2, nq * bq), 3, nk * bk)
+            dense = dense.reshape(*dense.shape[:2], nq, bq, nk, bk)
+        if topk is not None:
+            topk = _pad_edge(topk, 2, nq * bq)
+            topk = topk.reshape(*topk.shape[:2], nq, bq * topk.shape[-1])
+        return cls(q_ranges(q_pos), kv_ranges(kv_pos), q_ranges(q_seg), kv_ranges(kv_seg),
+                   dense, topk)
+
+
+def _pad_edge(x, axis: int, to: int):
+    """``x`` padded along ``axis`` to length ``to`` by repeating its last entry."""
+    if x.shape[axis] == to:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, to - x.shape[axis])
+    return jnp.pad(x, widths, mode="edge")
+
+
+def _ranges(x, size: int, count: int) -> Ranges:
+    """Per-block (min, max) of ``x [B|1, T]`` cut into ``count`` blocks of ``size``."""
+    x = _pad_edge(x, 1, size * count).reshape(x.shape[0], count, size)
+    return Ranges(jnp.min(x, axis=-1), jnp.max(x, axis=-1))
+
+
+@dataclass(frozen=True)
+class Tile:
+    """One tile's mask inputs with the query side and key side broadcastable against each
+    other (e.g. ``[…, Tq, 1]`` and ``[…, 1, Tkv]``, or transposed); ``dense`` is the boolean
+    mask tile and ``picked`` the top-k selection of the tile. ``None`` for absent operands."""
+
+    q_pos: object
+    kv_pos: object
+    q_seg: object = None
+    kv_seg: object = None
+    dense: object = None
+    picked: object = None
+
+
+def _query_side(x):
+    """``[B|1, nq]`` → ``[B|1, 1, nq, 1]``."""
+    return x[:, None, :, None]
+
+
+def _key_side(x):
+    """``[B|1, nk]`` → ``[B|1, 1, 1, nk]``."""
+    return x[:, None, None, :]
+
+
+@dataclass(frozen=True)
+class Band:
+    """``lo ≤ kv_pos - q_pos ≤ hi`` (``None``: that side open): causal (``hi`` = the offset),
+    sliding windows, and both together."""
+
+    lo: int | None
+    hi: int | None
+    operands = ("q_positions", "kv_positions")
+
+    def visible(self, t: Tile):
+        d = t.kv_pos - t.q_pos
+        ok = True
+        if self.lo is not None:
+            ok = ok & (d >= self.lo)
+        if self.hi is not None:
+            ok = ok & (d <= self.hi)
+        return ok
+
+    def block_kind(self, b: Blocks):
+        # d = kv - q over a block spans [kv_lo - q_hi, kv_hi - q_lo] (both attained when the
+        # ranges are contiguous; otherwise the kinds are conservative).
+        d_min = _key_side(b.kv_pos.lo) - _query_side(b.q_pos.hi)
+        d_max = _key_side(b.kv_pos.hi) - _query_side(b.q_pos.lo)
+        may = full = True
+        if self.lo is not None:
+            may, full = may & (d_max >= self.lo), full & (d_min >= self.lo)
+        if self.hi is not None:
+            may, full = may & (d_min <= self.hi), full & (d_max <= self.hi)
+        return may, full
+
+    def band(self):
+        return self.lo, self.hi
+
+    def key_hull(self, q_lo, q_hi):
+        return (None if self.lo is None else q_lo + self.lo,
+                None if self.hi is None else q_hi + self.hi)
+
+    def describe(self) -> str:
+        return f"band[{self.lo}, {self.hi}]"
+
+
+@dataclass(frozen=True)
+class Chunks:
+    """Llama-4 chunked attention's chunk term: ``q_pos // size == kv_pos // size`` (a token
+    sees only keys of its own fixed chunk of ``size`` positions; with causal, only the
+    earlier ones)."""
+
+    size: int
+    operands = ("q_positions", "kv_positions")
+
+    def visible(self, t: Tile):
+        return t.q_pos // self.size == t.kv_pos // self.size
+
+    def block_kind(self, b: Blocks):
+        c = self.size
+        q_lo, q_hi = _query_side(b.q_pos.lo) // c, _query_side(b.q_pos.hi) // c
+        k_lo, k_hi = _key_side(b.kv_pos.lo) // c, _key_side(b.kv_pos.hi) // c
+        may = (k_hi >= q_lo) & (k_lo <= q_hi)
+        full = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+        return may, full
+
+    def band(self):
+        return -(self.size - 1), self.size - 1
+
+    def key_hull(self, q_lo, q_hi):
+        c = self.size
+        return q_lo // c * c, q_hi // c * c + c - 1
+
+    def describe(self) -> str:
+        return f"chunks({self.size})"
+
+
+@dataclass(frozen=True)
+class Segments:
+    """``q_segment_ids[q] == kv_segment_ids[kv]`` (packed documents)."""
+
+    operands = ("q_segment_ids", "kv_segment_ids")
+
+    def visible(self, t: Tile):
+        return t.q_seg == t.kv_seg
+
+    def block_kind(self, b: Blocks):
+        q, k = b.q_seg, b.kv_seg
+        may = (_key_side(k.hi) >= _query_side(q.lo)) & (_query_side(q.hi) >= _key_side(k.lo))
+        # Conservative: ranges that overlap without a common id are partial.
+        full = (_query_side(q.lo == q.hi) & _key_side(k.lo == k.hi)
+                & (_query_side(q.lo) == _key_side(k.lo)))
+        return may, full
+
+    def band(self):
+        return None, None
+
+    key_hull = None
+
+    def describe(self) -> str:
+        return "segments"
+
+
+@dataclass(frozen=True)
+class Dense:
+    """A boolean operand ``mask[..., q, kv]``."""
+
+    operands = ("mask",)
+
+    def visible(self, t: Tile):
+        return t.dense
+
+    def block_kind(self, b: Blocks):
+        return jnp.any(b.dense, axis=(3, 5)), jnp.all(b.dense, axis=(3, 5))
+
+    def band(self):
+        return None, None
+
+    key_hull = None
+
+    def describe(self) -> str:
+        return "dense"
+
+
+@dataclass(frozen=True)
+class TopK:
+    """A sparse indexer's top-k: key ``kv`` is visible to ``q`` iff its position is one of
+    ``topk_indices[..., q, :]``."""
+
+    operands = ("topk_indices", "kv_positions")
+
+    def visible(self, t: Tile):
+        return t.picked
+
+    def block_kind(self, b: Blocks):
+        # A top-k row sees at most k keys: only a proof of emptiness is worth having.
+        return _topk_hits(b.topk, b.kv_pos), False
+
+    def band(self):
+        return None, None
+
+    key_hull = None
+
+    def describe(self) -> str:
+        return "top-k"
+
+
+def _topk_hits(topk, kv_pos: Ranges):
+    """Bool ``[B, 1, nq, nk]``: some index of query block ``i`` (any head) lies in the
+    position range of key block ``j``.
+
+    Each query block's indices are sorted once and the key blocks' ranges looked up in them
+    (two ``searchsorted``), so the work is ``Tq·k·log`` and the memory ``Tq·k``, never
+    ``Tq·k·nk``.
+    """
+    bi, h, nq, width = topk.shape
+    idx = jnp.sort(jnp.moveaxis(topk, 1, 2).reshape(bi, nq, h * width), axis=-1)
+    b = max(bi, kv_pos.lo.shape[0])
+    idx = jnp.broadcast_to(idx, (b, *idx.shape[1:]))
+    k_min = jnp.broadcast_to(kv_pos.lo, (b, kv_pos.lo.shape[-1]))
+    k_max = jnp.broadcast_to(kv_pos.hi, (b, kv_pos.hi.shape[-1]))
+
+    def row(sorted_idx, lo, hi):
+        return jnp.searchsorted(sorted_idx, hi, side="right") \
+            > jnp.searchsorted(sorted_idx, lo, side="left")
+
+    # vmap over batch rows, then query blocks; the key blocks' bounds are a vector.
+    per_block = lambda s, lo, hi: jax.vmap(row, in_axes=(0, None, None))(s, lo, hi)  # noqa: E731
+    return jax.vmap(per_block)(idx, k_min, k_max)[:, None]
+
+
+def visible(terms, t: Tile):
+    """The conjunction of the terms' predicates on one tile (``True`` without terms)."""
+    ok = True
+    for term in terms:
+        ok = ok & term.visible(t)
+    return ok
+
+
+def meet(terms, b: Blocks):
+    """``(may, full)`` of a grid of blocks under all ``terms``: a block is skipped when one
+    term proves it empty and full when every term proves it full (both ``True`` without
+    terms; otherwise broadcastable to ``[B|1, H|1, nq, nk]``)."""
+    may = full = True
+    for term in terms:
+        m, f = term.block_kind(b)
+        may, full = may & m, full & f
+    return may, full
+
+
+def band_of(terms) -> tuple[int | None, int | None]:
+    """The intersection of the terms' band hulls on ``d = kv_pos - q_pos``."""
+    lo = hi = None
+    for term in terms:
+        t_lo, t_hi = term.band()
+        if t_lo is not None:
+            lo = t_lo if lo is None else max(lo, t_lo)
+        if t_hi is not None:
+            hi = t_hi if hi is None else min(hi, t_hi)
+    return lo, hi
+
+
+def positional(terms) -> bool:
+    """True when every term is a predicate of positions alone (no data decides a block)."""
+    return all(term.key_hull is not None for term in terms)
+
+
+def key_hull(terms, q_lo, q_hi):
+    """``(first, last)``: the key positions a block of queries in ``[q_lo, q_hi]`` may see
+    under positional ``terms`` (NumPy arrays of block ranges; ``None``: that side open). A key block ``[k_lo, k_hi]`` is
+    skipped by :func:`meet` exactly when ``k_hi < first`` or ``k_lo > last``."""
+    first = last = None
+    for term in terms:
+        t_first, t_last = term.key_hull(q_lo, q_hi)
+        if t_first is not None:
+            first = t_first if first is None else np.maximum(first, t_first)
+        if t_last is not None:
+            last = t_last if last is None else np.minimum(last, t_last)
+    return first, last

@@ -1,0 +1,157 @@
+"""What each local-step kernel can run, and the choice ``kernel="auto"`` makes from it.
+
+Modelled on tokamax's attention API, where each implementation refuses what it cannot do:
+a kernel carries :class:`Capabilities` (mask terms, dtypes, head dims, backends, and the
+backends where it must first pass an on-device self-check), checked before lowering, so a
+refusal names the cause instead of surfacing deep inside a kernel. :func:`choose_kernel`
+resolves a kernel name for one attention: a named kernel that cannot run the attention is a
+:class:`~cptransform.ir.errors.KernelError`; ``"auto"`` takes the fastest capable kernel of
+:data:`PREFERENCE` for the backend, and a kernel that needs a self-check only after
+:func:`self_check` passed on that device kind (once per process), else the next one with
+one warning line.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from cptransform.ir.errors import KernelError, unknown_name
+from cptransform.lowering.block import Block
+from cptransform.op import mask_terms
+from cptransform.op.attention_reference import attend
+from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+
+#: Every mask term class.
+ALL_TERMS = frozenset({mask_terms.Band, mask_terms.Chunks, mask_terms.Segments,
+                       mask_terms.Dense, mask_terms.TopK})
+#: Float dtypes of q/k/v the kernels compute in float32 from.
+FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
+#: ``"auto"``'s order per backend, fastest first (Pallas interpreted on CPU is slow).
+PREFERENCE = {"cpu": ("xla",), "gpu": ("pallas", "xla"), "cuda": ("pallas", "xla"),
+              "rocm": ("pallas", "xla"), "tpu": ("pallas", "xla")}
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a kernel runs: ``mask_terms`` (term classes), ``dtypes`` (q/k/v dtype names),
+    ``head_dims`` (a predicate on q/k's and v's head dims), ``backends``, and
+    ``needs_check``: the backends where ``"auto"`` takes it only after a passed
+    :func:`self_check` on the device kind."""
+
+    mask_terms: frozenset = ALL_TERMS
+    dtypes: frozenset = FLOATS
+    head_dims: Callable[[int], bool] = field(default=lambda d: d > 0)
+    backends: frozenset = frozenset(PREFERENCE)
+    needs_check: frozenset = frozenset()
+
+    def refusal(self, spec: AttentionSpec, dtype, head_dims: tuple[int, ...],
+                backend: str) -> str | None:
+        """Why this kernel cannot run ``spec`` on ``backend`` (``None``: it can)."""
+        terms = [t.describe() for t in spec.mask.terms() if type(t) not in self.mask_terms]
+        if terms:
+            return f"it does not read the mask term(s) {', '.join(terms)}"
+        if np.dtype(dtype).name not in self.dtypes:
+            return f"it does not compute in {np.dtype(dtype).name}"
+        bad = [d for d in head_dims if not self.head_dims(d)]
+        if bad:
+            return f"it does not support head dim {bad[0]}"
+        if backend not in self.backends:
+            return f"it does not run on the {backend} backend"
+        return None
+
+
+#: Results of :func:`self_check` by ``(kernel name, device kind)``.
+_CHECKED: dict[tuple[str, str], str | None] = {}
+
+
+def self_check(kernel) -> str | None:
+    """Run a tiny causal forward and backward of ``kernel`` on the default device against
+    :func:`~cptransform.op.attention_reference.attend`; ``None`` when they agree, else why
+    not. Cached per device kind."""
+    kind = jax.devices()[0].device_kind
+    key = (kernel.name, kind)
+    if key not in _CHECKED:
+        _CHECKED[key] = _compare(kernel)
+    return _CHECKED[key]
+
+
+def _compare(kernel) -> str | None:
+    rng = np.random.default_rng(0)
+    q, k, v, do = (jnp.asarray(rng.normal(size=(1, 64, 2, 64)), jnp.float32) for _ in range(4))
+    pos = jnp.arange(64, dtype=jnp.int32)[None]
+    bthd = Layout.parse("BTHD")
+    spec = AttentionSpec(q=bthd, k=bthd, v=bthd, scale=0.125, mask=MaskSpec(causal=True))
+
+    def local(q, k, v):
+        o, lse = kernel.forward(Block(q, k, v, pos, pos), spec)
+        return o
+
+    def reference(q, k, v):
+        return attend(spec, q, k, v, pos, pos)[0]
+
+    try:
+        with jax.ensure_compile_time_eval():  # eager, even when asked while tracing
+            return _differs(local, reference, (q, k, v), do)
+    except Exception as err:  # noqa: BLE001 - any failure to compile or run is the answer
+        return f"it failed to run: {type(err).__name__}: {str(err).splitlines()[0][:200]}"
+
+
+def _differs(local, reference, args, do) -> str | None:
+    """Why ``local``'s output and VJP differ from ``reference``'s at ``args``, or None."""
+    got = jax.jit(lambda *x: jax.vjp(local, *x)[1](do))(*args)
+    want = jax.jit(lambda *x: jax.vjp(reference, *x)[1](do))(*args)
+    o, o_want = jax.jit(local)(*args), jax.jit(reference)(*args)
+    for name, a, b in zip(("o", "dq", "dk", "dv"), (o, *got), (o_want, *want)):
+        if not np.allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-3):
+            return f"its {name} differs from the reference"
+    return None
+
+
+def choose_kernel(name: str, spec: AttentionSpec, dtype, head_dims: tuple[int, ...],
+                  known: dict, backend: str | None = None):
+    """``(kernel, reason)`` for one attention: the kernel called ``name`` in ``known``, or
+    for ``"auto"`` the first of :data:`PREFERENCE` that can run it (and passed its self-check
+    where it needs one). ``reason`` is one line for ``explain()``."""
+    backend = backend or jax.default_backend()
+    if name != "auto":
+        if name not in known:
+            raise KernelError(unknown_name("kernel", name, sorted({*known, "auto"})))
+        kernel = known[name]
+        why = kernel.capabilities.refusal(spec, dtype, head_dims, backend)
+        if why is not None:
+            raise KernelError(
+                f"kernel={name!r} cannot run this attention ({spec.mask.describe()}): {why}; "
+                "use kernel='xla' (the chunked XLA kernel runs every mask) or kernel='auto'")
+        return kernel, f"{name}: requested"
+    passed_over = []
+    for candidate in PREFERENCE.get(backend, ("xla",)):
+        kernel = known[candidate]
+        why = kernel.capabilities.refusal(spec, dtype, head_dims, backend)
+        if why is None and backend in kernel.capabilities.needs_check:
+            failed = self_check(kernel)
+            why = None if failed is None else f"its on-device self-check failed: {failed}"
+        if why is None:
+            skipped = "".join(f"; not {n}: {w}" for n, w in passed_over)
+            return kernel, f"{candidate}: fastest capable kernel on {backend}{skipped}"
+        passed_over.append((candidate, why))
+    raise KernelError(f"no kernel can run this attention on {backend}: "
+                      + "; ".join(f"{n}: {w}" for n, w in passed_over))
+
+
+def plain_choice(known: dict):
+    """The kernel ``"auto"`` picks for a plain causal float32 attention of head dim 64."""
+    bthd = Layout.parse("BTHD")
+    spec = AttentionSpec(q=bthd, k=bthd, v=bthd, scale=0.125, mask=MaskSpec(causal=True))
+    return choose_kernel("auto", spec, jnp.float32, (64, 64), known)[0]
+
+
+def warn_passed_over(reason: str) -> None:
+    """One warning line when ``"auto"`` passed over a faster kernel (``reason`` from
+    :func:`choose_kernel`)."""
+    if "; not " in reason:
+        warnings.warn(f"cptransform: kernel='auto' uses {reason}", stacklevel=3)

@@ -1,0 +1,79 @@
+"""Kernels declare what they can run; ``kernel="auto"`` never takes an unchecked one."""
+import warnings
+
+import jax.numpy as jnp
+import pytest
+
+from cptransform.ir.errors import KernelError
+from cptransform.lowering.kernels import capabilities, kernels
+from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
+from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+
+BTHD = Layout.parse("BTHD")
+
+
+def spec(**mask):
+    return AttentionSpec(q=BTHD, k=BTHD, v=BTHD, scale=1.0, mask=MaskSpec(**mask))
+
+
+def test_a_named_kernel_refuses_what_it_cannot_run():
+    with pytest.raises(KernelError, match="top-k") as err:
+        choose_kernel("pallas", spec(causal=True, topk=True), jnp.float32, (8, 8), kernels())
+    assert isinstance(err.value, NotImplementedError)
+    with pytest.raises(KernelError, match="float64"):
+        choose_kernel("pallas", spec(causal=True), jnp.float64, (8, 8), kernels())
+    with pytest.raises(KernelError, match="unknown kernel"):
+        choose_kernel("triton", spec(), jnp.float32, (8, 8), kernels())
+    kernel, why = choose_kernel("pallas", spec(chunk=4, causal=True), jnp.bfloat16, (8, 8),
+                                kernels())
+    assert kernel.name == "pallas" and why == "pallas: requested"
+
+
+def test_auto_takes_pallas_on_a_device_only_after_its_self_check(monkeypatch):
+    """On a GPU/TPU ``auto`` runs the self-check once per device kind; a failed check (or
+    a mask Pallas does not read) falls back to XLA with one warning line saying why."""
+    calls = []
+    verdict = {"pallas": "its dq differs from the reference"}
+
+    def fake_compare(kernel):
+        calls.append(kernel.name)
+        return verdict.get(kernel.name)
+
+    monkeypatch.setattr(capabilities, "_compare", fake_compare)
+    monkeypatch.setattr(capabilities, "_CHECKED", {})
+    kernel, why = choose_kernel("auto", spec(causal=True), jnp.float32, (8, 8), kernels(),
+                                backend="gpu")
+    assert kernel.name == "xla" and "self-check failed: its dq differs" in why
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_passed_over(why)
+    assert len(caught) == 1 and "\n" not in str(caught[0].message)
+    choose_kernel("auto", spec(window=(3, 3)), jnp.float32, (8, 8), kernels(), backend="gpu")
+    assert calls == ["pallas"]  # cached per device kind
+
+    monkeypatch.setattr(capabilities, "_CHECKED", {})
+    verdict.clear()
+    kernel, why = choose_kernel("auto", spec(causal=True), jnp.float32, (8, 8), kernels(),
+                                backend="tpu")
+    assert kernel.name == "pallas" and "not" not in why
+    kernel, why = choose_kernel("auto", spec(causal=True, topk=True), jnp.float32, (8, 8),
+                                kernels(), backend="tpu")
+    assert kernel.name == "xla" and "top-k" in why
+
+
+def test_auto_on_cpu_is_the_xla_kernel():
+    kernel, why = choose_kernel("auto", spec(causal=True), jnp.float32, (8, 8), kernels(),
+                                backend="cpu")
+    assert kernel.name == "xla" and why == "xla: fastest capable kernel on cpu"
+
+
+def test_explain_names_each_attentions_kernel(rng):
+    import numpy as np
+    from cptransform import attention, context_parallel
+
+    q = jnp.asarray(np.random.default_rng(0).normal(size=(1, 32, 2, 8)), jnp.float32)
+    cp = context_parallel(lambda q, k, v: attention(q, k, v, causal=True, chunk_size=8),
+                          cp=4, schedule="halo", load_balance="none")
+    text = cp.explain(q, q, q)
+    assert "schedule: halo" in text and "chunk=8" in text
+    assert "kernel: xla (fastest capable kernel on cpu)" in text

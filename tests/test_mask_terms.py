@@ -1,0 +1,165 @@
+"""Mask terms: each term's block classification from ranges against its own element
+predicate, and Llama-4 chunked attention (a new term) through every schedule, both kernel
+families and the plan chart."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import make_mesh
+from schedule_cases import check_schedule, make_case
+from test_match_support import check, specs
+
+from cptransform.api import plan_chart
+from cptransform.op import mask_terms
+from cptransform.op.attention_reference import attention_reference
+from cptransform.op.attention_spec import MaskSpec
+from cptransform.op.layouts import SequenceLayout
+
+POSITION_TERMS = [mask_terms.Band(None, 0), mask_terms.Band(-5, 3), mask_terms.Band(2, None),
+                  mask_terms.Chunks(7), mask_terms.Chunks(1)]
+
+
+def _element_kinds(terms, q_lo, q_hi, k_lo, k_hi):
+    q = np.arange(q_lo, q_hi + 1)[:, None]
+    k = np.arange(k_lo, k_hi + 1)[None, :]
+    seen = np.broadcast_to(mask_terms.visible(terms, mask_terms.Tile(q, k)), (q.size, k.size))
+    return seen.any(), seen.all()
+
+
+@pytest.mark.parametrize("term", POSITION_TERMS, ids=lambda t: t.describe())
+def test_position_terms_classify_contiguous_blocks_exactly(rng, term):
+    """On contiguous blocks, ``may`` is ``any`` and ``full`` is ``all`` of the predicate,
+    alone and (a chunk) together with causal; the key hull skips exactly what ``meet``
+    skips. (Two bands are one term: MaskSpec merges causal and window.)"""
+    combined = [(term, mask_terms.Band(None, 0))] if isinstance(term, mask_terms.Chunks) else []
+    for terms in [(term,)] + combined:
+        for _ in range(60):
+            q_lo, k_lo = rng.integers(0, 40, 2)
+            q_hi, k_hi = q_lo + rng.integers(0, 12), k_lo + rng.integers(0, 12)
+            blocks = mask_terms.Blocks(mask_terms.Ranges(np.array([[q_lo]]), np.array([[q_hi]])),
+                                       mask_terms.Ranges(np.array([[k_lo]]), np.array([[k_hi]])))
+            may, full = mask_terms.meet(terms, blocks)
+            assert (bool(np.all(may)), bool(np.all(full))) == \
+                _element_kinds(terms, q_lo, q_hi, k_lo, k_hi)
+            first, last = mask_terms.key_hull(terms, np.array([q_lo]), np.array([q_hi]))
+            kept = (first is None or k_hi >= first[0]) and (last is None or k_lo <= last[0])
+            assert kept == bool(np.all(may))
+
+
+def test_segment_term_is_conservative(rng):
+    """Segment ranges never skip a block with a visible pair nor call a block full that
+    has a hidden one."""
+    term = mask_terms.Segments()
+    for _ in range(100):
+        q_ids, k_ids = np.sort(rng.integers(0, 5, (2, 6)), axis=1)
+        blocks = mask_terms.Blocks(
+            None, None, mask_terms.Ranges(q_ids.min(keepdims=True)[None], q_ids.max(keepdims=True)[None]),
+            mask_terms.Ranges(k_ids.min(keepdims=True)[None], k_ids.max(keepdims=True)[None]))
+        may, full = term.block_kind(blocks)
+        seen = q_ids[:, None] == k_ids[None, :]
+        assert bool(np.all(may)) or not seen.any()
+        assert not bool(np.all(full)) or seen.all()
+
+
+def chunked_case(rng, chunk: int, causal: bool = True, heads: str = "gqa", seq: int = 32):
+    case = make_case(rng, "causal" if causal else "none", heads, seq=seq)
+    return case.__class__(case.operands, case.spec.replace(
+        mask=case.spec.mask.replace(chunk=chunk)))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_chunked_reference_is_the_llama4_predicate(rng, causal):
+    """The chunk term means ``(q // C == k // C) & (k <= q)``, written out as a dense mask."""
+    case = chunked_case(rng, 8, causal)
+    q_pos, k_pos = np.arange(32)[:, None], np.arange(32)[None, :]
+    dense = (q_pos // 8 == k_pos // 8) & ((k_pos <= q_pos) | (not causal))
+    dense_spec = case.spec.replace(mask=MaskSpec(dense=True))
+    want = attention_reference(*case.operands, jnp.asarray(dense)[None, None], spec=dense_spec)
+    got = attention_reference(*case.operands, spec=case.spec)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+MESHES = {"ring": ((4,), ("cp",), "cp"), "ulysses": ((2,), ("cp",), "cp"),
+          "allgather": ((4,), ("cp",), "cp"), "halo": ((4,), ("cp",), "cp"),
+          "hybrid": ((2, 2), ("uly", "ring"), ("uly", "ring"))}
+
+
+def _run(rng, schedule, layout, kernel, chunk=8, causal=True):
+    shape, names, axes = MESHES[schedule]
+    check_schedule(chunked_case(rng, chunk, causal), mesh=make_mesh(shape, names), axes=axes,
+                   schedule=schedule, layout=layout, kernel=kernel)
+
+
+def test_chunked_attention_through_the_ring(rng):
+    _run(rng, "ring", "zigzag", "xla")
+
+
+@pytest.mark.slow
+def test_chunked_attention_through_halo_and_pallas(rng):
+    _run(rng, "halo", "contiguous", "xla")
+    _run(rng, "ring", "striped", "pallas", chunk=12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", sorted(MESHES))
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+def test_chunked_attention_matrix(rng, schedule, kernel, layout):
+    if schedule == "halo" and layout != "contiguous":
+        pytest.skip("halo runs the contiguous layout")
+    _run(rng, schedule, layout, kernel, chunk=12 if layout == "striped" else 8,
+         causal=layout != "zigzag")
+
+
+def _dense_kind(mask, q_pos, k_pos):
+    seen = mask_terms.visible(mask.terms(), mask_terms.Tile(q_pos[:, None], k_pos[None, :]))
+    seen = np.broadcast_to(seen, (q_pos.size, k_pos.size))
+    if not seen.any():
+        return plan_chart.SKIP
+    return plan_chart.FULL if seen.all() else plan_chart.PARTIAL
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("mask", [MaskSpec(causal=True, chunk=16), MaskSpec(chunk=24),
+                                  MaskSpec(window=(9, 3)), MaskSpec(causal=True)])
+def test_chart_cells_and_work_follow_the_terms(layout, mask):
+    """The chart classifies each shard block from runs of positions as the element
+    predicate does, and each device's work counts the visible pairs."""
+    shards = SequenceLayout(layout, 128, 4).all_positions()
+    for q in shards:
+        for k in shards:
+            assert plan_chart.block_kind(mask, q, k) == _dense_kind(mask, q, k)
+    work = plan_chart.device_work(mask, shards, 128)
+    everything = np.arange(128)
+    brute = [np.broadcast_to(mask_terms.visible(mask.terms(), mask_terms.Tile(
+        q[:, None], everything[None, :])), (q.size, 128)).sum() for q in shards]
+    np.testing.assert_array_equal(work, brute)
+
+
+def _llama4_iota(t, c):
+    i = jax.lax.broadcasted_iota(jnp.int32, (t, t), 0)
+    j = jax.lax.broadcasted_iota(jnp.int32, (t, t), 1)
+    return (i // c == j // c) & (j <= i)
+
+
+def _llama4_arange(t, c):
+    # transformers' ``chunked_causal_mask`` / MaxText's ``ChunkedCausalMask`` spelling.
+    q, kv = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+    return (kv <= q) & (kv // c == q // c)
+
+
+@pytest.mark.parametrize("spelling", [_llama4_iota, _llama4_arange])
+def test_chunked_spellings_match_as_one_chunk_term(rng, spelling):
+    """Mask analysis reads ``//`` of iotas: the Llama-4 mask is causal plus a chunk term,
+    no dense mask, and the rewrite computes the same numbers."""
+    b, t, h, d = 2, 16, 2, 8
+
+    def fn(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * d ** -0.5
+        s = jnp.where(spelling(t, 4), s, -jnp.inf)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+
+    args = [jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32) for _ in range(3)]
+    module = check(fn, *args, analytic=True)
+    (spec,) = specs(module)
+    assert spec.mask.chunk == 4 and spec.mask.causal and not spec.mask.dense
