@@ -31,7 +31,7 @@ from cptransform.analysis.dim_rules import digit_after_reshape, digit_stride, re
 from cptransform.analysis.primitives import (CallKind, Family, acting_dims, calls, facts,
                                              names_of, names_where, seq_links)
 from cptransform.analysis.seq_axes import SeqAxes
-from cptransform.op.layouts import SequenceLayout
+from cptransform.op.layouts import Conversion, SequenceLayout
 from cptransform.ir.errors import ReorderError
 from cptransform.ir.facts import Fact
 from cptransform.analysis.seq_axes_summary import analyse
@@ -109,6 +109,7 @@ class _Reorderer:
     layout: SequenceLayout
     strict: bool
     log: list = field(default_factory=list)
+    conversions: list = field(default_factory=list)
     state: dict = field(default_factory=dict)
 
     # -- state bookkeeping (by traced value identity; values are kept alive in `state`) --
@@ -159,6 +160,9 @@ class _Reorderer:
             outs = self.reshape_permuted(eqn, invals)
             if outs is not None:
                 return outs
+            return self.positional(eqn, invals, [0], {PERM},
+                                   "cuts the sequence into pieces its layout does not keep "
+                                   "whole")
         if name == "slice":
             outs = self.start_shift(eqn, invals)
             if outs is not None:
@@ -229,6 +233,13 @@ class _Reorderer:
         self.state[key] = (value, out)
         return out
 
+    def priced(self, eqn_or_name, kind: str, nbytes: int, where: str | None = None):
+        """Record one conversion (what :func:`explain` lists with its bytes)."""
+        op = eqn_or_name if isinstance(eqn_or_name, str) else eqn_or_name.primitive.name
+        if where is None:
+            where = compat.source_line(eqn_or_name)
+        self.conversions.append(Conversion(op, where, kind, int(nbytes)))
+
     def natural(self, value, eqn):
         """A merged operand of ``eqn`` in natural order, logged with its bytes (refused
         under ``strict``): ``eqn`` acts along the merged sequence dim, or mixes it with
@@ -241,6 +252,7 @@ class _Reorderer:
             raise ReorderError(message + "; strict=True refuses this. Keep the op off the "
                                "flattened tokens, or use load_balance='none'")
         self.log.append(message)
+        self.priced(eqn, "un-permute", moved)
         return self.unmerge(value)
 
     def align(self, value, dim: int, st: Merged):
@@ -259,8 +271,12 @@ class _Reorderer:
         """A reshape of a layout-order value with one full sequence dim: the sequence digit
         keeps its flat stride, so it lands merged (rows, features) or chunked; ``None``
         when it does not sit in one dim or the layout does not move whole chunks."""
-        full = self.axes.full_dims(eqn.invars[0])
+        atom, out = eqn.invars[0], eqn.outvars[0]
+        full = self.axes.full_dims(atom)
         if len(full) != 1:
+            kept = reshape_dim_map(atom.aval.shape, out.aval.shape)
+            if all(kept.get(d) in self.axes.full_dims(out) for d in full):
+                return self.equivariant(eqn, invals, [0], {PERM})
             return None
         return self.reshape_merged(eqn, invals, Merged(full[0], 1, self.layout))
 
@@ -360,6 +376,7 @@ class _Reorderer:
         moved = int(np.prod(out.shape)) * out.dtype.itemsize
         self.log.append(f"slice at {compat.source_line(eqn)} takes {len(positions)} tokens "
                         f"by position ({moved} bytes gathered)")
+        self.priced(eqn, "gather", moved)
         return [self.put(out, NAT)]
 
     # -- shifted slices along the sequence --
@@ -410,6 +427,7 @@ class _Reorderer:
                         f"tokens ({moved} bytes permuted)")
         if self.strict:
             raise ReorderError(self.log[-1] + "; strict=True refuses this")
+        self.priced(where, "gather", moved, where="")
         return self.put(out, NAT)
 
     def realign(self, value, st: Shift, offset: int):
@@ -441,10 +459,10 @@ class _Reorderer:
         invals = list(invals)
         for i, st in states.items():
             if st.offset != offset:
+                nbytes = int(np.prod(invals[i].shape)) * invals[i].dtype.itemsize
                 self.log.append(f"{name} at {compat.source_line(eqn)}: re-align a sequence "
-                                f"shifted by {st.offset - offset} "
-                                f"({int(np.prod(invals[i].shape)) * invals[i].dtype.itemsize} "
-                                "bytes gathered)")
+                                f"shifted by {st.offset - offset} ({nbytes} bytes gathered)")
+                self.priced(eqn, "re-align", nbytes)
                 invals[i] = self.realign(invals[i], st, offset)
         st = states[big]
         params = dict(eqn.params)
@@ -506,6 +524,7 @@ class _Reorderer:
                 raise ReorderError(message + "; strict=True refuses this. Rewrite the op to "
                                    "work on positions, or use load_balance='none'")
             self.log.append(message)
+            self.priced(eqn, "un-permute", moved)
         invals = [self.to(x, a, NAT) if i in carrying else x
                   for i, (x, a) in enumerate(zip(invals, eqn.invars))]
         outs = compat.bind_eqn(eqn, invals)
@@ -617,4 +636,5 @@ class ReorderSequence(Pass):
 
         new = compat.dce(trace_like(jaxpr, fn))
         log = tuple(f"reorder-sequence: {m}" for m in worker.log)
-        return PassResult(module.with_jaxpr(new, reorder_log=log), True, log)
+        return PassResult(module.with_jaxpr(new, reorder_log=log,
+                                            conversions=tuple(worker.conversions)), True, log)

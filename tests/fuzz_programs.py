@@ -65,6 +65,16 @@ PROGRAM_CLASSES = (
     "nan_weight",       # a NaN in the output projection: the loss must be NaN too
     "masked_rows",      # fully masked query rows with a -inf fill (left padding + causal)
 )
+#: Classes of the layout analysis (a merged, chunked, pooled, routed or shifted sequence).
+LAYOUT_CLASSES = (
+    "merge_tokens",     # tokens flattened with batch / heads: [B*S, E] rows, [B*S*2, E/2]
+    "chunk_tokens",     # [B, S, E] -> [B, S/c, c, E].mean(2), c in 2, 4, 8
+    "dense_head",       # h.reshape(B, S*E) @ W: a head over all tokens
+    "pooling",          # first / last / indexed token, mean, segment_sum by segment ids
+    "routing",          # top-2 one-hot dispatch, top-1 with cumsum capacity, sort dispatch
+    "shift_extreme",    # logsumexp(t[:, :-1]) with a huge last token, sqrt(r[:, 1:]), r[:, 0]=0
+)
+PROGRAM_CLASSES += LAYOUT_CLASSES
 ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES
 
 #: Classes that currently find bugs (wrong numbers or unclear crashes), with the reason.
@@ -165,6 +175,12 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "scan_layers": ("plain", "remat"),
         "nan_weight": ("wo", "wq"),
         "masked_rows": ("where_out", "plain"),
+        "merge_tokens": ("rows", "rows_heads", "rows_bf16"),
+        "chunk_tokens": ("2", "4", "8"),
+        "dense_head": ("",),
+        "pooling": ("first", "last", "indexed", "mean", "segment_sum"),
+        "routing": ("top2", "top1_capacity", "sort"),
+        "shift_extreme": ("logsumexp_huge", "sqrt_zero"),
     }.get(cls, ("",))
     variant = choose("variant", variants)
     llama = cls == "llama_block"
@@ -402,6 +418,8 @@ def make_data(case: FuzzCase):
         m = rng.random((mb, 1, s, s)) < 0.6
         m |= np.eye(s, dtype=bool)[None, None]
         inp["dense_mask"] = m
+    if case.cls in LAYOUT_CLASSES:
+        _layout_data(case, rng, p, inp)
     if case.cls == "nan_weight":
         key = "wo" if case.variant == "wo" else "wq"
         p[key] = p[key].copy()
@@ -446,6 +464,84 @@ def ste_round(x):
 
 
 ste_round.defvjp(lambda x: (jnp.round(x * 4.0) / 4.0, None), lambda _, g: (g,))
+
+
+def _layout_data(case: FuzzCase, rng, p: dict, inp: dict):
+    """Weights and inputs of the layout classes."""
+    b, s, e = case.batch, case.seq, case.model_dim
+    if case.cls == "merge_tokens":
+        half = e // 2 if case.variant == "rows_heads" else e
+        p["w_tok"] = _normal(rng, (half, half), 1.0 / math.sqrt(half))
+    if case.cls == "dense_head":
+        p["w_head"] = _normal(rng, (s * e, 3), 1.0 / math.sqrt(s * e))
+    if case.cls == "routing":
+        p["router"] = _normal(rng, (e, 4), 1.0 / math.sqrt(e))
+        p["experts"] = _normal(rng, (4, e, e), 1.0 / math.sqrt(e))
+    if case.cls == "pooling":
+        p["w_pool"] = _normal(rng, (e, 3), 1.0 / math.sqrt(e))
+        inp["pool_segments"] = rng.integers(0, 4, (b, s)).astype(np.int32)
+    if case.cls == "shift_extreme":
+        bump = np.zeros((b, s), np.float32) if case.variant == "logsumexp_huge" else \
+            np.ones((b, s), np.float32)
+        bump[:, -1 if case.variant == "logsumexp_huge" else 0] = \
+            1e30 if case.variant == "logsumexp_huge" else 0.0
+        inp["bump"] = bump
+
+
+def _route(case: FuzzCase, p: dict, t):
+    """Mixture-of-experts routing over flattened tokens ``t [T, E]``."""
+    probs = jax.nn.softmax(t @ p["router"], axis=-1)
+    expert_out = jnp.tanh(jnp.einsum("td,xdf->txf", t, p["experts"]))   # [T, experts, E]
+    if case.variant == "top2":
+        top, idx = lax.top_k(probs, 2)
+        gate = jnp.einsum("tk,tke->te", top, jax.nn.one_hot(idx, 4))
+        return jnp.einsum("te,ted->td", gate, expert_out) + probs.mean(0).sum()
+    if case.variant == "top1_capacity":
+        onehot = jax.nn.one_hot(jnp.argmax(probs, -1), 4)
+        kept = onehot * (jnp.cumsum(onehot, axis=0) <= t.shape[0] // 6)
+        return jnp.einsum("te,ted->td", kept * probs, expert_out)
+    expert = jnp.argmax(probs, -1)
+    order = jnp.argsort(expert)
+    ts = t[order] * (1.0 + expert[order][:, None])
+    return jnp.zeros_like(ts).at[order].set(ts) * probs.max(-1, keepdims=True)
+
+
+def layout_loss(case: FuzzCase, p: dict, y, inputs: dict):
+    """The loss of a layout class on the attention block's output ``y [B, S, E]``."""
+    b, s, e = y.shape
+    if case.cls == "merge_tokens":
+        if case.variant == "rows_heads":
+            t = jnp.tanh(y.reshape(b * s * 2, e // 2) @ p["w_tok"])
+        elif case.variant == "rows_bf16":
+            t = (y.reshape(b * s, e).astype(jnp.bfloat16) @ p["w_tok"].astype(jnp.bfloat16))
+            t = jnp.tanh(t.astype(jnp.float32))
+        else:
+            t = jnp.tanh(y.reshape(b * s, e) @ p["w_tok"])
+        return jnp.mean((t.reshape(b, s, e) + y - p["target"]) ** 2)
+    if case.cls == "chunk_tokens":
+        c = int(case.variant)
+        while s % c:
+            c //= 2
+        pooled = y.reshape(b, s // c, c, e).mean(2)
+        return jnp.mean(jnp.tanh(pooled) * jnp.arange(s // c)[None, :, None])
+    if case.cls == "dense_head":
+        return jnp.mean(jnp.tanh(y.reshape(b, s * e) @ p["w_head"]))
+    if case.cls == "routing":
+        return jnp.mean(_route(case, p, y.reshape(b * s, e)) ** 2)
+    if case.cls == "pooling":
+        if case.variant == "segment_sum":
+            pooled = jax.vmap(lambda yb, sb: jax.ops.segment_sum(yb, sb, num_segments=4))(
+                y, inputs["pool_segments"]).sum(1)
+        else:
+            pooled = {"first": lambda: y[:, 0], "last": lambda: y[:, -1],
+                      "indexed": lambda: y[:, 3] - y[:, s - 2],
+                      "mean": lambda: y.mean(1)}[case.variant]()
+        return jnp.mean(jnp.tanh(pooled @ p["w_pool"]))
+    if case.variant == "logsumexp_huge":
+        t = y.sum(-1) + inputs["bump"]
+        return jnp.sum(jax.nn.logsumexp(t[:, :-1], axis=-1))
+    r = (y ** 2).sum(-1) * inputs["bump"]
+    return jnp.sum(jnp.sqrt(r[:, 1:]))
 
 
 def block(case: FuzzCase, p: dict, x, inputs: dict):
@@ -526,6 +622,8 @@ def build(case: FuzzCase):
             y = jax.vmap(one)(x, per_example)
         else:
             y = block(case, p, x, inp)
+        if case.cls in LAYOUT_CLASSES:
+            return layout_loss(case, p, y, inp)
         if case.cls == "cumsum_seq":
             y = jnp.cumsum(y, axis=1) / y.shape[1]
         if case.cls == "shift_loss":
@@ -552,7 +650,7 @@ class Outcome:
 
 
 def _tol(case: FuzzCase) -> float:
-    return 2e-2 if case.bf16 else 1e-5
+    return 2e-2 if case.bf16 or case.variant.endswith("bf16") else 1e-5
 
 
 def compare(case: FuzzCase, got, ref) -> str | None:

@@ -78,7 +78,7 @@ def moe(x, w, m):
     gate = jnp.einsum("tk,tke->te", top, onehot)
     experts = jnp.tanh(jnp.einsum("td,edf->tef", t, m[:, 4:].reshape(4, D, 2)))
     out = jnp.einsum("te,tef->tf", gate, experts)
-    return jnp.mean(out ** 2) + jnp.mean(probs.mean(0) ** 2)
+    return jnp.mean((out.reshape(B, S, 2) - h[..., :2]) ** 2) + jnp.mean(probs.mean(0) ** 2)
 
 
 def moe_capacity(x, w, m):
@@ -99,7 +99,7 @@ def moe_sorted(x, w, m):
     order = jnp.argsort(expert)
     ts = t[order] * (1.0 + expert[order][:, None])
     back = jnp.zeros_like(ts).at[order].set(ts)
-    return jnp.mean(jnp.tanh(back) * t)
+    return jnp.mean(jnp.tanh(back).reshape(B, S, D) * h)
 
 
 MERGES = {"tokens-mlp": tokens_mlp, "chunk-mean-2": chunk_mean(2), "chunk-mean-8": chunk_mean(8),
@@ -107,8 +107,19 @@ MERGES = {"tokens-mlp": tokens_mlp, "chunk-mean-2": chunk_mean(2), "chunk-mean-8
           "moe-sorted": moe_sorted}
 
 
-@pytest.mark.parametrize("name", sorted(MERGES))
-@pytest.mark.parametrize("load_balance", ["zigzag", "striped"])
+#: One case per kind in the fast tier; the rest of the (kind, layout) matrix is slow.
+FAST = {("tokens-mlp", "zigzag"), ("chunk-mean-2", "zigzag"), ("dense-head", "zigzag"),
+        ("moe-capacity", "zigzag"), ("cls", "zigzag"), ("logsumexp", "zigzag")}
+
+
+def matrix(names, layouts=("zigzag", "striped")):
+    """``(name, layout)`` params, those outside :data:`FAST` marked slow."""
+    return [pytest.param(n, lb, id=f"{lb}-{n}",
+                         marks=() if (n, lb) in FAST else pytest.mark.slow)
+            for n in names for lb in layouts]
+
+
+@pytest.mark.parametrize("name,load_balance", matrix(sorted(MERGES)))
 def test_merged_and_routed_tokens(name, load_balance):
     x, w, m = rand(1, (B, S, D), (D, 3 * D), (D, 12), scale=0.5)
     if name == "dense-head":
@@ -128,10 +139,12 @@ def sqrt_shift(x, w, bump):
     return jnp.sum(jnp.sqrt(r[:, 1:]))
 
 
-@pytest.mark.parametrize("loss,index,value", [(lse_shift, -1, 1e30), (sqrt_shift, 0, 0.0)],
-                         ids=["logsumexp", "sqrt"])
-@pytest.mark.parametrize("load_balance", ["zigzag", "striped"])
-def test_shift_excluded_extreme_token(loss, index, value, load_balance):
+SHIFTS = {"logsumexp": (lse_shift, -1, 1e30), "sqrt": (sqrt_shift, 0, 0.0)}
+
+
+@pytest.mark.parametrize("name,load_balance", matrix(sorted(SHIFTS)))
+def test_shift_excluded_extreme_token(name, load_balance):
+    loss, index, value = SHIFTS[name]
     x, w = rand(3, (B, S, D), (D, 3 * D), scale=0.5)
     bump = (jnp.zeros((B, S)) if loss is lse_shift else jnp.ones((B, S))).at[:, index].set(value)
     check(loss, (x, w, bump), load_balance)
@@ -145,8 +158,7 @@ POOLING = {
 }
 
 
-@pytest.mark.parametrize("pool", sorted(POOLING))
-@pytest.mark.parametrize("load_balance", ["zigzag", "striped"])
+@pytest.mark.parametrize("pool,load_balance", matrix(sorted(POOLING)))
 def test_token_pooling(pool, load_balance):
     x, w, m = rand(4, (B, S, D), (D, 3 * D), (D, 3), scale=0.5)
 
@@ -155,7 +167,8 @@ def test_token_pooling(pool, load_balance):
     check(loss, (x, w, m), load_balance)
 
 
-@pytest.mark.parametrize("load_balance", ["zigzag", "striped"])
+@pytest.mark.parametrize("load_balance", ["zigzag", pytest.param("striped",
+                                                                 marks=pytest.mark.slow)])
 def test_segment_sum_pooling(load_balance):
     x, w = rand(5, (B, S, D), (D, 3 * D), scale=0.5)
     seg = jnp.asarray(np.random.default_rng(5).integers(0, 4, (B, S)), jnp.int32)

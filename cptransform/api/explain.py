@@ -79,6 +79,10 @@ def explain_module(module, options: Any, hlo_text: str | None = None) -> str:
     lines += balance_lines(facts.balance)
     for entry in facts.reorder_log:
         lines.append(f"  {entry}")
+    if facts.conversions:
+        lines.append(f"  layout conversions: {len(facts.conversions)}, "
+                     f"{sum(c.bytes for c in facts.conversions)} bytes: "
+                     + "; ".join(c.describe() for c in facts.conversions))
     if hlo_text is not None:
         lines += leak_lines(hlo_text, seq.lengths if seq is not None else ())
     return "\n".join(lines)

@@ -32,6 +32,24 @@ def padded_length(seq_len: int, name: str, cp: int) -> int:
 
 
 @dataclass(frozen=True)
+class Conversion:
+    """One place where a load-balanced program moves tokens between layout order and
+    natural order, and what it costs: ``kind`` is ``un-permute`` (an operand taken back to
+    natural order for an op that needs it), ``gather`` (only a slice's tokens, by
+    position) or ``re-align`` (a shifted slice moved onto another); ``bytes`` the data
+    moved."""
+
+    op: str
+    where: str
+    kind: str
+    bytes: int
+
+    def describe(self) -> str:
+        at = f" at {self.where}" if self.where else ""
+        return f"{self.kind} for {self.op}{at}: {self.bytes} bytes"
+
+
+@dataclass(frozen=True)
 class SequenceLayout:
     """How a sequence of ``seq_len`` tokens is spread over ``cp`` ranks.
 
