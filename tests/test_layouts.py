@@ -2,6 +2,8 @@
 every program below ends with the single-device loss and gradients (NaN/Inf pattern
 included) or one clear ``CPTransformError``. Each case fails on the release before the
 layout analysis (silent wrong answers, NaN gradients, raw JAX errors)."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -180,10 +182,15 @@ def test_segment_sum_pooling(load_balance):
     check(loss, (x, w, seg), load_balance, argnums=(0, 1))
 
 
-def test_strict_refuses_conversion_by_name():
+def test_conversion_priced_in_explain_and_refused_by_strict():
+    """Capacity by cumsum over flattened tokens runs in natural order: explain lists the
+    un-permute with its bytes; strict refuses it, naming the op."""
     x, w, m = rand(6, (B, S, D), (D, 3 * D), (D, 12), scale=0.5)
+    text = context_parallel(moe_capacity, cp=4, load_balance="zigzag").explain(x, w, m)
+    assert re.search(r"layout conversions: \d+, \d+ bytes: .*un-permute for cumsum at "
+                     r".*test_layouts.py:\d+ \(moe_capacity\): 1024 bytes", text), text
     f = context_parallel(moe_capacity, cp=4, load_balance="zigzag", strict=True)
-    with pytest.raises(CPTransformError, match="cumsum"):
+    with pytest.raises(CPTransformError, match="cumsum at .*strict=True refuses"):
         jax.grad(f)(x, w, m)
 
 
