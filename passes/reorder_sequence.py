@@ -9,10 +9,14 @@ along it). Order-independent ops keep the state, and so do ops acting only on ot
 (a split of a fused qkv projection on the features) and contractions over the sequence
 whose operands both carry it (an ``[S]`` pooling weight, an ``[S, S]`` token-mixing
 matrix: inputs and constants linked to the sequence are permuted like activations);
-positional ops along the sequence (slices such as ``x[:, 1:]``, pads, concatenates,
-cumsums, gathers by position) get their operands un-permuted first, which costs a
-permutation of those operands; each such place is logged with its bytes, and ``strict``
-makes it an error.
+positional ops along the sequence (pads, concatenates, cumsums, gathers by position) get
+their operands un-permuted first, which costs a permutation of those operands; each such
+place is logged and priced (a :class:`~cptransform.op.layouts.Conversion`, listed by
+``explain``), and ``strict`` makes it an error. A reshape keeps the sequence's flat stride,
+so tokens flattened with the batch or folded into features stay in layout order as a
+:class:`Merged` dim, and chunks the layout moves whole stay permuted in the layout of the
+chunks; slices keeping few tokens (``h[:, 0]``) gather just those. ``docs/layouts.md``
+lists what keeps the order and what converts.
 """
 from __future__ import annotations
 
