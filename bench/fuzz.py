@@ -1,7 +1,7 @@
 """Differential fuzzer, the long run: N random programs around attention, each checked
 against the undecorated single-device program (loss and every gradient).
 
-    python -m bench.fuzz --cases 1000 --seed 0 --json bench/results/fuzz.json
+    python -m bench.fuzz --seed 0 --json bench/results/fuzz.json       # 2,000 cases
     python -m bench.fuzz --classes masked_rows,nan_weight --cases 40
     python -m bench.fuzz --repro "FuzzCase(cls='mask_causal', seed=3, ...)"
 
@@ -93,7 +93,7 @@ def print_table(table, out=sys.stdout, records=()):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", type=int, default=1000)
+    ap.add_argument("--cases", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write every outcome and the table here")
     ap.add_argument("--classes", default=None, help="comma-separated classes (default: all)")

@@ -75,6 +75,16 @@ CALL_CLASSES = (
     "dtype_f64",          # the whole program in float64 (x64 on): float64 accuracy (1e-10)
     "dtype_fp16",         # attention in float16 (float32 softmax), everything else float32
 )
+#: Classes of the layout analysis (a merged, chunked, pooled, routed or shifted sequence).
+LAYOUT_CLASSES = (
+    "merge_tokens",     # tokens flattened with batch / heads: [B*S, E] rows, [B*S*2, E/2]
+    "chunk_tokens",     # [B, S, E] -> [B, S/c, c, E].mean(2), c in 2, 4, 8
+    "dense_head",       # h.reshape(B, S*E) @ W: a head over all tokens
+    "pooling",          # first / last / indexed token, mean, segment_sum by segment ids
+    "routing",          # top-2 one-hot dispatch, top-1 with cumsum capacity, sort dispatch
+    "shift_extreme",    # logsumexp(t[:, :-1]) with a huge last token, sqrt(r[:, 1:]), r[:, 0]=0
+)
+PROGRAM_CLASSES += LAYOUT_CLASSES
 ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES
 
 #: Classes that currently find bugs (wrong numbers or unclear crashes), with the reason.
@@ -198,6 +208,12 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "windows": WINDOW_VARIANTS,
         "static_equal_hash": ((1, True, 1.0, 1), (True, 1, 1.0), (1.0, True, 1)),
         "mask_builders": MASK_BUILDERS,
+        "merge_tokens": ("rows", "rows_heads", "rows_bf16"),
+        "chunk_tokens": ("2", "4", "8"),
+        "dense_head": ("",),
+        "pooling": ("first", "last", "indexed", "mean", "segment_sum"),
+        "routing": ("top2", "top1_capacity", "sort"),
+        "shift_extreme": ("logsumexp_huge", "sqrt_zero"),
     }.get(cls, ("",))
     variant = choose("variant", variants)
     llama = cls == "llama_block"
@@ -491,6 +507,8 @@ def make_data(case: FuzzCase):
         inp["dense_mask"] = m
     if case.cls == "windows" and case.variant.startswith("conv"):
         p["w_conv"] = _normal(rng, (int(case.variant.rsplit("_", 1)[1]), 1, e), 0.5)
+    if case.cls in LAYOUT_CLASSES:
+        _layout_data(case, rng, p, inp)
     if case.cls == "nan_weight":
         key = "wo" if case.variant == "wo" else "wq"
         p[key] = p[key].copy()
@@ -549,6 +567,82 @@ SEQUENCE_SCATTERS = {
     # a float scatter on the embeddings (gradients flow through the update and the operand)
     "embedding_window": lambda emb, t: emb[t].at[:, 2:5].set(emb[t][:, -3:] * 0.5),
 }
+def _layout_data(case: FuzzCase, rng, p: dict, inp: dict):
+    """Weights and inputs of the layout classes."""
+    b, s, e = case.batch, case.seq, case.model_dim
+    if case.cls == "merge_tokens":
+        half = e // 2 if case.variant == "rows_heads" else e
+        p["w_tok"] = _normal(rng, (half, half), 1.0 / math.sqrt(half))
+    if case.cls == "dense_head":
+        p["w_head"] = _normal(rng, (s * e, 3), 1.0 / math.sqrt(s * e))
+    if case.cls == "routing":
+        p["router"] = _normal(rng, (e, 4), 1.0 / math.sqrt(e))
+        p["experts"] = _normal(rng, (4, e, e), 1.0 / math.sqrt(e))
+    if case.cls == "pooling":
+        p["w_pool"] = _normal(rng, (e, 3), 1.0 / math.sqrt(e))
+        inp["pool_segments"] = rng.integers(0, 4, (b, s)).astype(np.int32)
+    if case.cls == "shift_extreme":
+        bump = np.zeros((b, s), np.float32) if case.variant == "logsumexp_huge" else \
+            np.ones((b, s), np.float32)
+        bump[:, -1 if case.variant == "logsumexp_huge" else 0] = \
+            1e30 if case.variant == "logsumexp_huge" else 0.0
+        inp["bump"] = bump
+
+
+def _route(case: FuzzCase, p: dict, t):
+    """Mixture-of-experts routing over flattened tokens ``t [T, E]``."""
+    probs = jax.nn.softmax(t @ p["router"], axis=-1)
+    expert_out = jnp.tanh(jnp.einsum("td,xdf->txf", t, p["experts"]))   # [T, experts, E]
+    if case.variant == "top2":
+        top, idx = lax.top_k(probs, 2)
+        gate = jnp.einsum("tk,tke->te", top, jax.nn.one_hot(idx, 4))
+        return jnp.einsum("te,ted->td", gate, expert_out) + probs.mean(0).sum()
+    if case.variant == "top1_capacity":
+        onehot = jax.nn.one_hot(jnp.argmax(probs, -1), 4)
+        kept = onehot * (jnp.cumsum(onehot, axis=0) <= t.shape[0] // 6)
+        return jnp.einsum("te,ted->td", kept * probs, expert_out)
+    expert = jnp.argmax(probs, -1)
+    order = jnp.argsort(expert)
+    ts = t[order] * (1.0 + expert[order][:, None])
+    return jnp.zeros_like(ts).at[order].set(ts) * probs.max(-1, keepdims=True)
+
+
+def layout_loss(case: FuzzCase, p: dict, y, inputs: dict):
+    """The loss of a layout class on the attention block's output ``y [B, S, E]``."""
+    b, s, e = y.shape
+    if case.cls == "merge_tokens":
+        if case.variant == "rows_heads":
+            t = jnp.tanh(y.reshape(b * s * 2, e // 2) @ p["w_tok"])
+        elif case.variant == "rows_bf16":
+            t = (y.reshape(b * s, e).astype(jnp.bfloat16) @ p["w_tok"].astype(jnp.bfloat16))
+            t = jnp.tanh(t.astype(jnp.float32))
+        else:
+            t = jnp.tanh(y.reshape(b * s, e) @ p["w_tok"])
+        return jnp.mean((t.reshape(b, s, e) + y - p["target"]) ** 2)
+    if case.cls == "chunk_tokens":
+        c = int(case.variant)
+        while s % c:
+            c //= 2
+        pooled = y.reshape(b, s // c, c, e).mean(2)
+        return jnp.mean(jnp.tanh(pooled) * jnp.arange(s // c)[None, :, None])
+    if case.cls == "dense_head":
+        return jnp.mean(jnp.tanh(y.reshape(b, s * e) @ p["w_head"]))
+    if case.cls == "routing":
+        return jnp.mean(_route(case, p, y.reshape(b * s, e)) ** 2)
+    if case.cls == "pooling":
+        if case.variant == "segment_sum":
+            pooled = jax.vmap(lambda yb, sb: jax.ops.segment_sum(yb, sb, num_segments=4))(
+                y, inputs["pool_segments"]).sum(1)
+        else:
+            pooled = {"first": lambda: y[:, 0], "last": lambda: y[:, -1],
+                      "indexed": lambda: y[:, 3] - y[:, s - 2],
+                      "mean": lambda: y.mean(1)}[case.variant]()
+        return jnp.mean(jnp.tanh(pooled @ p["w_pool"]))
+    if case.variant == "logsumexp_huge":
+        t = y.sum(-1) + inputs["bump"]
+        return jnp.sum(jax.nn.logsumexp(t[:, :-1], axis=-1))
+    r = (y ** 2).sum(-1) * inputs["bump"]
+    return jnp.sum(jnp.sqrt(r[:, 1:]))
 
 
 def block(case: FuzzCase, p: dict, x, inputs: dict):
@@ -655,6 +749,8 @@ def build(case: FuzzCase):
             y = jax.vmap(one)(x, per_example)
         else:
             y = block(case, p, x, inp)
+        if case.cls in LAYOUT_CLASSES:
+            return layout_loss(case, p, y, inp)
         if case.cls == "cumsum_seq":
             y = jnp.cumsum(y, axis=1) / y.shape[1]
         if case.cls == "windows":
@@ -686,6 +782,7 @@ def _tol(case: FuzzCase) -> float:
     if case.cls == "dtype_f64":
         return 1e-10
     return 2e-2 if case.bf16 or case.cls == "dtype_fp16" else 1e-5
+    return 2e-2 if case.bf16 or case.variant.endswith("bf16") else 1e-5
 
 
 def compare(case: FuzzCase, got, ref) -> str | None:

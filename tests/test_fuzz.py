@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
-from fuzz_programs import (ALL_CLASSES, KNOWN_BROKEN, FuzzCase, draw_case, numpy_chooser,
-                           run_case)
+from fuzz_programs import (ALL_CLASSES, KNOWN_BROKEN, LAYOUT_CLASSES, FuzzCase, draw_case,
+                           numpy_chooser, run_case)
 from cptransform.ir.errors import CPTransformError
 
 #: mask_none / mask_causal / mask_window are left to bench/fuzz.py here only for time: every
@@ -70,6 +70,26 @@ def test_fuzz_matches_single_device(cls, seed):
         warnings.warn(f"fuzz {cls}: no attention matched, ran unsharded: {outcome.detail}\n"
                       f"reproduce: {case.repro()}", FuzzUnmatched)
 
+
+
+#: The CI sample of the layout classes (merged, chunked, pooled, routed, shifted sequences).
+LAYOUT_SAMPLE = int(os.environ.get("FUZZ_LAYOUT_EXAMPLES", "34"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls", [c for c in LAYOUT_CLASSES if c not in KNOWN_BROKEN])
+@settings(max_examples=LAYOUT_SAMPLE, deadline=None, derandomize=True, database=None,
+          phases=(Phase.explicit, Phase.generate),
+          suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2 ** 20))
+def test_fuzz_layout_classes(cls, seed):
+    """34 cases per layout class (204 in all): exact or clearly refused."""
+    rng = np.random.default_rng([seed, ALL_CLASSES.index(cls)])
+    case = draw_case(numpy_chooser(rng), cls, seed)
+    note(repr(case))
+    outcome = run_case(case)
+    assert outcome.status in ("passed", "unmatched", "refused"), \
+        f"{outcome}\nreproduce: {case.repro()}"
 
 
 @pytest.mark.parametrize("cls", sorted(KNOWN_BROKEN) or [None])

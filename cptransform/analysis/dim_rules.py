@@ -101,6 +101,40 @@ def reshape_groups(in_shape: Sequence[int], out_shape: Sequence[int]) -> list | 
     return groups
 
 
+def digit_stride(shape: Sequence[int], dim: int, inner: int = 1) -> int:
+    """The row-major flat stride of a digit sitting in ``dim`` at stride ``inner`` within
+    it (a full dim: ``inner`` 1)."""
+    stride = inner
+    for n in shape[dim + 1:]:
+        stride *= n
+    return stride
+
+
+def digit_after_reshape(out_shape: Sequence[int], stride: int,
+                        size: int) -> tuple[int, int, int] | None:
+    """Where a digit of the row-major flat index (``size`` values at flat ``stride``: the
+    sequence of ``[B, S, D]`` is ``(D, S)``) lands after a reshape to ``out_shape``, which
+    keeps the flat index: ``(dim, inner, chunk)`` with the digit's high part (``size //
+    chunk`` values) in output dim ``dim`` at stride ``inner`` inside it and its low part
+    (``chunk`` values, ``1`` when the digit sits whole in ``dim``) in the dims after it.
+    ``[B*S, D]`` puts it in dim 0 (inner 1), ``[B, S*D]`` in dim 1 (inner ``D``),
+    ``[B, S/c, c, D]`` in dim 1 with chunk ``c``. ``None`` when the high part is spread
+    over several dims."""
+    top = stride * size
+    lower = 1
+    for dim in range(len(out_shape) - 1, -1, -1):
+        n = out_shape[dim]
+        upper = lower * n
+        if n != 1 and lower < top <= upper:
+            if upper % top:
+                return None
+            if stride >= lower:
+                return (dim, stride // lower, 1) if stride % lower == 0 else None
+            return (dim, 1, lower // stride) if lower % stride == 0 else None
+        lower = upper
+    return None
+
+
 def unit_reshape_dims(src_shape: Sequence[int], out_shape: Sequence[int],
                       dims: tuple, *, forward: bool = False) -> tuple | None:
     """Labels across a reshape that only adds or drops size-1 dims (None for any other).

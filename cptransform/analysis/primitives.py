@@ -130,14 +130,16 @@ for _name in ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"):
 # contracted dims in the same order: the reorder pass aligns them per equation.
 PRIMS["dot_general"] = PrimFacts(Family.CONTRACTION, link_dot_general, acts_on_contracting)
 
-PRIMS["broadcast_in_dim"] = PrimFacts(Family.SHAPE, link_broadcast_in_dim, order_safe=True,
-                                      shiftable=True, moves=Moves.BROADCAST)
-PRIMS["reshape"] = PrimFacts(Family.SHAPE, link_reshape, order_safe=True, shiftable=True,
-                             moves=Moves.RESHAPE)
-PRIMS["squeeze"] = PrimFacts(Family.SHAPE, link_dropping("dimensions"), order_safe=True,
-                             shiftable=True, moves=Moves.SQUEEZE)
-PRIMS["transpose"] = PrimFacts(Family.SHAPE, link_transpose, order_safe=True,
-                               moves=Moves.PERMUTE)
+# Shape ops move values without reading across any dim (a reshape's merges and splits are
+# followed by the layout analysis of ``reorder-sequence``).
+PRIMS["broadcast_in_dim"] = PrimFacts(Family.SHAPE, link_broadcast_in_dim, acts_on_nothing,
+                                      order_safe=True, shiftable=True, moves=Moves.BROADCAST)
+PRIMS["reshape"] = PrimFacts(Family.SHAPE, link_reshape, acts_on_nothing, order_safe=True,
+                             shiftable=True, moves=Moves.RESHAPE)
+PRIMS["squeeze"] = PrimFacts(Family.SHAPE, link_dropping("dimensions"), acts_on_nothing,
+                             order_safe=True, shiftable=True, moves=Moves.SQUEEZE)
+PRIMS["transpose"] = PrimFacts(Family.SHAPE, link_transpose, acts_on_nothing,
+                               order_safe=True, moves=Moves.PERMUTE)
 
 # Indexing ops are positional along the dims they act on and keep the order of the others.
 PRIMS["gather"] = PrimFacts(Family.INDEXING, link_gather, acts_on_gather, shiftable=True)

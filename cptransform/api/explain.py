@@ -67,6 +67,10 @@ def explain_module(module, options: Any, hlo_text: str | None = None, *,
     else:
         lines += [_chosen_balance_line(b) for b in facts.balance if b.chosen]
     lines += [f"  {entry}" for entry in plan.conversions]
+    if facts.conversions:
+        lines.append(f"  layout conversions: {len(facts.conversions)}, "
+                     f"{sum(c.bytes for c in facts.conversions)} bytes: "
+                     + "; ".join(c.describe() for c in facts.conversions))
     if hlo_text is not None:
         lines += leak_lines(hlo_text, seq.lengths if seq is not None else ())
     if not verbose:

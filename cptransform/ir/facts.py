@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # types only: the records are defined in the layers above
     from cptransform.analysis.load_balance import LayoutBalance
     from cptransform.analysis.match_report import MatchReport
     from cptransform.analysis.seq_axes_summary import SeqAxesSummary
-    from cptransform.op.layouts import SequenceLayout
+    from cptransform.op.layouts import Conversion, SequenceLayout
     from cptransform.passes.plan_context_parallel import AttentionPlan
 
 
@@ -43,6 +43,7 @@ class Facts:
     layout: SequenceLayout | None = None               # None: contiguous
     balance: tuple[LayoutBalance, ...] = ()            # one per candidate layout (planner)
     reorder_log: tuple[str, ...] = ()
+    conversions: tuple[Conversion, ...] = ()          # reorder-sequence: priced conversions
 
     def has(self, fact: Fact) -> bool:
         """Whether ``fact`` has been provided."""

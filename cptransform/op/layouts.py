@@ -32,6 +32,24 @@ def padded_length(seq_len: int, name: str, cp: int) -> int:
 
 
 @dataclass(frozen=True)
+class Conversion:
+    """One place where a load-balanced program moves tokens between layout order and
+    natural order, and what it costs: ``kind`` is ``un-permute`` (an operand taken back to
+    natural order for an op that needs it), ``gather`` (only a slice's tokens, by
+    position) or ``re-align`` (a shifted slice moved onto another); ``bytes`` the data
+    moved."""
+
+    op: str
+    where: str
+    kind: str
+    bytes: int
+
+    def describe(self) -> str:
+        at = f" at {self.where}" if self.where else ""
+        return f"{self.kind} for {self.op}{at}: {self.bytes} bytes"
+
+
+@dataclass(frozen=True)
 class SequenceLayout:
     """How a sequence of ``seq_len`` tokens is spread over ``cp`` ranks.
 
@@ -103,8 +121,35 @@ class SequenceLayout:
         chunk, off = pos // c, pos % c
         return jnp.where(chunk < cp, chunk * loc + off, (2 * cp - 1 - chunk) * loc + c + off)
 
-    def permute(self, x, axis: int):
-        """Natural order → layout order along ``axis`` (identity for contiguous).
+    def coarsen(self, chunk: int) -> "SequenceLayout | None":
+        """The layout of the ``seq_len // chunk`` chunks of ``chunk`` consecutive tokens,
+        when this layout moves whole chunks and keeps the order inside each (zigzag when
+        ``chunk`` divides its ``seq_len / 2cp`` tokens per piece, contiguous when it
+        divides a rank's share, striped only for ``chunk == 1``); ``None`` otherwise: the
+        layout then splits chunks across ranks, and a reshape into chunks needs natural
+        order."""
+        if chunk == 1:
+            return self
+        piece = {"contiguous": self.local_len, "zigzag": self.local_len // 2,
+                 "striped": 1}[self.name]
+        if piece % chunk:
+            return None
+        return SequenceLayout(self.name, self.seq_len // chunk, self.cp)
+
+    def _take(self, x, index, axis: int, inner: int):
+        """``x`` with the sequence digit of dim ``axis`` reindexed by ``index``: the dim
+        holds ``outer × seq_len × inner`` in row-major order (``[B*S]`` rows: inner 1;
+        ``[S*D]`` features: inner ``D``; a full sequence dim: outer and inner 1)."""
+        shape = x.shape
+        if shape[axis] == self.seq_len:
+            return jnp.take(x, index, axis=axis)
+        split = shape[:axis] + (shape[axis] // (self.seq_len * inner), self.seq_len,
+                                inner) + shape[axis + 1:]
+        return jnp.take(x.reshape(split), index, axis=axis + 1).reshape(shape)
+
+    def permute(self, x, axis: int, inner: int = 1):
+        """Natural order → layout order along ``axis`` (identity for contiguous); a merged
+        dim (``outer × seq_len × inner``) permutes its sequence digit.
 
         The index vector is computed from an iota, so no constant is captured: this works
         inside any traced body (scan, remat) without hoisting arrays.
@@ -112,11 +157,11 @@ class SequenceLayout:
         if self.name == "contiguous":
             return x
         slots = jnp.arange(self.seq_len, dtype=jnp.int32)
-        return jnp.take(x, self.position_of_slot(slots), axis=axis)
+        return self._take(x, self.position_of_slot(slots), axis, inner)
 
-    def unpermute(self, x, axis: int):
-        """Layout order → natural order along ``axis``."""
+    def unpermute(self, x, axis: int, inner: int = 1):
+        """Layout order → natural order along ``axis`` (a merged dim: as :meth:`permute`)."""
         if self.name == "contiguous":
             return x
         positions = jnp.arange(self.seq_len, dtype=jnp.int32)
-        return jnp.take(x, self.slot_of_position(positions), axis=axis)
+        return self._take(x, self.slot_of_position(positions), axis, inner)
