@@ -112,7 +112,7 @@ def test_explain_reports_the_padding():
     # and k, v, for 2 sequences: 2·13·(16·2 + 16·2)·4 bytes.
     assert "padding: queries 19 -> 32 (+13), keys 19 -> 32 (+13) to a multiple of 16; " \
            f"+{2 * 13 * 64 * 4} bytes" in text
-    assert "layout: zigzag (applied inside this attention" in text
+    assert "layout: zigzag inside the attentions, the program in natural order" in text
 
 
 @pytest.mark.slow
