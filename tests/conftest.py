@@ -56,3 +56,13 @@ def assert_tree_close(actual, expected, rtol=RTOL):
         scale = float(jnp.max(jnp.abs(e))) or 1.0
         err = float(jnp.max(jnp.abs(a - e)))
         assert err <= rtol * scale, f"{jax.tree_util.keystr(path[0])}: {err} > {rtol} * {scale}"
+
+
+def fast_every(values, every: int) -> list:
+    """``values`` of a ``parametrize`` as ``pytest.param``s: every ``every``-th one (from the
+    first) runs in the fast tier, the others are marked ``slow``, so the fast tier samples a
+    fixed slice of the matrix and the full tier runs all of it. A tuple is one case of a
+    several-name ``parametrize``."""
+    return [pytest.param(*(v if isinstance(v, tuple) else (v,)),
+                         marks=() if i % every == 0 else pytest.mark.slow)
+            for i, v in enumerate(values)]

@@ -52,6 +52,7 @@ def test_static_argnames_under_an_outer_jit(data):
     np.testing.assert_allclose(f(x, w, causal=True), fn(x, w, causal=True), rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_an_unhashable_static_value_is_refused_by_name(data):
     x, w = data
     f = context_parallel(lambda x, w, sizes: jnp.sum(attend(x, w)) * len(sizes), cp=4)
@@ -59,6 +60,7 @@ def test_an_unhashable_static_value_is_refused_by_name(data):
         f(x, w, [1, 2])
 
 
+@pytest.mark.slow
 def test_explicit_mesh_from_jax_make_mesh(data):
     x, w = data
     mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4])

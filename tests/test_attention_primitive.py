@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fast_every
 
 from cptransform import AttentionShapeError, attention, attention_p, trace
 
@@ -33,6 +34,7 @@ def dense_mask(rng, *, empty_row=True):
 
 @pytest.mark.parametrize("kind", ["none", "causal", "window", "window_causal", "dense",
                                   "bias", "causal_bias", "dense_bias"])
+@pytest.mark.slow
 def test_reference_matches_jax(rng, kind):
     q, k, v = qkv(rng)
     bias = jnp.asarray(rng.standard_normal((B, H, T, T)), jnp.float32)
@@ -53,7 +55,7 @@ def test_reference_matches_jax(rng, kind):
     np.testing.assert_allclose(out, want, **TOL)
 
 
-@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("kv_heads", fast_every([4, 2, 1], 2), ids=["mha", "gqa", "mqa"])
 def test_gqa_mqa(rng, kv_heads):
     q, k, v = qkv(rng, kv_heads=kv_heads)
     np.testing.assert_allclose(attention(q, k, v, causal=True),
@@ -98,6 +100,7 @@ def test_empty_rows_zero_by_default(rng):
     np.testing.assert_allclose(uniform[0, 3, 1], v[0, :, 1 // (H // HKV)].mean(0), **TOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["causal", "bias"])
 def test_grads_match_jax(rng, kind):
     q, k, v = qkv(rng)

@@ -36,6 +36,7 @@ def data():
     return jax.random.normal(kx, (2, 32, 8)), jax.random.normal(kw, (3, 8, 4, 4)) / 3
 
 
+@pytest.mark.slow
 def test_a_decorated_function_called_inside_another_runs_inline(data):
     inner = context_parallel(lambda x, w: attend(x, w), cp=4, schedule="allgather")
     outer = context_parallel(lambda x, w: jnp.sum(inner(x, w) ** 2), cp=4, schedule="ring")
@@ -59,6 +60,7 @@ def test_jvp_and_linearize_match_one_device(data):
     assert_tree_close(jax.grad(f)(x, w), jax.grad(loss)(x, w))
 
 
+@pytest.mark.slow
 def test_static_arguments_of_equal_hash_are_separate_programs(data):
     """``1 == True == 1.0`` and they hash alike; ``jax.jit`` keys static arguments by type
     too, and so must the transform's cache."""
@@ -70,6 +72,7 @@ def test_static_arguments_of_equal_hash_are_separate_programs(data):
         np.testing.assert_allclose(f(*data, n), fn(*data, n), rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_a_bool_flag_that_flips_between_calls(data):
     def fn(x, w, causal):
         return jnp.sum(attend(x, w, causal=causal) ** 2)
@@ -129,6 +132,7 @@ def test_under_jax_set_mesh_the_call_matches_and_gradients_are_refused(data):
     assert_tree_close(jax.grad(f)(*data), jax.grad(loss)(*data))
 
 
+@pytest.mark.slow
 def test_inputs_committed_to_one_device_are_moved_onto_the_mesh(data):
     x, w = data
     f = context_parallel(loss, cp=4)

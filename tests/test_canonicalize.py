@@ -139,6 +139,7 @@ def test_unchanged_is_honest():
     assert not twice.changed
 
 
+@pytest.mark.slow
 def test_structured_control_flow_kept_and_canonicalized_inside():
     def f(x, w):
         @jax.checkpoint

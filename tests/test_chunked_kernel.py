@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fast_every
 from schedule_cases import make_case, relative_error
 
 from cptransform.lowering.block import Block
@@ -91,6 +92,7 @@ def check(block, spec, kernel, tol):
 @pytest.mark.parametrize("kind,heads", [
     pytest.param(kind, list(HEADS)[i % 3], marks=() if i % 3 == 0 else pytest.mark.slow)
     for i, kind in enumerate(KINDS)])
+@pytest.mark.slow
 def test_matches_reference(rng, kind, heads):
     block, spec = problem(rng, kind, heads)
     check(block, spec, ChunkedKernel(chunk=4), 1e-5)
@@ -127,6 +129,7 @@ def test_equals_attention_reference(rng, kind):
     assert isinstance(get_kernel("xla"), ChunkedKernel)
 
 
+@pytest.mark.slow
 def test_nan_propagates_and_empty_rows_are_decided_by_the_mask(rng):
     """A NaN query gives NaN in its row (not an "empty" row), a row whose mask excludes
     every key gives o = 0 and lse = -inf, and the other rows stay finite."""
@@ -139,7 +142,7 @@ def test_nan_propagates_and_empty_rows_are_decided_by_the_mask(rng):
     assert np.all(np.isfinite(others))
 
 
-@pytest.mark.parametrize("nb", [2, 4, 8, 16])
+@pytest.mark.parametrize("nb", fast_every([2, 4, 8, 16], 3))
 def test_causal_classification_counts(nb):
     """Causal on nb × nb chunks: nb(nb+1)/2 pairs computed, the nb diagonal ones partial."""
     t = 4 * nb

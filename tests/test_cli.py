@@ -20,6 +20,7 @@ def run_cli(*argv):
                           capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_opt_prints_banner_jaxpr_and_summary_per_pass():
     proc = run_cli("opt", f"{LLAMA}:make", "-p", "canonicalize,canonicalize",
                    "--print-ir-after-all")

@@ -13,6 +13,7 @@ def cli(*args):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_plan_draws_the_ring_and_balance():
     out = cli("plan", "examples/llama.py:make", "--cp", "4", "--load-balance", "none",
               "--schedule", "ring")

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
+from conftest import fast_every, make_mesh
 from schedule_cases import HEAD_KINDS, make_case
 
 from cptransform.analysis.attention_shape import AttentionShape
@@ -56,7 +56,7 @@ CASES = [("ring", "cp", (8,), "gqa", "causal"), ("ring", "cp", (4,), "mqa", "seg
          ("hybrid", ("uly", "ring"), (2, 4), "gqa", "causal_window")]
 
 
-@pytest.mark.parametrize("schedule,axes,shape,heads,kind", CASES)
+@pytest.mark.parametrize("schedule,axes,shape,heads,kind", fast_every(CASES, 3))
 def test_counted_bytes_equal_the_formula(schedule, axes, shape, heads, kind):
     s, d, dv = 64, 8, 16
     h, hkv = HEAD_KINDS[heads]

@@ -113,6 +113,7 @@ def test_transform_shards_each_sequence(schedule, load_balance, tq, tkv, causal)
     assert module.facts.seq_axes.inputs[-2:] == ((1,), (1,))
 
 
+@pytest.mark.slow
 def test_one_sequence_of_two_lengths_is_refused():
     """Keys that are the queries' tokens plus a cache: one sequence by dataflow with two
     lengths, which no sharding of one axis can serve."""

@@ -20,6 +20,7 @@ import packed_documents  # noqa: E402
 from cptransform import context_parallel  # noqa: E402
 
 
+@pytest.mark.slow
 def test_llama():
     assert llama.demo(seq=32, memory=False)
 

@@ -121,6 +121,7 @@ def matrix(names, layouts=("zigzag", "striped")):
             for n in names for lb in layouts]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,load_balance", matrix(sorted(MERGES)))
 def test_merged_and_routed_tokens(name, load_balance):
     x, w, m = rand(1, (B, S, D), (D, 3 * D), (D, 12), scale=0.5)
@@ -144,6 +145,7 @@ def sqrt_shift(x, w, bump):
 SHIFTS = {"logsumexp": (lse_shift, -1, 1e30), "sqrt": (sqrt_shift, 0, 0.0)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,load_balance", matrix(sorted(SHIFTS)))
 def test_shift_excluded_extreme_token(name, load_balance):
     loss, index, value = SHIFTS[name]
@@ -171,6 +173,7 @@ def test_token_pooling(pool, load_balance):
 
 @pytest.mark.parametrize("load_balance", ["zigzag", pytest.param("striped",
                                                                  marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_segment_sum_pooling(load_balance):
     x, w = rand(5, (B, S, D), (D, 3 * D), scale=0.5)
     seg = jnp.asarray(np.random.default_rng(5).integers(0, 4, (B, S)), jnp.int32)
@@ -194,6 +197,7 @@ def test_conversion_priced_in_explain_and_refused_by_strict():
         jax.grad(f)(x, w, m)
 
 
+@pytest.mark.slow
 def test_merged_rows_keep_layout_without_conversion():
     x, w, m = rand(7, (B, S, D), (D, 3 * D), (D, D), scale=0.5)
     f = context_parallel(tokens_mlp, cp=4, load_balance="zigzag", strict=True)

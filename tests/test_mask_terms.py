@@ -90,6 +90,7 @@ def _run(rng, schedule, layout, kernel, chunk=8, causal=True):
                    schedule=schedule, layout=layout, kernel=kernel)
 
 
+@pytest.mark.slow
 def test_chunked_attention_through_the_ring(rng):
     _run(rng, "ring", "zigzag", "xla")
 
@@ -148,6 +149,7 @@ def _llama4_arange(t, c):
     return (kv <= q) & (kv // c == q // c)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spelling", [_llama4_iota, _llama4_arange])
 def test_chunked_spellings_match_as_one_chunk_term(rng, spelling):
     """Mask analysis reads ``//`` of iotas: the Llama-4 mask is causal plus a chunk term,

@@ -3,6 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import fast_every
 
 from test_match_support import check, randn, specs
 
@@ -40,7 +41,7 @@ ANALYTIC = {
 }
 
 
-@pytest.mark.parametrize("name", list(ANALYTIC))
+@pytest.mark.parametrize("name", fast_every(list(ANALYTIC), 3))
 def test_analytic(name, rng):
     make, band = ANALYTIC[name]
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))

@@ -88,6 +88,7 @@ def decoder_loss(params, labels):
     ("ring", "zigzag"),
     pytest.param("allgather", "none", marks=pytest.mark.slow),
     pytest.param("ring", "striped", marks=pytest.mark.slow)])
+@pytest.mark.slow
 def test_decoder_on_shifted_labels_matches_one_device(schedule, load_balance):
     keys = jax.random.split(jax.random.key(3), 5)
     params = {"embed": jax.random.normal(keys[0], (VOCAB, D)),

@@ -103,6 +103,7 @@ def test_sink_gradient_formula(rng):
     assert_close(vjp(do)[0], want, 1e-5)
 
 
+@pytest.mark.slow
 def test_minus_inf_sink_is_no_sink(rng):
     q, k, v, _ = qkvs(rng)
     s = jnp.full((4,), -jnp.inf)

@@ -85,6 +85,7 @@ def test_reference_matches_dense_mask(rng, k):
     jax.tree.map(lambda g, w: assert_close(g, w, RTOL), grads, want)
 
 
+@pytest.mark.slow
 def test_matcher_carries_indices_not_a_mask(rng):
     args = inputs(rng)
     module = rewrite(sparse_loss, *args)
@@ -98,6 +99,7 @@ def test_matcher_carries_indices_not_a_mask(rng):
     assert_close(jax.jit(module.as_function())(*args), sparse_loss(*args), RTOL)
 
 
+@pytest.mark.slow
 def test_scatter_of_other_indices_stays_dense(rng):
     """Indices that are not a top-k's (here an input: any value, negative or out of range)
     keep the scatter as a dense mask."""

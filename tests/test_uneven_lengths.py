@@ -104,6 +104,7 @@ def test_transform_pads_uneven_lengths(schedule, load_balance, seq, causal, wind
     assert_sharded(f, *args, schedule=schedule)
 
 
+@pytest.mark.slow
 def test_explain_reports_the_padding():
     args = layer_args(19)
     fn = lambda p, x, s: self_attention(p, x, s, causal=True, window=None)  # noqa: E731

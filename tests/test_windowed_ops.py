@@ -66,6 +66,7 @@ def check(name, load_balance, cp, *args):
     assert_tree_close(got, ref)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["conv4", "maxpool3", "shift"])
 def test_window_op_zigzag_cp4(name):
     check(name, "zigzag", 4)
@@ -91,6 +92,7 @@ def test_zigzag_keeps_the_window_in_layout_order(name):
     assert "un-permute" not in str(report)
 
 
+@pytest.mark.slow
 def test_left_shift_by_slice_then_pad():
     def shift_left(h, _):
         return jnp.pad(h[:, 2:], ((0, 0), (0, 2), (0, 0)), constant_values=0.5)
@@ -108,6 +110,7 @@ def test_striped_window_gathers_and_says_so():
         fn(*data())
 
 
+@pytest.mark.slow
 def test_maxpool_gradient_keeps_inf_pattern():
     x, w, w4 = data(1)
     x = x.at[0, 9, 3].set(jnp.inf).at[1, 16, 0].set(-jnp.inf)
