@@ -189,7 +189,7 @@ def demo(seq: int = 128, cp: int = 8, schedule: str = "auto", cfg: Config = SMAL
     params, tokens = example_args(cfg, batch=batch, seq=seq)
     fn = lambda p, t: loss(p, t, cfg)  # noqa: E731
     sharded = context_parallel(fn, cp=cp, schedule=schedule)
-    print(sharded.explain(params, tokens))
+    print(sharded.explain(params, tokens, verbose=True))
 
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(fn))(params, tokens)
     cp_loss, cp_grads = jax.jit(jax.value_and_grad(sharded))(params, tokens)
