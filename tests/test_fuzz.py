@@ -47,6 +47,18 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1"))
 # example of each class is a random draw (hypothesis' first example would be the all-first-
 # options one for every class). Shrinking is off (each step costs a compile): the printed
 # FuzzCase is the reproduction.
+def drawn_and_run(cls: str, seed: int):
+    """Draw the case of ``cls`` for ``seed``, run it, and require it exact or clearly
+    refused (or unmatched: right numbers, unsharded); returns ``(case, outcome)``."""
+    rng = np.random.default_rng([seed, ALL_CLASSES.index(cls)])
+    case = draw_case(numpy_chooser(rng), cls, seed)
+    note(repr(case))
+    outcome = run_case(case)
+    assert outcome.status in ("passed", "unmatched", "refused"), \
+        f"{outcome}\nreproduce: {case.repro()}"
+    return case, outcome
+
+
 #: The fast tier's sample of the fuzzer: one class (picked by a fixed seed); the rest are slow.
 FAST_CLASS = CI_CLASSES[int(np.random.default_rng(0).integers(len(CI_CLASSES)))]
 
@@ -58,12 +70,7 @@ FAST_CLASS = CI_CLASSES[int(np.random.default_rng(0).integers(len(CI_CLASSES)))]
           suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 2 ** 20))
 def test_fuzz_matches_single_device(cls, seed):
-    rng = np.random.default_rng([seed, ALL_CLASSES.index(cls)])
-    case = draw_case(numpy_chooser(rng), cls, seed)
-    note(repr(case))
-    outcome = run_case(case)
-    assert outcome.status in ("passed", "unmatched", "refused"), \
-        f"{outcome}\nreproduce: {case.repro()}"
+    case, outcome = drawn_and_run(cls, seed)
     if outcome.status == "unmatched":
         # Right numbers, but unsharded: reported, not failed (a matcher gap, not a bug).
         note(f"unmatched: {outcome.detail}")
@@ -84,12 +91,7 @@ LAYOUT_SAMPLE = int(os.environ.get("FUZZ_LAYOUT_EXAMPLES", "6"))
 @given(seed=st.integers(0, 2 ** 20))
 def test_fuzz_layout_classes(cls, seed):
     """``FUZZ_LAYOUT_EXAMPLES`` cases per layout class (6 by default): exact or clearly refused."""
-    rng = np.random.default_rng([seed, ALL_CLASSES.index(cls)])
-    case = draw_case(numpy_chooser(rng), cls, seed)
-    note(repr(case))
-    outcome = run_case(case)
-    assert outcome.status in ("passed", "unmatched", "refused"), \
-        f"{outcome}\nreproduce: {case.repro()}"
+    drawn_and_run(cls, seed)
 
 
 @pytest.mark.parametrize("cls", sorted(KNOWN_BROKEN) or [None])
