@@ -21,6 +21,16 @@ def _differentiable(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def _transposable(forward: Callable, vjp, primals) -> bool:
+    """Whether ``forward`` (the transpose of the program's VJP) can be traced."""
+    avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in primals]
+    try:
+        jax.make_jaxpr(lambda ts: forward(vjp, ts))(avals)
+    except Exception:  # linear_transpose refuses a non-linear VJP with assorted errors
+        return False
+    return True
+
+
 def with_forward_mode(call: Callable) -> Callable:
     """``call`` (a function of flat arrays returning a list of arrays) with a JVP rule built
     from its VJP; integer inputs and outputs have zero (``float0``) tangents."""
@@ -52,6 +62,15 @@ def with_forward_mode(call: Callable) -> Callable:
             transposed = jax.linear_transpose(lambda cts: backward(vjp, cts), out_avals)
             return transposed(ts)[0]
 
+        if ins and not _transposable(forward, vjp, [primals[i] for i in ins]):
+            # A VJP that linear_transpose cannot transpose (a user's custom_vjp whose backward
+            # is not linear in the cotangent, such as clipping by its norm): differentiate
+            # the program itself, as without this rule. Reverse mode is then exact as before;
+            # forward mode stops at JAX's own custom_vjp error.
+            return jax.jvp(call, primals, tuple(
+                jnp.zeros(jnp.shape(x), jax.dtypes.float0) if not _differentiable(x)
+                else jnp.zeros_like(x) if isinstance(t, SymbolicZero) else t
+                for x, t in zip(primals, tangents)))
         t_out = linear_call(forward, backward, vjp, [tangents[i] for i in ins]) if ins \
             else [jnp.zeros_like(out[j]) for j in outs]
         full = [jnp.zeros(jnp.shape(y), jax.dtypes.float0) for y in out]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 from cptransform.ir import compat
@@ -104,6 +105,9 @@ def _value(graph: Graph, atom: Any, bound: dict, folded: dict) -> Any:
             and not eqn.effects and np.prod(compat.aval_of(atom).shape) <= _MAX_FOLDED:
         args = [_value(graph, x, bound, folded) for x in eqn.invars]
         if all(a is not None for a in args):
-            value = np.asarray(eqn.primitive.bind(*args, **eqn.params))
+            # Evaluated now, even while the user's function is being traced (by jit or grad
+            # around the transform): the value is a constant of the program.
+            with jax.ensure_compile_time_eval():
+                value = np.asarray(eqn.primitive.bind(*args, **eqn.params))
     folded[atom] = value
     return value
