@@ -49,6 +49,9 @@ SKIP_PYTHON = [
     ("jax.distributed.initialize(coordinator_address=args.coordinator",
      "a fragment of a multi-host script (args, loss_fn, local_tokens are the user's); "
      "tests/test_multiprocess.py runs the same on two processes"),
+    ("plan = fn.plan(params, tokens)",
+     "a fragment (fn, params and tokens are the reader's); tests/test_plan.py reads the same "
+     "fields of a real plan"),
 ]
 
 
