@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_tree_close
+from test_arguments_and_meshes import dropout_attention
 from cptransform import context_parallel
 from cptransform.ir.errors import ContextParallelError
 from cptransform.op.accumulation import accumulator_dtype
@@ -89,21 +90,12 @@ def test_nnx_dropout_state_across_steps_of_a_jitted_train_step():
     ``nnx.jit`` draw the same masks and reach the same parameters as one device."""
     nnx = pytest.importorskip("flax.nnx")
     optax = pytest.importorskip("optax")
-
-    class Model(nnx.Module):
-        def __init__(self):
-            rngs = nnx.Rngs(0, dropout=1)
-            self.attn = nnx.MultiHeadAttention(num_heads=2, in_features=8, qkv_features=8,
-                                               use_bias=False, decode=False, rngs=rngs)
-            self.drop = nnx.Dropout(0.5, rngs=rngs)
-
-    def fn(model, x):
-        return jnp.sum(model.drop(model.attn(x, mask=nnx.make_causal_mask(x[..., 0]))) ** 2)
+    _, fn = dropout_attention()
 
     x = jax.random.normal(jax.random.PRNGKey(5), (2, 32, 8))
     runs = []
     for loss_fn in (fn, context_parallel(fn, cp=4)):
-        model = Model()
+        model, _ = dropout_attention()
         optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
 
         @nnx.jit
