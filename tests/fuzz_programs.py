@@ -842,14 +842,8 @@ def _run_program(case: FuzzCase) -> Outcome:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UnshardedWarning)
             got = jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, inputs))
-    except (CPTransformError, NotImplementedError) as exc:
-        if str(exc).strip():
-            return Outcome("refused", _last_line(exc))
-        return Outcome("crashed", "refusal without a message: " + _last_line(exc))
-    except Exception as exc:  # noqa: BLE001 - any other type is an unclear crash
-        tb = traceback.extract_tb(exc.__traceback__)
-        where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
-        return Outcome("crashed", _last_line(exc) + where)
+    except Exception as exc:  # noqa: BLE001 - classified: a refusal or an unclear crash
+        return _exception_outcome(exc)
     diff = compare(case, got, ref)
     if diff is not None:
         return Outcome("wrong", diff)
@@ -857,6 +851,18 @@ def _run_program(case: FuzzCase) -> Outcome:
     if unsharded:
         return Outcome("unmatched", _refusals(str(unsharded[0].message)))
     return Outcome("passed")
+
+
+def _exception_outcome(exc: Exception) -> Outcome:
+    """A refusal (a ``CPTransformError`` or ``NotImplementedError`` with a message), or a
+    crash: a refusal without a message, or any other exception, with where it was raised."""
+    if isinstance(exc, (CPTransformError, NotImplementedError)):
+        if str(exc).strip():
+            return Outcome("refused", _last_line(exc))
+        return Outcome("crashed", "refusal without a message: " + _last_line(exc))
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    return Outcome("crashed", _last_line(exc) + where)
 
 
 def _refusals(message: str) -> str:
@@ -883,14 +889,8 @@ def _classified(run: Callable[[FuzzCase], str | None], case: FuzzCase) -> Outcom
     :func:`run_case`."""
     try:
         diff = run(case)
-    except (CPTransformError, NotImplementedError) as exc:
-        if str(exc).strip():
-            return Outcome("refused", _last_line(exc))
-        return Outcome("crashed", "refusal without a message: " + _last_line(exc))
-    except Exception as exc:  # noqa: BLE001 - any other type is an unclear crash
-        tb = traceback.extract_tb(exc.__traceback__)
-        where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
-        return Outcome("crashed", _last_line(exc) + where)
+    except Exception as exc:  # noqa: BLE001 - classified: a refusal or an unclear crash
+        return _exception_outcome(exc)
     return Outcome("wrong", diff) if diff is not None else Outcome("passed")
 
 
