@@ -781,8 +781,8 @@ class Outcome:
 def _tol(case: FuzzCase) -> float:
     if case.cls == "dtype_f64":
         return 1e-10
-    return 2e-2 if case.bf16 or case.cls == "dtype_fp16" or case.variant.endswith("bf16") \
-        else 1e-5
+    bf16_variant = isinstance(case.variant, str) and case.variant.endswith("bf16")
+    return 2e-2 if case.bf16 or case.cls == "dtype_fp16" or bf16_variant else 1e-5
 
 
 def compare(case: FuzzCase, got, ref) -> str | None:
