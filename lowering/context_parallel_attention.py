@@ -35,6 +35,7 @@ from cptransform.lowering.kernels import ProfiledKernel, kernels
 from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
 from cptransform.lowering.padding import pad_block
 from cptransform.lowering.schedule import MESH_AXES_HINT, schedules
+from cptransform.lowering.seq_permute import converted
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_reference import flatten_batch, from_canonical, split_operands, \
     to_canonical
@@ -49,18 +50,24 @@ def sequence_mesh_axes(axes: Sequence[str]) -> tuple[str, ...]:
     return tuple(reversed(tuple(axes)))
 
 
-def permute_block(block: Block, q_layout: SequenceLayout, kv_layout: SequenceLayout) -> Block:
+def permute_block(block: Block, q_layout: SequenceLayout, kv_layout: SequenceLayout,
+                  mesh, seq: tuple[str, ...]) -> Block:
     """``block``'s token and dense operands from natural order to layout order: queries
-    by ``q_layout``, keys by ``kv_layout``."""
+    by ``q_layout``, keys by ``kv_layout``; the sharded dims by collectives
+    (:func:`~cptransform.lowering.seq_permute.converted`)."""
+    def move(x, lay, dim):
+        return converted(x, layout=lay, dim=dim, inverse=False, mesh=mesh, seq=seq)
+
     def side(x, lay):
-        return None if x is None else lay.permute(x, axis=1)
+        return None if x is None else move(x, lay, 1)
 
     def dense(x):
-        return None if x is None else kv_layout.permute(q_layout.permute(x, axis=2), axis=3)
+        # Rows are sharded with the queries; every device holds all key columns.
+        return None if x is None else kv_layout.permute(move(x, q_layout, 2), axis=3)
 
     # Top-k indices are global key positions: only their rows follow the queries' layout;
     # the values are compared with the keys' positions, whatever the layout.
-    topk = None if block.topk is None else q_layout.permute(block.topk, axis=2)
+    topk = None if block.topk is None else move(block.topk, q_layout, 2)
     return block.replace(q=side(block.q, q_layout), k=side(block.k, kv_layout),
                          v=side(block.v, kv_layout), q_pos=side(block.q_pos, q_layout),
                          kv_pos=side(block.kv_pos, kv_layout), q_seg=side(block.q_seg, q_layout),
@@ -165,10 +172,10 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
                   mask=flat(a["mask"]), bias=flat(a["bias"]), sinks=flat(a["sinks"]),
                   topk=None if a["topk_indices"] is None
                   else flat(a["topk_indices"]).astype(jnp.int32))
+    seq = sequence_mesh_axes(axes)
     if not in_layout_order:
         block, spec = pad_block(block, spec, tq_pad, tkv_pad)
-        block = permute_block(block, q_layout, kv_layout)
-    seq = sequence_mesh_axes(axes)
+        block = permute_block(block, q_layout, kv_layout, mesh, seq)
     # Token operands are sharded on their sequence dim (1), per-pair ones on their rows (2);
     # the sinks have no sequence dim: every device holds them all.
     sharding = block.replace(**{
@@ -194,7 +201,7 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     o = jax.shard_map(run, mesh=mesh, in_specs=(sharding,), out_specs=P(None, seq),
                       axis_names=set(axes))(block)
     if not in_layout_order:
-        o = q_layout.unpermute(o, axis=1)[:, :tq]
+        o = converted(o, layout=q_layout, dim=1, inverse=True, mesh=mesh, seq=seq)[:, :tq]
     o = o.reshape(tuple(batch_shape) + o.shape[1:]) if nb else o[0]
     return from_canonical(spec, o).astype(a["q"].dtype)
 

@@ -12,6 +12,7 @@ op ``match-windows`` could not wrap is refused there, never left to the partitio
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import jax
@@ -28,8 +29,10 @@ from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import Rewriter, trace_like
 from cptransform.lowering.context_parallel_attention import (context_parallel_attention,
                                                               sequence_mesh_axes)
+from cptransform.lowering.seq_permute import collective_permutable, permuted_sequence
 from cptransform.lowering.seq_window import halo_bytes, windowed_op
 from cptransform.op.attention import attention_p
+from cptransform.op.seq_permute import seq_permute_p
 from cptransform.op.seq_window import seq_window_p
 
 #: Windowed ops left unwrapped by match-windows: refused on a sharded sequence.
@@ -86,10 +89,26 @@ class _Lowerer(Rewriter):
                 self.log.append(f"{window.describe()} at {compat.source_line(eqn)}: halo "
                                 f"exchange of {halo_bytes(window, aval.shape, aval.dtype.itemsize)}"
                                 " bytes per rank")
+        elif eqn.primitive is seq_permute_p and self._collective(eqn):
+            params = eqn.params
+            with compat.eqn_context(eqn):
+                outs = [permuted_sequence(invals[0], layout=params["layout"],
+                                          dim=params["dim"], inverse=params["inverse"],
+                                          mesh=self.mesh, seq=self.seq)]
         else:
             self._refuse_raw_window(eqn)
             outs = super().eval_eqn(eqn, invals)
         return [self.constrain(o, v) for o, v in zip(outs, eqn.outvars)]
+
+    def _collective(self, eqn) -> bool:
+        """A layout conversion of a whole sequence-sharded dim: moved by collectives (a
+        gather would all-gather the sequence)."""
+        params, atom = eqn.params, eqn.invars[0]
+        if params["dim"] not in self.axes.full_dims(atom):
+            return False
+        cp = math.prod(self.mesh.shape[a] for a in self.seq)
+        return collective_permutable(params["layout"], atom.aval.shape, params["dim"],
+                                     params["inner"], cp, self.seq)
 
     def _refuse_raw_window(self, eqn) -> None:
         """A windowed op match-windows could not wrap must not read a sharded sequence:

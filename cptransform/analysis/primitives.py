@@ -30,6 +30,7 @@ from cptransform.analysis.dim_rules import (ActsOn, Link, LinkRule, acts_on_cont
                                             link_sort, link_split, link_top_k,
                                             link_transpose)
 from cptransform.op.attention import attention_p
+from cptransform.op.seq_permute import seq_permute_p
 from cptransform.op.seq_window import seq_window_p
 
 
@@ -150,6 +151,8 @@ PRIMS["concatenate"] = PrimFacts(Family.INDEXING, link_concatenate, acts_on_para
 PRIMS["split"] = PrimFacts(Family.INDEXING, link_split, acts_on_param("axis"))
 PRIMS["rev"] = PrimFacts(Family.INDEXING, link_same_dims, acts_on_params("dimensions"))
 # A sort permutes along its dimension by value; its other dims keep their order.
+# A layout conversion (reorder-sequence's): it moves tokens along its dim, keeping every dim.
+PRIMS[seq_permute_p.name] = PrimFacts(Family.INDEXING, link_same_dims, acts_on_param("dim"))
 PRIMS["sort"] = PrimFacts(Family.INDEXING, link_sort, acts_on_param("dimension"))
 # A top-k answers with positions along its dim (like argmax): reordering the sequence there
 # changes them, so it runs in natural order; its other dims (a sparse indexer's queries)

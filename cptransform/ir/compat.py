@@ -192,6 +192,12 @@ def define_primitive(
     return prim
 
 
+def define_transpose(prim: Primitive, rule: Callable) -> None:
+    """Mark ``prim`` linear in its operands with transpose ``rule(cotangent, *operands,
+    **params)`` returning one cotangent per operand (``ad.primitive_transposes``)."""
+    ad.primitive_transposes[prim] = rule
+
+
 instantiate_zeros = ad.instantiate_zeros
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cptransform.ir.errors import LayoutError, unknown_name
+from cptransform.op.seq_permute import seq_permute_p
 
 LayoutName = Literal["contiguous", "zigzag", "striped"]
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
@@ -136,32 +137,18 @@ class SequenceLayout:
             return None
         return SequenceLayout(self.name, self.seq_len // chunk, self.cp)
 
-    def _take(self, x, index, axis: int, inner: int):
-        """``x`` with the sequence digit of dim ``axis`` reindexed by ``index``: the dim
-        holds ``outer × seq_len × inner`` in row-major order (``[B*S]`` rows: inner 1;
-        ``[S*D]`` features: inner ``D``; a full sequence dim: outer and inner 1)."""
-        shape = x.shape
-        if shape[axis] == self.seq_len:
-            return jnp.take(x, index, axis=axis)
-        split = shape[:axis] + (shape[axis] // (self.seq_len * inner), self.seq_len,
-                                inner) + shape[axis + 1:]
-        return jnp.take(x.reshape(split), index, axis=axis + 1).reshape(shape)
-
     def permute(self, x, axis: int, inner: int = 1):
         """Natural order → layout order along ``axis`` (identity for contiguous); a merged
-        dim (``outer × seq_len × inner``) permutes its sequence digit.
-
-        The index vector is computed from an iota, so no constant is captured: this works
-        inside any traced body (scan, remat) without hoisting arrays.
-        """
+        dim (``outer × seq_len × inner``) permutes its sequence digit. One
+        :data:`~cptransform.op.seq_permute.seq_permute_p` equation: the CP lowering moves
+        a sharded sequence with collectives instead of a gather; its index vector comes
+        from an iota, so it works inside any traced body without hoisting constants."""
         if self.name == "contiguous":
             return x
-        slots = jnp.arange(self.seq_len, dtype=jnp.int32)
-        return self._take(x, self.position_of_slot(slots), axis, inner)
+        return seq_permute_p.bind(x, layout=self, dim=axis, inner=inner, inverse=False)
 
     def unpermute(self, x, axis: int, inner: int = 1):
         """Layout order → natural order along ``axis`` (a merged dim: as :meth:`permute`)."""
         if self.name == "contiguous":
             return x
-        positions = jnp.arange(self.seq_len, dtype=jnp.int32)
-        return self._take(x, self.slot_of_position(positions), axis, inner)
+        return seq_permute_p.bind(x, layout=self, dim=axis, inner=inner, inverse=True)
