@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cptransform.analysis.primitives import Family, names_of
+from cptransform.analysis.primitives import INLINABLE, Family, names_of
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.analysis.seq_axes_summary import analyse
 from cptransform.ir import compat
@@ -41,7 +41,7 @@ class _Lowerer(Rewriter):
 
     def __init__(self, axes: SeqAxes, mesh, cp_axes, kernel: str, reordered: bool,
                  index_of: dict[int, int]):
-        super().__init__()
+        super().__init__(inlinable=INLINABLE)
         self.index_of = index_of
         self.reordered = reordered
         self.axes, self.mesh = axes, mesh

@@ -48,6 +48,7 @@ from cptransform.analysis.hardware import HARDWARE, Hardware, hardware_for_devic
     memory_limit_bytes, memory_limit_problem
 from cptransform.analysis.load_balance import LayoutBalance, best_layout, rank_flops
 from cptransform.analysis.prediction import Prediction
+from cptransform.analysis.primitives import INLINABLE
 from cptransform.ir import compat
 from cptransform.ir.errors import PlanError, unknown_name
 from cptransform.ir.facts import Fact
@@ -249,7 +250,7 @@ class PlanContextParallel(Pass):
             spec = eqn.params["spec"].replace(schedule=schedule_of[id(eqn)], layout=layout)
             return [attention_p.bind(*invals, spec=spec)]
 
-        new = Rewriter(rules={attention_p.name: decide}).run(module.jaxpr) if eqns \
+        new = Rewriter(rules={attention_p.name: decide}, inlinable=INLINABLE).run(module.jaxpr) if eqns \
             else module.jaxpr
         seq_len = facts.seq_axes.seq_len
         reordered = layout != "contiguous" and seq_len is not None \
