@@ -60,11 +60,13 @@ from cptransform.lowering.kernels.capabilities import choose_kernel
 from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import MaskSpec
-from cptransform.op.layouts import LAYOUTS, SequenceLayout, layout_multiple
+from cptransform.op.layouts import LAYOUTS, LayoutName, SequenceLayout, layout_multiple
 
-#: ``load_balance`` option → the layout it names (``auto`` is decided per program).
-LOAD_BALANCES = {"auto": None, "zigzag": "zigzag", "striped": "striped",
-                 "none": "contiguous"}
+#: ``load_balance`` option → the layout it names (``auto`` is decided per program; ``none``
+#: is the contiguous layout); every other layout of :class:`LayoutName` by its own name.
+LOAD_BALANCES = {"auto": None,
+                 **{name: name for name in LAYOUTS if name != LayoutName.CONTIGUOUS},
+                 "none": LayoutName.CONTIGUOUS.value}
 
 #: ``load_balance`` values that name a real scheme this planner cannot plan, and why.
 REFUSED_LOAD_BALANCES = {

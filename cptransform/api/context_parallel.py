@@ -25,6 +25,7 @@ from cptransform.ir.errors import ContextParallelError, ContextParallelOptionErr
     did_you_mean, unknown_name
 from cptransform.ir.module import Module, iter_eqns, trace
 from cptransform.ir.pipeline import PassTiming, Pipeline
+from cptransform.lowering.kernels import kernels
 from cptransform.lowering.schedule import schedules
 from cptransform.passes.canonicalize import Canonicalize
 from cptransform.passes.infer_seq_axes import InferSeqAxes
@@ -34,8 +35,6 @@ from cptransform.passes.match_windows import MatchWindows
 from cptransform.passes.plan_context_parallel import LOAD_BALANCES, REFUSED_LOAD_BALANCES, \
     PlanContextParallel
 from cptransform.passes.reorder_sequence import ReorderSequence
-
-KERNELS = ("auto", "xla", "pallas")
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class Options:
             raise NotImplementedError(REFUSED_LOAD_BALANCES[self.load_balance])
         for name, value, allowed in (("schedule", self.schedule, schedule_names()),
                                      ("load_balance", self.load_balance, LOAD_BALANCES),
-                                     ("kernel", self.kernel, KERNELS)):
+                                     ("kernel", self.kernel, kernel_names())):
             if value not in allowed:
                 raise ContextParallelOptionError(unknown_name(name, value, allowed, "="))
         if self.hardware is not None and self.hardware not in HARDWARE:
@@ -122,6 +121,11 @@ class Options:
         names = (self.static_argnames,) if isinstance(self.static_argnames, str) \
             else tuple(self.static_argnames)
         return CallArguments.split(args, kwargs, nums, names)
+
+
+def kernel_names() -> tuple[str, ...]:
+    """The values of the ``kernel`` option: ``auto`` and every registered kernel."""
+    return ("auto", *kernels())
 
 
 def schedule_names() -> tuple[str, ...]:
