@@ -34,7 +34,7 @@ from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import ProfiledKernel, kernels
 from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
 from cptransform.lowering.padding import pad_block
-from cptransform.lowering.schedule import MESH_AXES_HINT, schedules
+from cptransform.lowering.schedule import mesh_axes_hint, schedules
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_reference import flatten_batch, from_canonical, split_operands, \
     to_canonical
@@ -106,7 +106,7 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     if len(axes) != want:
         raise ContextParallelError(
             f"schedule {schedule!r} runs over {want} mesh {'axes' if want > 1 else 'axis'}, "
-            f"got {axes}; {MESH_AXES_HINT[want]}")
+            f"got {axes}; {mesh_axes_hint(want)}")
     if layout not in LAYOUTS:
         raise ContextParallelError(unknown_name("layout", layout, LAYOUTS))
     local_kernel, reason = choose_kernel(
@@ -137,7 +137,7 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     q_layout = SequenceLayout(layout, tq_pad, cp)
     kv_layout = SequenceLayout(layout, tkv_pad, cp)
     # Checked here, outside shard_map, so the error names the mesh axes and their sizes.
-    ulysses = mesh.shape[axes[0]] if len(axes) == 2 else 1
+    ulysses = mesh.shape[axes[0]] if record.inner is not None else 1
     shape = attention_shape(spec, a["q"], a["k"], a["v"], cp=cp, ulysses=ulysses,
                             layout=layout)
     # Positions handed over in layout order are the layout's own (what reorder-sequence

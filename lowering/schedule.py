@@ -45,6 +45,25 @@ from cptransform.op.attention_spec import AttentionSpec
 
 
 @dataclass(frozen=True)
+class InnerAxis:
+    """How a schedule over two mesh axes splits the CP devices: an inner axis of ``U``
+    consecutive devices (the fastest links) and an outer one of ``cp / U``.
+
+    * ``degree``: what ``U`` is called in plans and errors (``"Ulysses degree"``);
+    * ``outer``: what the outer axis runs (``"ring"``);
+    * ``names``: the mesh axis names (inner, outer) of the mesh the planner builds when
+      the schedule is asked for with one CP axis (``cp`` only);
+    * ``divides_kv_heads``: ``U`` must divide every attention's KV heads to be chosen
+      (so none is repeated).
+    """
+
+    degree: str
+    outer: str
+    names: tuple[str, str]
+    divides_kv_heads: bool = False
+
+
+@dataclass(frozen=True)
 class Schedule:
     """One context-parallel schedule.
 
@@ -64,7 +83,10 @@ class Schedule:
       everything its forward receives, and the float32 query state);
     * ``steps(shape)``: how many compute steps its overlapped transfers are pipelined
       over (1: it computes once, after its transfers);
-    * ``automatic``: the planner's ``auto`` may choose it (otherwise only on request).
+    * ``automatic``: the planner's ``auto`` may choose it (otherwise only on request);
+    * ``inner``: for a schedule over two mesh axes, how it splits them (:class:`InnerAxis`):
+      the first of its ``axes`` is the inner one, of ``shape.ulysses`` devices. What a
+      schedule does is read off its record, never off how many axes a mesh has.
 
     :meth:`predict` prices it on a :class:`~cptransform.analysis.hardware.Hardware` row.
     """
@@ -80,6 +102,7 @@ class Schedule:
     memory: Callable[[AttentionShape], int] | None = None
     steps: Callable[[AttentionShape], int] = lambda shape: 1  # computes once
     automatic: bool = True
+    inner: InnerAxis | None = None
 
     def peak_memory(self, shape: AttentionShape) -> int:
         """Peak bytes per device of the local step (see ``memory``)."""
@@ -94,7 +117,7 @@ class Schedule:
         consecutive devices a group of its mesh axis ``i`` spans (default: Ulysses groups
         of consecutive devices, the ring across them)."""
         if spans is None:
-            spans = (shape.ulysses, shape.cp) if self.mesh_axes == 2 else (shape.cp,)
+            spans = (shape.ulysses, shape.cp) if self.inner is not None else (shape.cp,)
         return predict(self.name, self.volume(shape), self.work(shape),
                        self.peak_memory(shape), self.steps(shape), shape.q_padded,
                        shape.dtype_bytes, hardware, spans)
@@ -133,11 +156,15 @@ def key_count(spec: AttentionSpec, padded: int) -> int:
     return padded if spec.real_keys is None else spec.real_keys
 
 
-#: How to fix a schedule given the wrong number of CP mesh axes, by the number it needs.
-MESH_AXES_HINT = {
-    1: "put the CP devices on one mesh axis, or use schedule='hybrid' with "
-       "axes=(ulysses_axis, ring_axis)",
-    2: "give axes=(ulysses_axis, ring_axis), or use 'ring' or 'ulysses' over one axis"}
+def mesh_axes_hint(want: int) -> str:
+    """How to fix a schedule given the wrong number of CP mesh axes, ``want`` the number it
+    needs: the registered schedules that run over the other number."""
+    def over(count: int) -> str:
+        return " or ".join(repr(n) for n, s in schedules().items() if s.mesh_axes == count)
+    if want == 1:
+        return (f"put the CP devices on one mesh axis, or use a two-axis schedule ({over(2)}) "
+                "with axes=(inner_axis, outer_axis)")
+    return f"give axes=(inner_axis, outer_axis), or use {over(1)} over one axis"
 
 
 def with_sinks(block, o, lse):

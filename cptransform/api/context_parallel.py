@@ -95,20 +95,21 @@ class Options:
         axes = self.axes
         if not 1 <= len(axes) <= 2:
             raise ContextParallelOptionError(
-                f"axis={self.axis!r}: give one mesh axis name, or two (ulysses, ring) for hybrid")
-        want = schedules()[self.schedule].mesh_axes if self.schedule != "auto" else len(axes)
+                f"axis={self.axis!r}: give one mesh axis name, or two (inner, outer) for a "
+                f"two-axis schedule ({two_axis_names()})")
+        record = schedules().get(self.schedule)
+        want = len(axes) if record is None else record.mesh_axes
         if want == 2 and len(axes) != 2 and self.mesh is not None:
-            # Without a mesh the planner builds the two axes from cp (Ulysses degree chosen
+            # Without a mesh the planner builds the two axes from cp (inner degree chosen
             # by the cost model); a given mesh must have them.
             raise ContextParallelOptionError(
                 f"schedule={self.schedule!r} over mesh= needs two mesh axes: "
-                "axis=('uly', 'ring') with a mesh that has both (or pass only cp= and the "
-                "planner builds them)")
+                f"axis={record.inner.names} with a mesh that has both (or pass only cp= and "
+                "the planner builds them)")
         if len(axes) == 2 and want != 2:
-            two = " or ".join(n for n, s in schedules().items() if s.mesh_axes == 2)
             raise ContextParallelOptionError(
-                f"two CP axes {axes} mean the {two} schedule; schedule={self.schedule!r} "
-                "runs over one axis")
+                f"two CP axes {axes} need a two-axis schedule ({two_axis_names()}); "
+                f"schedule={self.schedule!r} runs over one axis")
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -126,6 +127,11 @@ class Options:
 def kernel_names() -> tuple[str, ...]:
     """The values of the ``kernel`` option: ``auto`` and every registered kernel."""
     return ("auto", *kernels())
+
+
+def two_axis_names() -> str:
+    """The registered schedules that run over two CP mesh axes, for messages."""
+    return " or ".join(n for n, s in schedules().items() if s.mesh_axes == 2)
 
 
 def schedule_names() -> tuple[str, ...]:
