@@ -57,8 +57,8 @@ from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, m
 from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
     tile_bytes
 from cptransform.lowering.block import Block
-from cptransform.lowering.schedule import Schedule, any_length, fill_empty_rows_sharded, \
-    register_schedule, with_sinks
+from cptransform.lowering.schedule import Schedule, any_length, differentiable, finished, \
+    register_schedule
 from cptransform.lowering.kernels import row_delta
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import merge
@@ -154,28 +154,11 @@ def _forward(block: Block, spec, axes, kernel):
 
     empty = (_zeros(block.q, (b, tq, h, dv)), _zeros(block.q, (b, h, tq), -jnp.inf))
     o, lse = _around_the_ring(step, empty, _travelling(spec, block), axes, cp)
-    return o.astype(block.q.dtype), lse
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def ring_attention(block: Block, spec, axes, kernel):
-    """Ring attention of the local queries against all keys; returns ``(o, lse)``.
-
-    Runs inside ``shard_map``; ``block`` as in the schedule contract of
-    :mod:`cptransform.lowering.schedule`, ``axes`` the ring's mesh axes (ranks are their
-    linear index), ``kernel`` a :class:`~cptransform.lowering.kernels.Kernel`. ``o`` has q's
-    dtype; ``lse`` is float32 ``[B, H, Tq_loc]``, ``-inf`` for rows that see no key (their
-    ``o`` is 0; ``empty_rows`` is not applied here). Differentiable w.r.t. q, k, v and bias.
-    """
-    return _forward(block, spec, axes, kernel)
-
-
-def _ring_fwd(block: Block, spec, axes, kernel):
-    o, lse = _forward(block, spec, axes, kernel)
+    o = o.astype(block.q.dtype)
     return (o, lse), (block, o, lse)
 
 
-def _ring_bwd(spec, axes, kernel, residuals, cotangents):
+def _backward(spec, axes, kernel, residuals, cotangents):
     block, o, lse = residuals
     do, dlse = cotangents
     cp = lax.axis_size(axes)
@@ -200,20 +183,23 @@ def _ring_bwd(spec, axes, kernel, residuals, cotangents):
     zeros = (_zeros(q, q.shape), packed(_zeros(q, k.shape), _zeros(q, v.shape)),
              None if bias is None else _zeros(q, bias.shape))
     dq, dkv, dbias = _around_the_ring(step, zeros, _travelling(spec, block), axes, cp)
-    dk, dv = unpacked(dkv, d)
-    return (Block(q=dq.astype(q.dtype), k=dk.astype(k.dtype), v=dv.astype(v.dtype),
-                  bias=None if bias is None else dbias.astype(bias.dtype)),)
+    return (dq, *unpacked(dkv, d), dbias)
 
 
-ring_attention.defvjp(_ring_fwd, _ring_bwd)
+#: Ring attention of the local queries against all keys, ``(block, spec, axes, kernel) ->
+#: (o, lse)``: runs inside ``shard_map``; ``block`` as in the schedule contract of
+#: :mod:`cptransform.lowering.schedule`, ``axes`` the ring's mesh axes (ranks are their
+#: linear index), ``kernel`` a :class:`~cptransform.lowering.kernels.Kernel`. ``o`` has q's
+#: dtype; ``lse`` is float32 ``[B, H, Tq_loc]``, ``-inf`` for rows that see no key (their
+#: ``o`` is 0; ``empty_rows`` is not applied here). Differentiable w.r.t. q, k, v and bias.
+ring_attention = differentiable(_forward, _backward)
 
 
 def ring(block: Block, *, spec, axes, kernel):
     """The ``ring`` schedule: :func:`ring_attention`, then the sinks and ``empty_rows``."""
-    o, lse = ring_attention(block.replace(sinks=None), spec, tuple(axes), kernel)
-    o, lse = with_sinks(block, o, lse)
-    return fill_empty_rows_sharded(spec, o, lse, block.v, axes,
-                                   block.k.shape[1] * lax.axis_size(axes)).astype(block.q.dtype)
+    axes = tuple(axes)
+    o, lse = ring_attention(block.replace(sinks=None), spec, axes, kernel)
+    return finished(block, spec, o, lse, axes)
 
 
 def ring_volume(shape: AttentionShape) -> CommVolume:

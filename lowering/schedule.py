@@ -28,8 +28,10 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -39,6 +41,7 @@ from cptransform.analysis.cost_model import CommVolume
 from cptransform.analysis.hardware import Hardware
 from cptransform.analysis.local_memory import query_state_bytes, shard_bytes
 from cptransform.analysis.prediction import Prediction, predict
+from cptransform.lowering.block import Block
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import fill_empty_rows, merge_sinks
 from cptransform.op.attention_spec import AttentionSpec
@@ -165,6 +168,48 @@ def mesh_axes_hint(want: int) -> str:
         return (f"put the CP devices on one mesh axis, or use a two-axis schedule ({over(2)}) "
                 "with axes=(inner_axis, outer_axis)")
     return f"give axes=(inner_axis, outer_axis), or use {over(1)} over one axis"
+
+
+def differentiable(forward: Callable, backward: Callable) -> Callable:
+    """A schedule's attention as a ``custom_vjp``, wired once (tokamax's ``Op``).
+
+    ``forward(block, *static) -> (outputs, residuals)`` and
+    ``backward(*static, residuals, cotangents) -> (dq, dk, dv, dbias)`` are the schedule's
+    bodies (``static``: hashable arguments such as the spec, mesh axes and kernel;
+    ``dbias`` is ``None`` without a bias; gradients in any float dtype, the float32 of
+    the accumulators). The returned ``attend(block, *static) -> outputs`` differentiates
+    w.r.t. the block's q, k, v and bias, each gradient cast to its operand's dtype here.
+    """
+    @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+    def op(block, dtypes, static):
+        return forward(block, *static)[0]
+
+    def op_fwd(block, dtypes, static):
+        return forward(block, *static)
+
+    def op_bwd(dtypes, static, residuals, cotangents):
+        dq, dk, dv, dbias = backward(*static, residuals, cotangents)
+        q, k, v, bias = dtypes
+        return (Block(q=dq.astype(q), k=dk.astype(k), v=dv.astype(v),
+                      bias=None if bias is None else dbias.astype(bias)),)
+
+    op.defvjp(op_fwd, op_bwd)
+
+    def attend(block, *static):
+        bias = None if block.bias is None else block.bias.dtype
+        return op(block, (block.q.dtype, block.k.dtype, block.v.dtype, bias), static)
+
+    return attend
+
+
+def finished(block, spec: AttentionSpec, o, lse, axes: tuple[str, ...]):
+    """The epilogue every schedule shares: ``(o, lse)`` of the local query rows over all
+    keys with the sinks merged (:func:`with_sinks`), then ``empty_rows`` honoured from V
+    sharded over ``axes`` (``()``: this device holds every key;
+    :func:`fill_empty_rows_sharded`); ``o`` in ``q.dtype``."""
+    o, lse = with_sinks(block, o, lse)
+    kv_len = block.k.shape[1] * (lax.axis_size(axes) if axes else 1)
+    return fill_empty_rows_sharded(spec, o, lse, block.v, axes, kv_len).astype(block.q.dtype)
 
 
 def with_sinks(block, o, lse):
