@@ -64,13 +64,13 @@ from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import merge
 
 
-def _rotate(tree, axes, cp: int):
+def rotate(tree, axes, cp: int):
     """Send every array of ``tree`` one rank up the ring (rank r → r + 1 mod cp)."""
     perm = [(j, (j + 1) % cp) for j in range(cp)]
     return jax.tree.map(lambda x: lax.ppermute(x, axes, perm), tree)
 
 
-def _zeros(like, shape, fill=0.0):
+def accumulator_zeros(like, shape, fill=0.0):
     """``fill`` of ``shape`` in ``like``'s accumulation dtype (:func:`accumulator_dtype`),
     varying over the same mesh axes as ``like``.
 
@@ -91,7 +91,7 @@ def unpacked(kv, d: int):
     return kv if isinstance(kv, tuple) else (kv[..., :d], kv[..., d:])
 
 
-def _travelling(spec, block: Block):
+def travelling(spec, block: Block):
     """What moves around the ring: packed K/V, segment ids, and the kv positions only when
     the mask reads them (causal, window or top-k) and they are the caller's; layout
     positions are derived on arrival (:func:`_layout_positions`), others not sent are stood
@@ -110,7 +110,7 @@ def _layout_positions(layout, source, tkv: int):
     return layout.position_of_slot(slots)[None].astype(jnp.int32)
 
 
-def _arrived(block: Block, keys, source, tkv: int, spec) -> Block:
+def arrived(block: Block, keys, source, tkv: int, spec) -> Block:
     """One ring step's problem: the local queries against ``keys`` (from rank ``source``),
     with the mask and bias columns of those keys."""
     kv, meta = keys
@@ -121,7 +121,7 @@ def _arrived(block: Block, keys, source, tkv: int, spec) -> Block:
     return block.with_keys(meta).columns(source, tkv)
 
 
-def _around_the_ring(step, state, keys, axes, cp: int):
+def around_the_ring(step, state, keys, axes, cp: int):
     """``state = step(i, state, keys_i)`` for ``i = 0 … cp-1``, ``keys_i`` the keys that
     started ``i`` ranks down the ring.
 
@@ -132,7 +132,7 @@ def _around_the_ring(step, state, keys, axes, cp: int):
     def body(carry, i):
         state, keys = carry
         with jax.named_scope("cptransform/ring/step"):  # the send and the compute
-            following = _rotate(keys, axes, cp)
+            following = rotate(keys, axes, cp)
             return (step(i, state, keys), following), None
 
     if cp > 1:
@@ -149,11 +149,11 @@ def _forward(block: Block, spec, axes, kernel):
 
     def step(i, acc, keys):
         # The kernel classifies its chunk pairs, so the masked half of a step costs nothing.
-        o_s, lse_s = kernel.forward(_arrived(block, keys, (rank - i) % cp, tkv, spec), spec)
+        o_s, lse_s = kernel.forward(arrived(block, keys, (rank - i) % cp, tkv, spec), spec)
         return merge(*acc, o_s, lse_s)
 
-    empty = (_zeros(block.q, (b, tq, h, dv)), _zeros(block.q, (b, h, tq), -jnp.inf))
-    o, lse = _around_the_ring(step, empty, _travelling(spec, block), axes, cp)
+    empty = (accumulator_zeros(block.q, (b, tq, h, dv)), accumulator_zeros(block.q, (b, h, tq), -jnp.inf))
+    o, lse = around_the_ring(step, empty, travelling(spec, block), axes, cp)
     o = o.astype(block.q.dtype)
     return (o, lse), (block, o, lse)
 
@@ -171,18 +171,18 @@ def _backward(spec, axes, kernel, residuals, cotangents):
     def step(i, state, keys):
         dq, dkv, dbias = state
         source = (rank - i) % cp
-        g_q, g_k, g_v, g_b = kernel.backward(_arrived(block, keys, source, tkv, spec), o, lse,
+        g_q, g_k, g_v, g_b = kernel.backward(arrived(block, keys, source, tkv, spec), o, lse,
                                              do, spec, delta=delta)
         if dbias is not None:
             dbias = lax.dynamic_update_slice_in_dim(dbias, g_b, source * tkv, axis=3)
         # The float32 dK/dV accumulators travel (as one send) with their keys and arrive
         # home after the last step.
         dkv = jax.tree.map(jnp.add, dkv, packed(g_k, g_v))
-        return dq + g_q, _rotate(dkv, axes, cp), dbias
+        return dq + g_q, rotate(dkv, axes, cp), dbias
 
-    zeros = (_zeros(q, q.shape), packed(_zeros(q, k.shape), _zeros(q, v.shape)),
-             None if bias is None else _zeros(q, bias.shape))
-    dq, dkv, dbias = _around_the_ring(step, zeros, _travelling(spec, block), axes, cp)
+    zeros = (accumulator_zeros(q, q.shape), packed(accumulator_zeros(q, k.shape), accumulator_zeros(q, v.shape)),
+             None if bias is None else accumulator_zeros(q, bias.shape))
+    dq, dkv, dbias = around_the_ring(step, zeros, travelling(spec, block), axes, cp)
     return (dq, *unpacked(dkv, d), dbias)
 
 

@@ -33,6 +33,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
@@ -89,7 +90,10 @@ class Schedule:
     * ``automatic``: the planner's ``auto`` may choose it (otherwise only on request);
     * ``inner``: for a schedule over two mesh axes, how it splits them (:class:`InnerAxis`):
       the first of its ``axes`` is the inner one, of ``shape.ulysses`` devices. What a
-      schedule does is read off its record, never off how many axes a mesh has.
+      schedule does is read off its record, never off how many axes a mesh has;
+    * ``rotation(shape)``: for a schedule that passes KV blocks around, ``[cp, steps]``
+      int, the layout shard whose block shard ``s`` computes with at step ``t`` (what the
+      plan chart draws when the schedule has no picture of its own).
 
     :meth:`predict` prices it on a :class:`~cptransform.analysis.hardware.Hardware` row.
     """
@@ -106,6 +110,7 @@ class Schedule:
     steps: Callable[[AttentionShape], int] = lambda shape: 1  # computes once
     automatic: bool = True
     inner: InnerAxis | None = None
+    rotation: Callable[[AttentionShape], np.ndarray] | None = None
 
     def peak_memory(self, shape: AttentionShape) -> int:
         """Peak bytes per device of the local step (see ``memory``)."""

@@ -196,9 +196,23 @@ CHARTS: dict[str, Callable] = {"ring": ring_charts, "allgather": allgather_chart
 def charts_for(plan, layout: SequenceLayout) -> tuple[Chart, ...] | str:
     """The charts of ``plan``'s chosen schedule, or a line saying it has none."""
     draw = CHARTS.get(plan.schedule)
+    if draw is None and schedules()[plan.schedule].rotation is not None:
+        return rotation_charts(plan, layout)
     if draw is None:
         return f"no chart for schedule {plan.schedule!r}"
     return draw(plan, layout)
+
+
+def rotation_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
+    """Devices × steps of a schedule that states its rotation (``Schedule.rotation``):
+    step ``t`` on the device of shard ``s`` holds the KV block of shard
+    ``rotation[s, t]``."""
+    record = schedules()[plan.schedule]
+    pos, sources = layout.all_positions(), record.rotation(plan.shape)
+    work = record.work(plan.shape).device_flops
+    return (Chart(f"{plan.schedule} over {layout.cp} devices, {layout.name} layout",
+                  "device", "step", _grid(plan.mask, pos, lambda s: pos[sources[s]]),
+                  _relative(work, layout.cp)),)
 
 
 def render_text(chart: Chart) -> str:
