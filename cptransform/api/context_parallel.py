@@ -463,8 +463,9 @@ def context_parallel(fn: Callable | None = None, **options) -> Any:
     Usable as ``@context_parallel`` or ``@context_parallel(cp=8, schedule="ring", ...)``.
 
     Options: ``cp`` (devices; default all), ``mesh`` (an existing mesh) and ``axis`` (its CP
-    axis name, or ``(ulysses_axis, ring_axis)`` for hybrid), ``schedule`` (ring | ulysses |
-    allgather | hybrid | halo | auto; auto prices each feasible schedule, halo included, and
+    axis name, or ``(inner, outer)`` for a two-axis schedule: hybrid's ``(ulysses_axis,
+    ring_axis)``), ``schedule`` (ring | ulysses | allgather | hybrid | halo | double_ring |
+    auto; auto prices each feasible schedule, halo included, and
     takes the fastest), ``load_balance`` (zigzag | striped | none | auto: the layout with
     the least predicted time over all attentions; "documents" is refused), ``kernel``
     (pallas | xla | auto), ``seq_axes`` (override: a tuple

@@ -196,7 +196,8 @@ CHARTS: dict[str, Callable] = {"ring": ring_charts, "allgather": allgather_chart
 def charts_for(plan, layout: SequenceLayout) -> tuple[Chart, ...] | str:
     """The charts of ``plan``'s chosen schedule, or a line saying it has none."""
     draw = CHARTS.get(plan.schedule)
-    if draw is None and schedules()[plan.schedule].rotation is not None:
+    record = schedules().get(plan.schedule)
+    if draw is None and record is not None and record.rotation is not None:
         return rotation_charts(plan, layout)
     if draw is None:
         return f"no chart for schedule {plan.schedule!r}"
