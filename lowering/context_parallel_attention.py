@@ -68,6 +68,98 @@ def permute_block(block: Block, q_layout: SequenceLayout, kv_layout: SequenceLay
                          bias=dense(block.bias), topk=topk)
 
 
+def _checked_schedule(schedule: str, axes: tuple[str, ...], layout: str):
+    """The :class:`~cptransform.lowering.schedule.Schedule` record named ``schedule``, once
+    its name, its number of mesh axes and ``layout`` are checked."""
+    known = schedules()
+    if schedule not in known:
+        raise ContextParallelError(
+            unknown_name("schedule", schedule, sorted(known)))
+    record = known[schedule]
+    want = record.mesh_axes
+    if len(axes) != want:
+        raise ContextParallelError(
+            f"schedule {schedule!r} runs over {want} mesh {'axes' if want > 1 else 'axis'}, "
+            f"got {axes}; {mesh_axes_hint(want)}")
+    if layout not in LAYOUTS:
+        raise ContextParallelError(unknown_name("layout", layout, LAYOUTS))
+    return record
+
+
+def _local_kernel(kernel: str, spec: AttentionSpec, operands) -> ProfiledKernel:
+    """The local-step kernel chosen for ``kernel`` (a warning names the ones passed over)."""
+    local_kernel, reason = choose_kernel(
+        kernel, spec, operands[0].dtype,
+        (operands[0].shape[spec.q.feature], operands[2].shape[spec.v.feature]), kernels())
+    warn_passed_over(reason)
+    return ProfiledKernel(local_kernel)
+
+
+def _check_mesh_and_operands(mesh, axes: tuple[str, ...], spec: AttentionSpec, operands):
+    """One clear error for CP axes the mesh lacks, or operands ``attention_p`` refuses."""
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing or not axes:
+        raise ContextParallelError(
+            f"CP axes {axes} must be non-empty names of the mesh axes {mesh.axis_names}")
+    jax.eval_shape(lambda *xs: attention_p.bind(*xs, spec=spec), *operands)
+
+
+def _natural_block(a: dict, q, k, v, nb: int, batch_shape, q_layout: SequenceLayout,
+                   kv_layout: SequenceLayout, in_layout_order: bool) -> Block:
+    """The global :class:`Block` of canonical ``q, k, v`` and the split operands ``a``,
+    batch dims flattened; positions the program gave none of are built (in natural order,
+    or of the layout's slots when the operands are ``in_layout_order``)."""
+    tq, tkv = q.shape[1], k.shape[1]
+
+    def flat(x):
+        return flatten_batch(x, nb, batch_shape)
+
+    def positions(given, lay, length):
+        if given is not None:
+            return flat(given).astype(jnp.int32)
+        slots = jnp.arange(length, dtype=jnp.int32)[None]
+        return lay.position_of_slot(slots) if in_layout_order else slots
+
+    return Block(q=q, k=k, v=v, q_pos=positions(a["q_positions"], q_layout, tq),
+                 kv_pos=positions(a["kv_positions"], kv_layout, tkv),
+                 q_seg=flat(a["q_segment_ids"]), kv_seg=flat(a["kv_segment_ids"]),
+                 mask=flat(a["mask"]), bias=flat(a["bias"]), sinks=flat(a["sinks"]),
+                 topk=None if a["topk_indices"] is None
+                 else flat(a["topk_indices"]).astype(jnp.int32))
+
+
+def _sharded(record, block: Block, spec: AttentionSpec, *, mesh, axes: tuple[str, ...],
+             layout: str, kv_layout: SequenceLayout, given_positions: bool,
+             local_kernel) -> jax.Array:
+    """``record.run`` under ``shard_map`` on the global layout-order ``block``; the output
+    ``[B, Tq, H, Dv]`` sharded on its sequence dim over ``axes``."""
+    seq = sequence_mesh_axes(axes)
+    # Token operands are sharded on their sequence dim (1), per-pair ones on their rows (2);
+    # the sinks have no sequence dim: every device holds them all.
+    sharding = block.replace(**{
+        name: P() if name == "sinks" else
+        P(None, None, seq) if name in ("mask", "bias", "topk") else P(None, seq)
+        for name, x in vars(block).items() if x is not None})
+    # Positions built here (the program gave none) are, padded or not, those of the
+    # layout-order slots of kv_layout: schedules may derive them rather than move them.
+    # Positions the caller gave (in layout order too: reorder-sequence passes the
+    # program's own through) are data and travel.
+    local_spec = spec.replace(q=_CANONICAL, k=_CANONICAL, v=_CANONICAL, positions=True,
+                              layout=layout,
+                              kv_positions_layout=None if given_positions else kv_layout)
+
+    def run(local):
+        if local.sinks is not None:
+            # The sinks are the same on every device. Marked device-varying here, the
+            # backward sums their per-device gradients once at their own [B|1, H] size,
+            # not at the size of the first per-row value they are broadcast into.
+            local = local.replace(sinks=lax.pcast(local.sinks, axes, to="varying"))
+        return record.run(local, spec=local_spec, axes=axes, kernel=local_kernel)
+
+    return jax.shard_map(run, mesh=mesh, in_specs=(sharding,), out_specs=P(None, seq),
+                         axis_names=set(axes))(block)
+
+
 def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
                                schedule: str = "ring", layout: str = "contiguous",
                                kernel: str = "xla", in_layout_order: bool = False):
@@ -78,9 +170,10 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
         ``spec``, any number of batch dims, optional positions / segment ids / mask / bias).
       spec: the attention's :class:`AttentionSpec`.
       mesh: a :class:`jax.sharding.Mesh` holding the CP axes (it may have others).
-      axes: the CP mesh axis name, or a tuple of names (hybrid: ``(ulysses, ring)``).
+      axes: the CP mesh axis name, or a tuple of names (a two-axis schedule: ``(inner,
+        outer)``; hybrid's ``(ulysses, ring)``).
       schedule: a name in :func:`~cptransform.lowering.schedule.schedules` (``ring``,
-        ``ulysses``, ``allgather``, ``hybrid``).
+        ``ulysses``, ``allgather``, ``hybrid``, ``halo``, ``double_ring``).
       layout: ``contiguous``, ``zigzag`` or ``striped`` (which positions each rank holds).
       kernel: local-step kernel, ``xla``, ``pallas`` or ``auto`` (``xla`` for a top-k
         mask, which the Pallas kernels refuse).
@@ -96,29 +189,10 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     Returns the output in q's layout, dtype and (unless ``in_layout_order``) order.
     Differentiable and jit-able.
     """
-    known = schedules()
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
-    if schedule not in known:
-        raise ContextParallelError(
-            unknown_name("schedule", schedule, sorted(known)))
-    record = known[schedule]
-    want = record.mesh_axes
-    if len(axes) != want:
-        raise ContextParallelError(
-            f"schedule {schedule!r} runs over {want} mesh {'axes' if want > 1 else 'axis'}, "
-            f"got {axes}; {mesh_axes_hint(want)}")
-    if layout not in LAYOUTS:
-        raise ContextParallelError(unknown_name("layout", layout, LAYOUTS))
-    local_kernel, reason = choose_kernel(
-        kernel, spec, operands[0].dtype,
-        (operands[0].shape[spec.q.feature], operands[2].shape[spec.v.feature]), kernels())
-    local_kernel = ProfiledKernel(local_kernel)
-    warn_passed_over(reason)
-    missing = [a for a in axes if a not in mesh.axis_names]
-    if missing or not axes:
-        raise ContextParallelError(
-            f"CP axes {axes} must be non-empty names of the mesh axes {mesh.axis_names}")
-    jax.eval_shape(lambda *xs: attention_p.bind(*xs, spec=spec), *operands)
+    record = _checked_schedule(schedule, axes, layout)
+    local_kernel = _local_kernel(kernel, spec, operands)
+    _check_mesh_and_operands(mesh, axes, spec, operands)
 
     a = split_operands(spec, operands)
     given_positions = spec.positions
@@ -148,51 +222,15 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
         sizes = ", ".join(f"{name!r} of size {mesh.shape[name]}" for name in axes)
         raise ContextParallelError(f"{schedule}: {problem} (mesh axes {sizes})")
 
-    def flat(x):
-        return flatten_batch(x, nb, batch_shape)
-
-    def positions(given, lay, length):
-        if given is not None:
-            return flat(given).astype(jnp.int32)
-        slots = jnp.arange(length, dtype=jnp.int32)[None]
-        return lay.position_of_slot(slots) if in_layout_order else slots
-
     # In natural order (the operands' own order) the block is padded at the end; then it
     # is brought to layout order, unless it already is (then it needs no padding).
-    block = Block(q=q, k=k, v=v, q_pos=positions(a["q_positions"], q_layout, tq),
-                  kv_pos=positions(a["kv_positions"], kv_layout, tkv),
-                  q_seg=flat(a["q_segment_ids"]), kv_seg=flat(a["kv_segment_ids"]),
-                  mask=flat(a["mask"]), bias=flat(a["bias"]), sinks=flat(a["sinks"]),
-                  topk=None if a["topk_indices"] is None
-                  else flat(a["topk_indices"]).astype(jnp.int32))
+    block = _natural_block(a, q, k, v, nb, batch_shape, q_layout, kv_layout, in_layout_order)
     if not in_layout_order:
         block, spec = pad_block(block, spec, tq_pad, tkv_pad)
         block = permute_block(block, q_layout, kv_layout)
-    seq = sequence_mesh_axes(axes)
-    # Token operands are sharded on their sequence dim (1), per-pair ones on their rows (2);
-    # the sinks have no sequence dim: every device holds them all.
-    sharding = block.replace(**{
-        name: P() if name == "sinks" else
-        P(None, None, seq) if name in ("mask", "bias", "topk") else P(None, seq)
-        for name, x in vars(block).items() if x is not None})
-    # Positions built here (the program gave none) are, padded or not, those of the
-    # layout-order slots of kv_layout: schedules may derive them rather than move them.
-    # Positions the caller gave (in layout order too: reorder-sequence passes the
-    # program's own through) are data and travel.
-    local_spec = spec.replace(q=_CANONICAL, k=_CANONICAL, v=_CANONICAL, positions=True,
-                              layout=layout,
-                              kv_positions_layout=None if given_positions else kv_layout)
-
-    def run(local):
-        if local.sinks is not None:
-            # The sinks are the same on every device. Marked device-varying here, the
-            # backward sums their per-device gradients once at their own [B|1, H] size,
-            # not at the size of the first per-row value they are broadcast into.
-            local = local.replace(sinks=lax.pcast(local.sinks, axes, to="varying"))
-        return record.run(local, spec=local_spec, axes=axes, kernel=local_kernel)
-
-    o = jax.shard_map(run, mesh=mesh, in_specs=(sharding,), out_specs=P(None, seq),
-                      axis_names=set(axes))(block)
+    o = _sharded(record, block, spec, mesh=mesh, axes=axes, layout=layout,
+                 kv_layout=kv_layout, given_positions=given_positions,
+                 local_kernel=local_kernel)
     if not in_layout_order:
         o = q_layout.unpermute(o, axis=1)[:, :tq]
     o = o.reshape(tuple(batch_shape) + o.shape[1:]) if nb else o[0]
