@@ -35,7 +35,6 @@ import numpy as np
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.block_work import Work, rank_positions, work_of
 from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
 from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
     tile_bytes
@@ -44,7 +43,7 @@ from cptransform.lowering.kernels import row_delta
 from cptransform.lowering.ring import accumulator_zeros, arrived, around_the_ring, packed, \
     rotate, travelling, unpacked
 from cptransform.lowering.schedule import InnerAxis, Schedule, any_length, differentiable, \
-    finished, register_schedule
+    finished, register_schedule, rotated_work
 from cptransform.op.attention_reference import merge
 
 
@@ -154,12 +153,9 @@ def double_ring_volume(shape: AttentionShape) -> CommVolume:
     return CommVolume("double_ring", tuple(transfers))
 
 
-def double_ring_work(shape: AttentionShape) -> Work:
-    """Shard ``s``'s queries against the block of :func:`source_shards` at each step."""
-    ranks = rank_positions(shape)
-    sources = source_shards(shape.ulysses, shape.cp // shape.ulysses)
-    return work_of(shape, [[(ranks[s], ranks[t]) for t in row]
-                           for s, row in enumerate(sources)], shape.heads)
+def double_ring_rotation(shape: AttentionShape) -> np.ndarray:
+    """:func:`source_shards` of ``shape``'s inner ring size and outer ring."""
+    return source_shards(shape.ulysses, shape.cp // shape.ulysses)
 
 
 def double_ring_memory(shape: AttentionShape) -> int:
@@ -175,7 +171,7 @@ def double_ring_memory(shape: AttentionShape) -> int:
 
 DOUBLE_RING = register_schedule(Schedule(
     "double_ring", mesh_axes=2, run=double_ring, volume=double_ring_volume,
-    feasible=any_length, overlaps=True, order=5, work=double_ring_work,
+    feasible=any_length, overlaps=True, order=5, work=rotated_work(double_ring_rotation),
     memory=double_ring_memory, steps=lambda shape: shape.cp, automatic=False,
     inner=InnerAxis("inner ring size", "outer ring", ("inner", "outer")),
-    rotation=lambda shape: source_shards(shape.ulysses, shape.cp // shape.ulysses)))
+    rotation=double_ring_rotation))

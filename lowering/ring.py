@@ -49,16 +49,16 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.block_work import Work, rank_positions, work_of
 from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
 from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
     tile_bytes
 from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import Schedule, any_length, differentiable, finished, \
-    register_schedule
+    register_schedule, rotated_work
 from cptransform.lowering.kernels import row_delta
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import merge
@@ -227,10 +227,11 @@ def ring_volume(shape: AttentionShape) -> CommVolume:
     return CommVolume("ring", tuple(transfers))
 
 
-def ring_work(shape: AttentionShape) -> Work:
-    """Rank ``r``'s local queries against every rank's KV block, one kernel call each."""
-    ranks = rank_positions(shape)
-    return work_of(shape, [[(q, k) for k in ranks] for q in ranks], shape.heads)
+def ring_rotation(shape: AttentionShape) -> np.ndarray:
+    """``[cp, cp]``: at step ``i`` rank ``r`` holds the KV block of rank ``(r - i) mod cp``
+    (what the lowering runs, the work and the plan chart read)."""
+    ranks, steps = np.meshgrid(np.arange(shape.cp), np.arange(shape.cp), indexing="ij")
+    return (ranks - steps) % shape.cp
 
 
 def ring_memory(shape: AttentionShape) -> int:
@@ -245,5 +246,5 @@ def ring_memory(shape: AttentionShape) -> int:
 
 RING = register_schedule(Schedule("ring", mesh_axes=1, run=ring, volume=ring_volume,
                                   feasible=any_length, overlaps=True, order=0,
-                                  work=ring_work, memory=ring_memory,
-                                  steps=lambda shape: shape.cp))
+                                  work=rotated_work(ring_rotation), memory=ring_memory,
+                                  steps=lambda shape: shape.cp, rotation=ring_rotation))

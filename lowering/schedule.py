@@ -37,7 +37,7 @@ import numpy as np
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.block_work import Work, gathered_work
+from cptransform.analysis.block_work import Work, gathered_work, rank_positions, work_of
 from cptransform.analysis.cost_model import CommVolume
 from cptransform.analysis.hardware import Hardware
 from cptransform.analysis.local_memory import query_state_bytes, shard_bytes
@@ -149,6 +149,17 @@ def schedules() -> dict[str, Schedule]:
         if not module.ispkg:
             importlib.import_module(f"{package.__name__}.{module.name}")
     return dict(sorted(SCHEDULES.items(), key=lambda item: (item[1].order, item[0])))
+
+
+def rotated_work(rotation: Callable[[AttentionShape], np.ndarray]) -> Callable:
+    """The ``work`` of a schedule that states its ``rotation``: shard ``s``'s queries
+    against the KV block of shard ``rotation[s, t]`` at each step ``t``, one kernel call
+    each, over all query heads."""
+    def work(shape: AttentionShape) -> Work:
+        ranks = rank_positions(shape)
+        return work_of(shape, [[(ranks[s], ranks[t]) for t in row]
+                               for s, row in enumerate(rotation(shape))], shape.heads)
+    return work
 
 
 def any_length(shape: AttentionShape) -> str | None:
