@@ -17,9 +17,6 @@ probabilities.
 """
 from __future__ import annotations
 
-from functools import partial
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -29,22 +26,11 @@ from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, m
 from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
     tile_bytes
 from cptransform.lowering.block import Block
-from cptransform.lowering.schedule import Schedule, any_length, key_count, register_schedule, \
-    with_sinks
+from cptransform.lowering.schedule import Schedule, any_length, differentiable, key_count, \
+    register_schedule, with_sinks
 from cptransform.lowering.ulysses import gather_sequence
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import fill_empty_rows
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def gathered_attention(block: Block, spec, axis, kernel):
-    """Local queries against K/V gathered over ``axis``; returns ``(o, lse, v_mean)``.
-
-    ``o`` (float32) and ``lse`` are the kernel's; ``v_mean`` ``[B, 1, Hkv, Dv]`` float32 is
-    the mean of V over all keys (for ``empty_rows="uniform"``). Differentiable w.r.t. q, k,
-    v and bias; the backward reduce-scatters dK and dV.
-    """
-    return _forward(block, spec, axis, kernel)[0]
 
 
 def _forward(block: Block, spec, axis, kernel):
@@ -66,13 +52,16 @@ def _bwd(spec, axis, kernel, residuals, cotangents):
     dv_all = dv_all + dv_mean / key_count(spec, gathered.v.shape[1])
     dk, dv = (lax.psum_scatter(g.astype(accumulator_dtype(g.dtype)), axis, scatter_dimension=1, tiled=True)
               for g in (dk_all, dv_all))
-    bias = gathered.bias
-    return (Block(q=dq.astype(gathered.q.dtype), k=dk.astype(gathered.k.dtype),
-                  v=dv.astype(gathered.v.dtype),
-                  bias=None if bias is None else dbias.astype(bias.dtype)),)
+    return dq, dk, dv, dbias
 
 
-gathered_attention.defvjp(_forward, _bwd)
+#: Local queries against K/V gathered over ``axis``, ``(block, spec, axis, kernel) ->
+#: (o, lse, v_mean)``: ``o`` (float32) and ``lse`` are the kernel's; ``v_mean``
+#: ``[B, 1, Hkv, Dv]`` float32 is the mean of V over all keys (for
+#: ``empty_rows="uniform"``: the gathered V gives it without the psum of
+#: :func:`~cptransform.lowering.schedule.finished`). Differentiable w.r.t. q, k, v and
+#: bias; the backward reduce-scatters dK and dV.
+gathered_attention = differentiable(_forward, _bwd)
 
 
 def allgather(block: Block, *, spec, axes, kernel):

@@ -34,7 +34,7 @@ from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import ProfiledKernel, kernels
 from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
 from cptransform.lowering.padding import pad_block
-from cptransform.lowering.schedule import MESH_AXES_HINT, schedules
+from cptransform.lowering.schedule import mesh_axes_hint, schedules
 from cptransform.lowering.seq_permute import converted
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_reference import flatten_batch, from_canonical, split_operands, \
@@ -75,36 +75,10 @@ def permute_block(block: Block, q_layout: SequenceLayout, kv_layout: SequenceLay
                          bias=dense(block.bias), topk=topk)
 
 
-def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
-                               schedule: str = "ring", layout: str = "contiguous",
-                               kernel: str = "xla", in_layout_order: bool = False):
-    """``attention_p(*operands, spec=spec)`` computed with a context-parallel schedule.
-
-    Args:
-      operands: global operands exactly as ``attention_p`` takes them (any layouts in
-        ``spec``, any number of batch dims, optional positions / segment ids / mask / bias).
-      spec: the attention's :class:`AttentionSpec`.
-      mesh: a :class:`jax.sharding.Mesh` holding the CP axes (it may have others).
-      axes: the CP mesh axis name, or a tuple of names (hybrid: ``(ulysses, ring)``).
-      schedule: a name in :func:`~cptransform.lowering.schedule.schedules` (``ring``,
-        ``ulysses``, ``allgather``, ``hybrid``).
-      layout: ``contiguous``, ``zigzag`` or ``striped`` (which positions each rank holds).
-      kernel: local-step kernel, ``xla``, ``pallas`` or ``auto`` (``xla`` for a top-k
-        mask, which the Pallas kernels refuse).
-      in_layout_order: the sequence axes of the operands (and of the output) are already in
-        layout order; positions, if given, are then the positions of that order. The
-        lengths must then be divisible by the layout's multiple.
-
-    Queries and keys may differ in length (cross-attention); each is laid out by its own
-    :class:`SequenceLayout`. A length the layout does not divide (``cp``, zigzag ``2·cp``)
-    is padded at the end with masked positions (:mod:`cptransform.lowering.padding`) and
-    the output is cut back to the real queries.
-
-    Returns the output in q's layout, dtype and (unless ``in_layout_order``) order.
-    Differentiable and jit-able.
-    """
+def _checked_schedule(schedule: str, axes: tuple[str, ...], layout: str):
+    """The :class:`~cptransform.lowering.schedule.Schedule` record named ``schedule``, once
+    its name, its number of mesh axes and ``layout`` are checked."""
     known = schedules()
-    axes = (axes,) if isinstance(axes, str) else tuple(axes)
     if schedule not in known:
         raise ContextParallelError(
             unknown_name("schedule", schedule, sorted(known)))
@@ -113,47 +87,36 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     if len(axes) != want:
         raise ContextParallelError(
             f"schedule {schedule!r} runs over {want} mesh {'axes' if want > 1 else 'axis'}, "
-            f"got {axes}; {MESH_AXES_HINT[want]}")
+            f"got {axes}; {mesh_axes_hint(want)}")
     if layout not in LAYOUTS:
         raise ContextParallelError(unknown_name("layout", layout, LAYOUTS))
+    return record
+
+
+def _local_kernel(kernel: str, spec: AttentionSpec, operands) -> ProfiledKernel:
+    """The local-step kernel chosen for ``kernel`` (a warning names the ones passed over)."""
     local_kernel, reason = choose_kernel(
         kernel, spec, operands[0].dtype,
         (operands[0].shape[spec.q.feature], operands[2].shape[spec.v.feature]), kernels())
-    local_kernel = ProfiledKernel(local_kernel)
     warn_passed_over(reason)
+    return ProfiledKernel(local_kernel)
+
+
+def _check_mesh_and_operands(mesh, axes: tuple[str, ...], spec: AttentionSpec, operands):
+    """One clear error for CP axes the mesh lacks, or operands ``attention_p`` refuses."""
     missing = [a for a in axes if a not in mesh.axis_names]
     if missing or not axes:
         raise ContextParallelError(
             f"CP axes {axes} must be non-empty names of the mesh axes {mesh.axis_names}")
     jax.eval_shape(lambda *xs: attention_p.bind(*xs, spec=spec), *operands)
 
-    a = split_operands(spec, operands)
-    given_positions = spec.positions
-    q, k, v = to_canonical(spec, a["q"], a["k"], a["v"])
-    nb = len(spec.q.batch)
-    batch_shape = q.shape[:nb]
-    q, k, v = (flatten_batch(x, nb, batch_shape) for x in (q, k, v))
+
+def _natural_block(a: dict, q, k, v, nb: int, batch_shape, q_layout: SequenceLayout,
+                   kv_layout: SequenceLayout, in_layout_order: bool) -> Block:
+    """The global :class:`Block` of canonical ``q, k, v`` and the split operands ``a``,
+    batch dims flattened; positions the program gave none of are built (in natural order,
+    or of the layout's slots when the operands are ``in_layout_order``)."""
     tq, tkv = q.shape[1], k.shape[1]
-    cp = math.prod(mesh.shape[name] for name in axes)
-    tq_pad, tkv_pad = padded_length(tq, layout, cp), padded_length(tkv, layout, cp)
-    if in_layout_order and (tq_pad, tkv_pad) != (tq, tkv):
-        raise ContextParallelError(
-            f"operands in {layout} order must have lengths divisible by "
-            f"{layout_multiple(layout, cp)} (got {tq} queries, {tkv} keys): a program is "
-            "only reordered for lengths its layout divides; lower it in natural order")
-    q_layout = SequenceLayout(layout, tq_pad, cp)
-    kv_layout = SequenceLayout(layout, tkv_pad, cp)
-    # Checked here, outside shard_map, so the error names the mesh axes and their sizes.
-    ulysses = mesh.shape[axes[0]] if len(axes) == 2 else 1
-    shape = attention_shape(spec, a["q"], a["k"], a["v"], cp=cp, ulysses=ulysses,
-                            layout=layout)
-    # Positions handed over in layout order are the layout's own (what reorder-sequence
-    # writes); only positions in natural order come from the caller's program.
-    problem = record.feasible(replace(shape, explicit_positions=spec.positions
-                                      and not in_layout_order))
-    if problem:
-        sizes = ", ".join(f"{name!r} of size {mesh.shape[name]}" for name in axes)
-        raise ContextParallelError(f"{schedule}: {problem} (mesh axes {sizes})")
 
     def flat(x):
         return flatten_batch(x, nb, batch_shape)
@@ -164,18 +127,20 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
         slots = jnp.arange(length, dtype=jnp.int32)[None]
         return lay.position_of_slot(slots) if in_layout_order else slots
 
-    # In natural order (the operands' own order) the block is padded at the end; then it
-    # is brought to layout order, unless it already is (then it needs no padding).
-    block = Block(q=q, k=k, v=v, q_pos=positions(a["q_positions"], q_layout, tq),
-                  kv_pos=positions(a["kv_positions"], kv_layout, tkv),
-                  q_seg=flat(a["q_segment_ids"]), kv_seg=flat(a["kv_segment_ids"]),
-                  mask=flat(a["mask"]), bias=flat(a["bias"]), sinks=flat(a["sinks"]),
-                  topk=None if a["topk_indices"] is None
-                  else flat(a["topk_indices"]).astype(jnp.int32))
+    return Block(q=q, k=k, v=v, q_pos=positions(a["q_positions"], q_layout, tq),
+                 kv_pos=positions(a["kv_positions"], kv_layout, tkv),
+                 q_seg=flat(a["q_segment_ids"]), kv_seg=flat(a["kv_segment_ids"]),
+                 mask=flat(a["mask"]), bias=flat(a["bias"]), sinks=flat(a["sinks"]),
+                 topk=None if a["topk_indices"] is None
+                 else flat(a["topk_indices"]).astype(jnp.int32))
+
+
+def _sharded(record, block: Block, spec: AttentionSpec, *, mesh, axes: tuple[str, ...],
+             layout: str, kv_layout: SequenceLayout, given_positions: bool,
+             local_kernel) -> jax.Array:
+    """``record.run`` under ``shard_map`` on the global layout-order ``block``; the output
+    ``[B, Tq, H, Dv]`` sharded on its sequence dim over ``axes``."""
     seq = sequence_mesh_axes(axes)
-    if not in_layout_order:
-        block, spec = pad_block(block, spec, tq_pad, tkv_pad)
-        block = permute_block(block, q_layout, kv_layout, mesh, seq)
     # Token operands are sharded on their sequence dim (1), per-pair ones on their rows (2);
     # the sinks have no sequence dim: every device holds them all.
     sharding = block.replace(**{
@@ -198,10 +163,84 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
             local = local.replace(sinks=lax.pcast(local.sinks, axes, to="varying"))
         return record.run(local, spec=local_spec, axes=axes, kernel=local_kernel)
 
-    o = jax.shard_map(run, mesh=mesh, in_specs=(sharding,), out_specs=P(None, seq),
-                      axis_names=set(axes))(block)
+    return jax.shard_map(run, mesh=mesh, in_specs=(sharding,), out_specs=P(None, seq),
+                         axis_names=set(axes))(block)
+
+
+def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
+                               schedule: str = "ring", layout: str = "contiguous",
+                               kernel: str = "xla", in_layout_order: bool = False):
+    """``attention_p(*operands, spec=spec)`` computed with a context-parallel schedule.
+
+    Args:
+      operands: global operands exactly as ``attention_p`` takes them (any layouts in
+        ``spec``, any number of batch dims, optional positions / segment ids / mask / bias).
+      spec: the attention's :class:`AttentionSpec`.
+      mesh: a :class:`jax.sharding.Mesh` holding the CP axes (it may have others).
+      axes: the CP mesh axis name, or a tuple of names (a two-axis schedule: ``(inner,
+        outer)``; hybrid's ``(ulysses, ring)``).
+      schedule: a name in :func:`~cptransform.lowering.schedule.schedules` (``ring``,
+        ``ulysses``, ``allgather``, ``hybrid``, ``halo``, ``double_ring``).
+      layout: ``contiguous``, ``zigzag`` or ``striped`` (which positions each rank holds).
+      kernel: local-step kernel, ``xla``, ``pallas`` or ``auto`` (``xla`` for a top-k
+        mask, which the Pallas kernels refuse).
+      in_layout_order: the sequence axes of the operands (and of the output) are already in
+        layout order; positions, if given, are then the positions of that order. The
+        lengths must then be divisible by the layout's multiple.
+
+    Queries and keys may differ in length (cross-attention); each is laid out by its own
+    :class:`SequenceLayout`. A length the layout does not divide (``cp``, zigzag ``2·cp``)
+    is padded at the end with masked positions (:mod:`cptransform.lowering.padding`) and
+    the output is cut back to the real queries.
+
+    Returns the output in q's layout, dtype and (unless ``in_layout_order``) order.
+    Differentiable and jit-able.
+    """
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    record = _checked_schedule(schedule, axes, layout)
+    local_kernel = _local_kernel(kernel, spec, operands)
+    _check_mesh_and_operands(mesh, axes, spec, operands)
+
+    a = split_operands(spec, operands)
+    given_positions = spec.positions
+    q, k, v = to_canonical(spec, a["q"], a["k"], a["v"])
+    nb = len(spec.q.batch)
+    batch_shape = q.shape[:nb]
+    q, k, v = (flatten_batch(x, nb, batch_shape) for x in (q, k, v))
+    tq, tkv = q.shape[1], k.shape[1]
+    cp = math.prod(mesh.shape[name] for name in axes)
+    tq_pad, tkv_pad = padded_length(tq, layout, cp), padded_length(tkv, layout, cp)
+    if in_layout_order and (tq_pad, tkv_pad) != (tq, tkv):
+        raise ContextParallelError(
+            f"operands in {layout} order must have lengths divisible by "
+            f"{layout_multiple(layout, cp)} (got {tq} queries, {tkv} keys): a program is "
+            "only reordered for lengths its layout divides; lower it in natural order")
+    q_layout = SequenceLayout(layout, tq_pad, cp)
+    kv_layout = SequenceLayout(layout, tkv_pad, cp)
+    # Checked here, outside shard_map, so the error names the mesh axes and their sizes.
+    ulysses = mesh.shape[axes[0]] if record.inner is not None else 1
+    shape = attention_shape(spec, a["q"], a["k"], a["v"], cp=cp, ulysses=ulysses,
+                            layout=layout)
+    # Positions handed over in layout order are the layout's own (what reorder-sequence
+    # writes); only positions in natural order come from the caller's program.
+    problem = record.feasible(replace(shape, explicit_positions=spec.positions
+                                      and not in_layout_order))
+    if problem:
+        sizes = ", ".join(f"{name!r} of size {mesh.shape[name]}" for name in axes)
+        raise ContextParallelError(f"{schedule}: {problem} (mesh axes {sizes})")
+
+    # In natural order (the operands' own order) the block is padded at the end; then it
+    # is brought to layout order, unless it already is (then it needs no padding).
+    block = _natural_block(a, q, k, v, nb, batch_shape, q_layout, kv_layout, in_layout_order)
     if not in_layout_order:
-        o = converted(o, layout=q_layout, dim=1, inverse=True, mesh=mesh, seq=seq)[:, :tq]
+        block, spec = pad_block(block, spec, tq_pad, tkv_pad)
+        block = permute_block(block, q_layout, kv_layout, mesh, sequence_mesh_axes(axes))
+    o = _sharded(record, block, spec, mesh=mesh, axes=axes, layout=layout,
+                 kv_layout=kv_layout, given_positions=given_positions,
+                 local_kernel=local_kernel)
+    if not in_layout_order:
+        o = converted(o, layout=q_layout, dim=1, inverse=True, mesh=mesh,
+                      seq=sequence_mesh_axes(axes))[:, :tq]
     o = o.reshape(tuple(batch_shape) + o.shape[1:]) if nb else o[0]
     return from_canonical(spec, o).astype(a["q"].dtype)
 

@@ -54,7 +54,6 @@ the local block, o and lse; never the probabilities.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -69,8 +68,8 @@ from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import row_delta, zero_times
 from cptransform.lowering.ring import packed, unpacked
-from cptransform.lowering.schedule import Schedule, with_sinks, \
-    fill_empty_rows_sharded, register_schedule
+from cptransform.lowering.schedule import Schedule, differentiable, finished, \
+    register_schedule
 
 #: The position of a halo key that has no sender: ``kv_pos - q_pos`` is below ``-left``
 #: for every query of a sequence shorter than 2**30, so every finite window hides it.
@@ -212,21 +211,7 @@ def _forward(block: Block, spec, axes, kernel, layout):
     return (o, lse), (block, local, o, lse)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def halo_attention(block: Block, spec, axes, kernel, layout: str):
-    """Windowed attention of the local queries against their halos and local keys; returns
-    ``(o, lse)`` like :func:`~cptransform.lowering.ring.ring_attention` (``empty_rows`` not
-    applied). Runs inside ``shard_map`` over ``axes``; ``layout`` is ``contiguous`` or
-    ``zigzag`` and ``spec``'s window must fit in one chunk (:func:`halo_feasible`).
-    Differentiable w.r.t. q, k, v and bias."""
-    return _forward(block, spec, axes, kernel, layout)[0]
-
-
-def _halo_fwd(block: Block, spec, axes, kernel, layout):
-    return _forward(block, spec, axes, kernel, layout)
-
-
-def _halo_bwd(spec, axes, kernel, layout, residuals, cotangents):
+def _backward(spec, axes, kernel, layout, residuals, cotangents):
     block, local, o, lse = residuals
     do, dlse = cotangents
     cp, rank = lax.axis_size(axes), lax.axis_index(axes)
@@ -272,12 +257,16 @@ def _halo_bwd(spec, axes, kernel, layout, residuals, cotangents):
             here = lax.dynamic_slice_in_dim(dbias, start, p.width, axis=3)
             dbias = lax.dynamic_update_slice_in_dim(
                 dbias, here + g_b[..., offset:offset + p.width], start, axis=3)
-        dbias = dbias.astype(bias.dtype)
-    return (Block(q=g_q.astype(q.dtype), k=dk.astype(k.dtype), v=dv_.astype(v.dtype),
-                  bias=dbias),)
+    return g_q, dk, dv_, dbias
 
 
-halo_attention.defvjp(_halo_fwd, _halo_bwd)
+#: Windowed attention of the local queries against their halos and local keys,
+#: ``(block, spec, axes, kernel, layout) -> (o, lse)`` like
+#: :func:`~cptransform.lowering.ring.ring_attention` (``empty_rows`` not applied). Runs
+#: inside ``shard_map`` over ``axes``; ``layout`` is ``contiguous`` or ``zigzag`` and
+#: ``spec``'s window must fit in one chunk (:func:`halo_feasible`). Differentiable w.r.t.
+#: q, k, v and bias.
+halo_attention = differentiable(_forward, _backward)
 
 
 def halo(block: Block, *, spec, axes, kernel):
@@ -285,9 +274,7 @@ def halo(block: Block, *, spec, axes, kernel):
     (the ``uniform`` mean is over every key of the sequence, not only the halos)."""
     axes = tuple(axes)
     o, lse = halo_attention(block.replace(sinks=None), spec, axes, kernel, spec.layout)
-    o, lse = with_sinks(block, o, lse)
-    return fill_empty_rows_sharded(spec, o, lse, block.v, axes,
-                                   block.k.shape[1] * lax.axis_size(axes)).astype(block.q.dtype)
+    return finished(block, spec, o, lse, axes)
 
 
 def halo_feasible(shape: AttentionShape) -> str | None:

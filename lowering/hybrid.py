@@ -25,7 +25,7 @@ from cptransform.analysis.cost_model import CommVolume
 from cptransform.analysis.local_memory import shard_bytes
 from cptransform.lowering.block import Block
 from cptransform.lowering.ring import ring, ring_memory, ring_volume
-from cptransform.lowering.schedule import Schedule, register_schedule
+from cptransform.lowering.schedule import InnerAxis, Schedule, register_schedule
 from cptransform.lowering.ulysses import kv_head_repeats, ulysses_around, ulysses_volume
 
 
@@ -93,4 +93,6 @@ def hybrid_feasible(shape: AttentionShape) -> str | None:
 HYBRID = register_schedule(Schedule("hybrid", mesh_axes=2, run=hybrid, volume=hybrid_volume,
                                     feasible=hybrid_feasible, overlaps=True, order=3,
                                     work=hybrid_work, memory=hybrid_memory,
-                                    steps=lambda shape: shape.cp // shape.ulysses))
+                                    steps=lambda shape: shape.cp // shape.ulysses,
+                                    inner=InnerAxis("Ulysses degree", "ring", ("uly", "ring"),
+                                                    divides_kv_heads=True)))

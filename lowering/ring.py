@@ -49,28 +49,28 @@ from functools import partial
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.block_work import Work, rank_positions, work_of
 from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
 from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
     tile_bytes
 from cptransform.lowering.block import Block
-from cptransform.lowering.schedule import Schedule, any_length, fill_empty_rows_sharded, \
-    register_schedule, with_sinks
+from cptransform.lowering.schedule import Schedule, any_length, differentiable, finished, \
+    register_schedule, rotated_work
 from cptransform.lowering.kernels import row_delta
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import merge
 
 
-def _rotate(tree, axes, cp: int):
+def rotate(tree, axes, cp: int):
     """Send every array of ``tree`` one rank up the ring (rank r → r + 1 mod cp)."""
     perm = [(j, (j + 1) % cp) for j in range(cp)]
     return jax.tree.map(lambda x: lax.ppermute(x, axes, perm), tree)
 
 
-def _zeros(like, shape, fill=0.0):
+def accumulator_zeros(like, shape, fill=0.0):
     """``fill`` of ``shape`` in ``like``'s accumulation dtype (:func:`accumulator_dtype`),
     varying over the same mesh axes as ``like``.
 
@@ -91,7 +91,7 @@ def unpacked(kv, d: int):
     return kv if isinstance(kv, tuple) else (kv[..., :d], kv[..., d:])
 
 
-def _travelling(spec, block: Block):
+def travelling(spec, block: Block):
     """What moves around the ring: packed K/V, segment ids, and the kv positions only when
     the mask reads them (causal, window or top-k) and they are the caller's; layout
     positions are derived on arrival (:func:`_layout_positions`), others not sent are stood
@@ -110,7 +110,7 @@ def _layout_positions(layout, source, tkv: int):
     return layout.position_of_slot(slots)[None].astype(jnp.int32)
 
 
-def _arrived(block: Block, keys, source, tkv: int, spec) -> Block:
+def arrived(block: Block, keys, source, tkv: int, spec) -> Block:
     """One ring step's problem: the local queries against ``keys`` (from rank ``source``),
     with the mask and bias columns of those keys."""
     kv, meta = keys
@@ -121,7 +121,7 @@ def _arrived(block: Block, keys, source, tkv: int, spec) -> Block:
     return block.with_keys(meta).columns(source, tkv)
 
 
-def _around_the_ring(step, state, keys, axes, cp: int):
+def around_the_ring(step, state, keys, axes, cp: int):
     """``state = step(i, state, keys_i)`` for ``i = 0 … cp-1``, ``keys_i`` the keys that
     started ``i`` ranks down the ring.
 
@@ -132,7 +132,7 @@ def _around_the_ring(step, state, keys, axes, cp: int):
     def body(carry, i):
         state, keys = carry
         with jax.named_scope("cptransform/ring/step"):  # the send and the compute
-            following = _rotate(keys, axes, cp)
+            following = rotate(keys, axes, cp)
             return (step(i, state, keys), following), None
 
     if cp > 1:
@@ -149,33 +149,16 @@ def _forward(block: Block, spec, axes, kernel):
 
     def step(i, acc, keys):
         # The kernel classifies its chunk pairs, so the masked half of a step costs nothing.
-        o_s, lse_s = kernel.forward(_arrived(block, keys, (rank - i) % cp, tkv, spec), spec)
+        o_s, lse_s = kernel.forward(arrived(block, keys, (rank - i) % cp, tkv, spec), spec)
         return merge(*acc, o_s, lse_s)
 
-    empty = (_zeros(block.q, (b, tq, h, dv)), _zeros(block.q, (b, h, tq), -jnp.inf))
-    o, lse = _around_the_ring(step, empty, _travelling(spec, block), axes, cp)
-    return o.astype(block.q.dtype), lse
-
-
-@partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def ring_attention(block: Block, spec, axes, kernel):
-    """Ring attention of the local queries against all keys; returns ``(o, lse)``.
-
-    Runs inside ``shard_map``; ``block`` as in the schedule contract of
-    :mod:`cptransform.lowering.schedule`, ``axes`` the ring's mesh axes (ranks are their
-    linear index), ``kernel`` a :class:`~cptransform.lowering.kernels.Kernel`. ``o`` has q's
-    dtype; ``lse`` is float32 ``[B, H, Tq_loc]``, ``-inf`` for rows that see no key (their
-    ``o`` is 0; ``empty_rows`` is not applied here). Differentiable w.r.t. q, k, v and bias.
-    """
-    return _forward(block, spec, axes, kernel)
-
-
-def _ring_fwd(block: Block, spec, axes, kernel):
-    o, lse = _forward(block, spec, axes, kernel)
+    empty = (accumulator_zeros(block.q, (b, tq, h, dv)), accumulator_zeros(block.q, (b, h, tq), -jnp.inf))
+    o, lse = around_the_ring(step, empty, travelling(spec, block), axes, cp)
+    o = o.astype(block.q.dtype)
     return (o, lse), (block, o, lse)
 
 
-def _ring_bwd(spec, axes, kernel, residuals, cotangents):
+def _backward(spec, axes, kernel, residuals, cotangents):
     block, o, lse = residuals
     do, dlse = cotangents
     cp = lax.axis_size(axes)
@@ -188,32 +171,35 @@ def _ring_bwd(spec, axes, kernel, residuals, cotangents):
     def step(i, state, keys):
         dq, dkv, dbias = state
         source = (rank - i) % cp
-        g_q, g_k, g_v, g_b = kernel.backward(_arrived(block, keys, source, tkv, spec), o, lse,
+        g_q, g_k, g_v, g_b = kernel.backward(arrived(block, keys, source, tkv, spec), o, lse,
                                              do, spec, delta=delta)
         if dbias is not None:
             dbias = lax.dynamic_update_slice_in_dim(dbias, g_b, source * tkv, axis=3)
         # The float32 dK/dV accumulators travel (as one send) with their keys and arrive
         # home after the last step.
         dkv = jax.tree.map(jnp.add, dkv, packed(g_k, g_v))
-        return dq + g_q, _rotate(dkv, axes, cp), dbias
+        return dq + g_q, rotate(dkv, axes, cp), dbias
 
-    zeros = (_zeros(q, q.shape), packed(_zeros(q, k.shape), _zeros(q, v.shape)),
-             None if bias is None else _zeros(q, bias.shape))
-    dq, dkv, dbias = _around_the_ring(step, zeros, _travelling(spec, block), axes, cp)
-    dk, dv = unpacked(dkv, d)
-    return (Block(q=dq.astype(q.dtype), k=dk.astype(k.dtype), v=dv.astype(v.dtype),
-                  bias=None if bias is None else dbias.astype(bias.dtype)),)
+    zeros = (accumulator_zeros(q, q.shape), packed(accumulator_zeros(q, k.shape), accumulator_zeros(q, v.shape)),
+             None if bias is None else accumulator_zeros(q, bias.shape))
+    dq, dkv, dbias = around_the_ring(step, zeros, travelling(spec, block), axes, cp)
+    return (dq, *unpacked(dkv, d), dbias)
 
 
-ring_attention.defvjp(_ring_fwd, _ring_bwd)
+#: Ring attention of the local queries against all keys, ``(block, spec, axes, kernel) ->
+#: (o, lse)``: runs inside ``shard_map``; ``block`` as in the schedule contract of
+#: :mod:`cptransform.lowering.schedule`, ``axes`` the ring's mesh axes (ranks are their
+#: linear index), ``kernel`` a :class:`~cptransform.lowering.kernels.Kernel`. ``o`` has q's
+#: dtype; ``lse`` is float32 ``[B, H, Tq_loc]``, ``-inf`` for rows that see no key (their
+#: ``o`` is 0; ``empty_rows`` is not applied here). Differentiable w.r.t. q, k, v and bias.
+ring_attention = differentiable(_forward, _backward)
 
 
 def ring(block: Block, *, spec, axes, kernel):
     """The ``ring`` schedule: :func:`ring_attention`, then the sinks and ``empty_rows``."""
-    o, lse = ring_attention(block.replace(sinks=None), spec, tuple(axes), kernel)
-    o, lse = with_sinks(block, o, lse)
-    return fill_empty_rows_sharded(spec, o, lse, block.v, axes,
-                                   block.k.shape[1] * lax.axis_size(axes)).astype(block.q.dtype)
+    axes = tuple(axes)
+    o, lse = ring_attention(block.replace(sinks=None), spec, axes, kernel)
+    return finished(block, spec, o, lse, axes)
 
 
 def ring_volume(shape: AttentionShape) -> CommVolume:
@@ -241,10 +227,11 @@ def ring_volume(shape: AttentionShape) -> CommVolume:
     return CommVolume("ring", tuple(transfers))
 
 
-def ring_work(shape: AttentionShape) -> Work:
-    """Rank ``r``'s local queries against every rank's KV block, one kernel call each."""
-    ranks = rank_positions(shape)
-    return work_of(shape, [[(q, k) for k in ranks] for q in ranks], shape.heads)
+def ring_rotation(shape: AttentionShape) -> np.ndarray:
+    """``[cp, cp]``: at step ``i`` rank ``r`` holds the KV block of rank ``(r - i) mod cp``
+    (what the lowering runs, the work and the plan chart read)."""
+    ranks, steps = np.meshgrid(np.arange(shape.cp), np.arange(shape.cp), indexing="ij")
+    return (ranks - steps) % shape.cp
 
 
 def ring_memory(shape: AttentionShape) -> int:
@@ -259,5 +246,5 @@ def ring_memory(shape: AttentionShape) -> int:
 
 RING = register_schedule(Schedule("ring", mesh_axes=1, run=ring, volume=ring_volume,
                                   feasible=any_length, overlaps=True, order=0,
-                                  work=ring_work, memory=ring_memory,
-                                  steps=lambda shape: shape.cp))
+                                  work=rotated_work(ring_rotation), memory=ring_memory,
+                                  steps=lambda shape: shape.cp, rotation=ring_rotation))

@@ -28,20 +28,43 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.block_work import Work, gathered_work
+from cptransform.analysis.block_work import Work, gathered_work, rank_positions, work_of
 from cptransform.analysis.cost_model import CommVolume
 from cptransform.analysis.hardware import Hardware
 from cptransform.analysis.local_memory import query_state_bytes, shard_bytes
 from cptransform.analysis.prediction import Prediction, predict
+from cptransform.lowering.block import Block
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import fill_empty_rows, merge_sinks
 from cptransform.op.attention_spec import AttentionSpec
+
+
+@dataclass(frozen=True)
+class InnerAxis:
+    """How a schedule over two mesh axes splits the CP devices: an inner axis of ``U``
+    consecutive devices (the fastest links) and an outer one of ``cp / U``.
+
+    * ``degree``: what ``U`` is called in plans and errors (``"Ulysses degree"``);
+    * ``outer``: what the outer axis runs (``"ring"``);
+    * ``names``: the mesh axis names (inner, outer) of the mesh the planner builds when
+      the schedule is asked for with one CP axis (``cp`` only);
+    * ``divides_kv_heads``: ``U`` must divide every attention's KV heads to be chosen
+      (so none is repeated).
+    """
+
+    degree: str
+    outer: str
+    names: tuple[str, str]
+    divides_kv_heads: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,7 +87,13 @@ class Schedule:
       everything its forward receives, and the float32 query state);
     * ``steps(shape)``: how many compute steps its overlapped transfers are pipelined
       over (1: it computes once, after its transfers);
-    * ``automatic``: the planner's ``auto`` may choose it (otherwise only on request).
+    * ``automatic``: the planner's ``auto`` may choose it (otherwise only on request);
+    * ``inner``: for a schedule over two mesh axes, how it splits them (:class:`InnerAxis`):
+      the first of its ``axes`` is the inner one, of ``shape.ulysses`` devices. What a
+      schedule does is read off its record, never off how many axes a mesh has;
+    * ``rotation(shape)``: for a schedule that passes KV blocks around, ``[cp, steps]``
+      int, the layout shard whose block shard ``s`` computes with at step ``t`` (what the
+      plan chart draws when the schedule has no picture of its own).
 
     :meth:`predict` prices it on a :class:`~cptransform.analysis.hardware.Hardware` row.
     """
@@ -80,6 +109,8 @@ class Schedule:
     memory: Callable[[AttentionShape], int] | None = None
     steps: Callable[[AttentionShape], int] = lambda shape: 1  # computes once
     automatic: bool = True
+    inner: InnerAxis | None = None
+    rotation: Callable[[AttentionShape], np.ndarray] | None = None
 
     def peak_memory(self, shape: AttentionShape) -> int:
         """Peak bytes per device of the local step (see ``memory``)."""
@@ -94,7 +125,7 @@ class Schedule:
         consecutive devices a group of its mesh axis ``i`` spans (default: Ulysses groups
         of consecutive devices, the ring across them)."""
         if spans is None:
-            spans = (shape.ulysses, shape.cp) if self.mesh_axes == 2 else (shape.cp,)
+            spans = (shape.ulysses, shape.cp) if self.inner is not None else (shape.cp,)
         return predict(self.name, self.volume(shape), self.work(shape),
                        self.peak_memory(shape), self.steps(shape), shape.q_padded,
                        shape.dtype_bytes, hardware, spans)
@@ -120,6 +151,17 @@ def schedules() -> dict[str, Schedule]:
     return dict(sorted(SCHEDULES.items(), key=lambda item: (item[1].order, item[0])))
 
 
+def rotated_work(rotation: Callable[[AttentionShape], np.ndarray]) -> Callable:
+    """The ``work`` of a schedule that states its ``rotation``: shard ``s``'s queries
+    against the KV block of shard ``rotation[s, t]`` at each step ``t``, one kernel call
+    each, over all query heads."""
+    def work(shape: AttentionShape) -> Work:
+        ranks = rank_positions(shape)
+        return work_of(shape, [[(ranks[s], ranks[t]) for t in row]
+                               for s, row in enumerate(rotation(shape))], shape.heads)
+    return work
+
+
 def any_length(shape: AttentionShape) -> str | None:
     """``None``: the feasibility of a schedule that runs every shape. No length is refused,
     since the entry point pads both sequences to their layout's multiple (and queries and
@@ -133,11 +175,57 @@ def key_count(spec: AttentionSpec, padded: int) -> int:
     return padded if spec.real_keys is None else spec.real_keys
 
 
-#: How to fix a schedule given the wrong number of CP mesh axes, by the number it needs.
-MESH_AXES_HINT = {
-    1: "put the CP devices on one mesh axis, or use schedule='hybrid' with "
-       "axes=(ulysses_axis, ring_axis)",
-    2: "give axes=(ulysses_axis, ring_axis), or use 'ring' or 'ulysses' over one axis"}
+def mesh_axes_hint(want: int) -> str:
+    """How to fix a schedule given the wrong number of CP mesh axes, ``want`` the number it
+    needs: the registered schedules that run over the other number."""
+    def over(count: int) -> str:
+        return " or ".join(repr(n) for n, s in schedules().items() if s.mesh_axes == count)
+    if want == 1:
+        return (f"put the CP devices on one mesh axis, or use a two-axis schedule ({over(2)}) "
+                "with axes=(inner_axis, outer_axis)")
+    return f"give axes=(inner_axis, outer_axis), or use {over(1)} over one axis"
+
+
+def differentiable(forward: Callable, backward: Callable) -> Callable:
+    """A schedule's attention as a ``custom_vjp``, wired once (tokamax's ``Op``).
+
+    ``forward(block, *static) -> (outputs, residuals)`` and
+    ``backward(*static, residuals, cotangents) -> (dq, dk, dv, dbias)`` are the schedule's
+    bodies (``static``: hashable arguments such as the spec, mesh axes and kernel;
+    ``dbias`` is ``None`` without a bias; gradients in any float dtype, the float32 of
+    the accumulators). The returned ``attend(block, *static) -> outputs`` differentiates
+    w.r.t. the block's q, k, v and bias, each gradient cast to its operand's dtype here.
+    """
+    @partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+    def op(block, dtypes, static):
+        return forward(block, *static)[0]
+
+    def op_fwd(block, dtypes, static):
+        return forward(block, *static)
+
+    def op_bwd(dtypes, static, residuals, cotangents):
+        dq, dk, dv, dbias = backward(*static, residuals, cotangents)
+        q, k, v, bias = dtypes
+        return (Block(q=dq.astype(q), k=dk.astype(k), v=dv.astype(v),
+                      bias=None if bias is None else dbias.astype(bias)),)
+
+    op.defvjp(op_fwd, op_bwd)
+
+    def attend(block, *static):
+        bias = None if block.bias is None else block.bias.dtype
+        return op(block, (block.q.dtype, block.k.dtype, block.v.dtype, bias), static)
+
+    return attend
+
+
+def finished(block, spec: AttentionSpec, o, lse, axes: tuple[str, ...]):
+    """The epilogue every schedule shares: ``(o, lse)`` of the local query rows over all
+    keys with the sinks merged (:func:`with_sinks`), then ``empty_rows`` honoured from V
+    sharded over ``axes`` (``()``: this device holds every key;
+    :func:`fill_empty_rows_sharded`); ``o`` in ``q.dtype``."""
+    o, lse = with_sinks(block, o, lse)
+    kv_len = block.k.shape[1] * (lax.axis_size(axes) if axes else 1)
+    return fill_empty_rows_sharded(spec, o, lse, block.v, axes, kv_len).astype(block.q.dtype)
 
 
 def with_sinks(block, o, lse):

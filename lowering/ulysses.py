@@ -28,7 +28,6 @@ from __future__ import annotations
 import math
 from functools import partial
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -38,8 +37,8 @@ from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, m
 from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
     tile_bytes
 from cptransform.lowering.block import Block
-from cptransform.lowering.schedule import Schedule, fill_empty_rows_sharded, \
-    register_schedule, with_sinks
+from cptransform.lowering.schedule import Schedule, differentiable, finished, \
+    register_schedule
 
 
 def kv_head_repeats(kv_heads: int, n: int) -> int:
@@ -117,26 +116,20 @@ def ulysses_around(inner, block: Block, *, spec, axis: str):
     return heads_to_sequence(o.astype(block.q.dtype), axis)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _kernel_attention(kernel, spec, block: Block):
-    return kernel.forward(block, spec)
-
-
-def _kernel_attention_fwd(kernel, spec, block: Block):
+def _kernel_forward(block: Block, kernel, spec):
     o, lse = kernel.forward(block, spec)
     return (o, lse), (block, o, lse)
 
 
-def _kernel_attention_bwd(kernel, spec, residuals, cotangents):
+def _kernel_backward(kernel, spec, residuals, cotangents):
     block, o, lse = residuals
     do, dlse = cotangents
-    dq, dk, dv, dbias = kernel.backward(block, o, lse, do, spec, dlse)
-    return (Block(q=dq.astype(block.q.dtype), k=dk.astype(block.k.dtype),
-                  v=dv.astype(block.v.dtype),
-                  bias=None if block.bias is None else dbias.astype(block.bias.dtype)),)
+    return kernel.backward(block, o, lse, do, spec, dlse)
 
 
-_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+#: One kernel call over keys all on this device, ``(block, kernel, spec) -> (o, lse)``,
+#: differentiable (residuals the block, o and lse).
+_kernel_attention = differentiable(_kernel_forward, _kernel_backward)
 
 
 def local_attention(kernel, block: Block, spec):
@@ -145,10 +138,8 @@ def local_attention(kernel, block: Block, spec):
     A ``custom_vjp`` over the kernel (residuals the block, o and lse), then the sinks of
     the local heads and ``empty_rows`` applied from the local V.
     """
-    o, lse = _kernel_attention(kernel, spec, block.replace(sinks=None))
-    o, lse = with_sinks(block, o, lse)
-    return fill_empty_rows_sharded(spec, o, lse, block.v, (),
-                                   block.k.shape[1]).astype(block.q.dtype)
+    o, lse = _kernel_attention(block.replace(sinks=None), kernel, spec)
+    return finished(block, spec, o, lse, ())
 
 
 def ulysses(block: Block, *, spec, axes, kernel):

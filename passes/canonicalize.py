@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from cptransform.analysis.primitives import CallKind, calls
+from cptransform.analysis.primitives import INLINABLE, CallKind, calls
 from cptransform.ir import compat
 from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult, PipelineError
@@ -379,7 +379,7 @@ class Canonicalize(Pass):
 
     def run(self, module: Module) -> PassResult:
         rules = _Canonicalizer(self).rules()
-        new = Rewriter(rules=rules, inline=self._inlines).run(module.jaxpr)
+        new = Rewriter(rules=rules, inline=self._inlines, inlinable=INLINABLE).run(module.jaxpr)
         before = sum(1 for _ in iter_eqns(module.jaxpr))
         after = sum(1 for _ in iter_eqns(new))
         if after == before and str(new) == str(module.jaxpr):

@@ -12,13 +12,12 @@ op ``match-windows`` could not wrap is refused there, never left to the partitio
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from cptransform.analysis.primitives import Family, names_of
+from cptransform.analysis.primitives import INLINABLE, Family, names_of
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.analysis.seq_axes_summary import analyse
 from cptransform.ir import compat
@@ -44,7 +43,7 @@ class _Lowerer(Rewriter):
 
     def __init__(self, axes: SeqAxes, mesh, cp_axes, kernel: str, reordered: bool,
                  index_of: dict[int, int]):
-        super().__init__()
+        super().__init__(inlinable=INLINABLE)
         self.index_of = index_of
         self.reordered = reordered
         self.axes, self.mesh = axes, mesh
@@ -106,9 +105,8 @@ class _Lowerer(Rewriter):
         params, atom = eqn.params, eqn.invars[0]
         if params["dim"] not in self.axes.full_dims(atom):
             return False
-        cp = math.prod(self.mesh.shape[a] for a in self.seq)
         return collective_permutable(params["layout"], atom.aval.shape, params["dim"],
-                                     params["inner"], cp, self.seq)
+                                     params["inner"], self.mesh, self.seq)
 
     def _refuse_raw_window(self, eqn) -> None:
         """A windowed op match-windows could not wrap must not read a sharded sequence:

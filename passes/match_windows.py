@@ -22,6 +22,7 @@ import jax
 import numpy as np
 from jax import lax
 
+from cptransform.analysis.primitives import INLINABLE
 from cptransform.ir import compat
 from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult
@@ -198,7 +199,7 @@ class MatchWindows(Pass):
             return PassResult(module, False)
         rules = {name: _wrap(read) for name, read in WINDOW_READERS.items()}
         rules.update(_Shifts().rules())
-        new = Rewriter(rules=rules).run(module.jaxpr)
+        new = Rewriter(rules=rules, inlinable=INLINABLE).run(module.jaxpr)
         n = sum(1 for e in iter_eqns(new) if e.primitive is seq_window_p)
         return PassResult(module.with_jaxpr(new), n > 0,
                           (f"match-windows: {n} windowed ops wrapped",))

@@ -8,9 +8,10 @@ work (FLOPs after block skipping, under the layout), memory, steps and feasibili
 :meth:`Schedule.predict` prices them on a row of the hardware table
 (:mod:`cptransform.analysis.hardware`), with the link class of each mesh axis read off the
 device ids its groups span. Every attention is planned on its own, so one program may mix
-schedules. ``schedule="hybrid"`` over a single CP axis picks the Ulysses degree (a divisor
-of cp dividing every attention's KV heads) with the least predicted total time and
-replaces the mesh by a two-axis one, Ulysses groups on consecutive devices.
+schedules. A two-axis schedule (``schedule="hybrid"``) asked for over a single CP axis
+gets its inner degree picked (a divisor of cp; for hybrid, the Ulysses degree, dividing
+every attention's KV heads) with the least predicted total time, and the mesh replaced by
+a two-axis one over its ``InnerAxis.names``, inner groups on consecutive devices.
 
 It also picks the sequence layout for the whole program (``load_balance``): it plans every
 attention under each layout the length allows (contiguous, zigzag, striped) and, under
@@ -48,6 +49,7 @@ from cptransform.analysis.hardware import HARDWARE, Hardware, hardware_for_devic
     memory_limit_bytes, memory_limit_problem
 from cptransform.analysis.load_balance import LayoutBalance, best_layout, rank_flops
 from cptransform.analysis.prediction import Prediction
+from cptransform.analysis.primitives import INLINABLE
 from cptransform.ir import compat
 from cptransform.ir.errors import PlanError, unknown_name
 from cptransform.ir.facts import Fact
@@ -59,11 +61,13 @@ from cptransform.lowering.kernels.capabilities import choose_kernel
 from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import MaskSpec
-from cptransform.op.layouts import LAYOUTS, SequenceLayout, layout_multiple
+from cptransform.op.layouts import LAYOUTS, LayoutName, SequenceLayout, layout_multiple
 
-#: ``load_balance`` option → the layout it names (``auto`` is decided per program).
-LOAD_BALANCES = {"auto": None, "zigzag": "zigzag", "striped": "striped",
-                 "none": "contiguous"}
+#: ``load_balance`` option → the layout it names (``auto`` is decided per program; ``none``
+#: is the contiguous layout); every other layout of :class:`LayoutName` by its own name.
+LOAD_BALANCES = {"auto": None,
+                 **{name: name for name in LAYOUTS if name != LayoutName.CONTIGUOUS},
+                 "none": LayoutName.CONTIGUOUS.value}
 
 #: ``load_balance`` values that name a real scheme this planner cannot plan, and why.
 REFUSED_LOAD_BALANCES = {
@@ -71,9 +75,6 @@ REFUSED_LOAD_BALANCES = {
                  "the document boundaries when planning, but they are data (segment ids), "
                  "known only when the function runs; pad documents to a fixed length and use "
                  "load_balance='zigzag', or 'auto' (which balances the mask's band)"}
-
-#: Mesh axis names of the two-axis mesh built for ``schedule="hybrid"`` with only ``cp``.
-HYBRID_AXES = ("uly", "ring")
 
 #: Predicted times within this factor count as a tie, which goes to an overlapping schedule.
 TIE = 1.01
@@ -113,17 +114,15 @@ class AttentionPlan:
                 f"{self.shape.describe_padding()}")
 
 
-def mesh_problem(schedule: Schedule, ulysses: int) -> str | None:
-    """Why ``schedule`` does not fit the planned mesh: two CP axes (a Ulysses degree
-    ``ulysses > 1``) or one."""
-    axes = 2 if ulysses > 1 else 1
+def mesh_problem(schedule: Schedule, axes: int) -> str | None:
+    """Why ``schedule`` does not fit a plan over ``axes`` CP mesh axes."""
     if schedule.mesh_axes == axes:
         return None
     if schedule.mesh_axes == 2:
-        return (f"{schedule.name} needs two mesh axes (axis=('uly', 'ring')) with a Ulysses "
-                "degree > 1")
-    return (f"{schedule.name} runs over one mesh axis, but the plan has two (Ulysses degree "
-            f"{ulysses}); use a two-axis schedule or one mesh axis")
+        return (f"{schedule.name} needs two mesh axes (axis=("
+                f"{', '.join(map(repr, schedule.inner.names))}))")
+    return (f"{schedule.name} runs over one mesh axis, but the plan has {axes}; use a "
+            "two-axis schedule or one mesh axis")
 
 
 def axis_spans(mesh, axes: tuple[str, ...]) -> tuple[int, ...]:
@@ -139,12 +138,13 @@ def axis_spans(mesh, axes: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(spans)
 
 
-def hybrid_mesh(mesh, axis: str, ulysses: int) -> Mesh:
-    """The devices of ``mesh``'s one CP ``axis`` as a ``(ulysses, cp / ulysses)`` mesh over
-    :data:`HYBRID_AXES`, each Ulysses group on consecutive devices (the fastest links)."""
+def two_axis_mesh(mesh, inner: int, names: tuple[str, str]) -> Mesh:
+    """The devices of ``mesh``'s one CP axis as an ``(inner, cp / inner)`` mesh over
+    ``names`` (a schedule's :attr:`InnerAxis.names`), each inner group on consecutive
+    devices (the fastest links)."""
     devices = mesh.devices.reshape(-1)
-    grid = devices.reshape(len(devices) // ulysses, ulysses).T
-    return Mesh(grid, HYBRID_AXES, axis_types=(AxisType.Auto,) * 2)
+    grid = devices.reshape(len(devices) // inner, inner).T
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * 2)
 
 
 def candidate_layouts(forced: str | None) -> list[str]:
@@ -221,14 +221,16 @@ class PlanContextParallel(Pass):
         facts = module.facts
         cp, mesh, axes = facts.cp, facts.mesh, tuple(facts.cp_axes)
         eqns = [e for e in iter_eqns(module.jaxpr) if e.primitive is attention_p]
-        build_hybrid = self.schedule == "hybrid" and len(axes) == 1
-        hardware = self.machine(mesh, required=self.schedule == "auto" or build_hybrid)
+        # A two-axis schedule asked for over one CP axis: the planner builds its two axes.
+        build = None if self.schedule == "auto" or len(axes) != 1 else \
+            schedules()[self.schedule] if schedules()[self.schedule].mesh_axes == 2 else None
+        hardware = self.machine(mesh, required=self.schedule == "auto" or build is not None)
         limit = None if hardware is None else memory_limit_bytes(self.memory_limit, hardware)
         forced = LOAD_BALANCES[self.load_balance]
         options, errors = {}, {}
         for layout in candidate_layouts(forced):
             try:
-                options[layout] = self.plan_layout(eqns, layout, cp, mesh, axes, build_hybrid,
+                options[layout] = self.plan_layout(eqns, layout, cp, mesh, axes, build,
                                                    hardware, limit)
             except PlanError as err:
                 if layout == forced:
@@ -249,7 +251,7 @@ class PlanContextParallel(Pass):
             spec = eqn.params["spec"].replace(schedule=schedule_of[id(eqn)], layout=layout)
             return [attention_p.bind(*invals, spec=spec)]
 
-        new = Rewriter(rules={attention_p.name: decide}).run(module.jaxpr) if eqns \
+        new = Rewriter(rules={attention_p.name: decide}, inlinable=INLINABLE).run(module.jaxpr) if eqns \
             else module.jaxpr
         seq_len = facts.seq_axes.seq_len
         reordered = layout != "contiguous" and seq_len is not None \
@@ -269,19 +271,21 @@ class PlanContextParallel(Pass):
                                             cp_axes=axes, balance=balances), bool(eqns), log)
 
     def plan_layout(self, eqns, layout: str, cp: int, mesh, axes: tuple[str, ...],
-                    build_hybrid: bool, hardware: Hardware | None,
+                    build: Schedule | None, hardware: Hardware | None,
                     limit: int | None) -> LayoutPlan:
-        """Every attention planned under ``layout``, and the program's balance under it."""
+        """Every attention planned under ``layout``, and the program's balance under it;
+        ``build``: the two-axis schedule whose mesh is built from the one CP axis."""
         log: tuple[str, ...] = ()
         degree_note = None
-        if build_hybrid and eqns:
-            ulysses, degree_note = self.choose_degree(eqns, cp, layout, hardware, limit)
-            mesh, axes = hybrid_mesh(mesh, axes[0], ulysses), HYBRID_AXES
+        if build is not None and eqns:
+            inner, degree_note = self.choose_degree(build, eqns, cp, layout, hardware, limit)
+            mesh, axes = two_axis_mesh(mesh, inner, build.inner.names), build.inner.names
             log += (degree_note,)
-        ulysses = mesh.shape[axes[0]] if len(axes) == 2 else 1
+        # The first of two CP axes is the inner one (:class:`InnerAxis`).
+        inner = mesh.shape[axes[0]] if len(axes) == 2 else 1
         spans = axis_spans(mesh, axes)
-        plans = tuple(self.plan_one(i, e, cp, ulysses, layout, hardware, limit, spans,
-                                    degree_note) for i, e in enumerate(eqns))
+        plans = tuple(self.plan_one(i, e, cp, len(axes), inner, layout, hardware, limit,
+                                    spans, degree_note) for i, e in enumerate(eqns))
         known = schedules()
         flops = sum((rank_flops(known[p.schedule].work(p.shape), cp)
                      for p in plans), np.zeros(cp))
@@ -293,54 +297,60 @@ class PlanContextParallel(Pass):
                                 tuple(float(f) for f in flops), time_s, data)
         return LayoutPlan(balance, plans, mesh, axes, log)
 
-    def choose_degree(self, eqns, cp: int, layout: str, hardware: Hardware,
-                      limit: int) -> tuple[int, str]:
-        """The Ulysses degree of a hybrid built from one CP axis, and why: the divisor
-        ``1 < U < cp`` of cp dividing every attention's KV heads (so none is repeated) with
-        the least predicted total time among those that fit the memory limit."""
+    def choose_degree(self, schedule: Schedule, eqns, cp: int, layout: str,
+                      hardware: Hardware, limit: int) -> tuple[int, str]:
+        """The inner degree of a two-axis ``schedule`` built from one CP axis, and why: the
+        divisor ``1 < U < cp`` of cp (dividing every attention's KV heads when its
+        :class:`InnerAxis` asks) with the least predicted total time among those that fit
+        the memory limit."""
         shapes = [attention_shape(e.params["spec"], *(x.aval for x in e.invars[:3]), cp=cp,
                                   layout=layout) for e in eqns]
-        kv = math.gcd(*(s.kv_heads for s in shapes))
-        hybrid = schedules()["hybrid"]
+        kv = math.gcd(*(s.kv_heads for s in shapes)) if schedule.inner.divides_kv_heads \
+            else cp
+        what = schedule.inner.degree
         degrees = [u for u in range(2, cp) if cp % u == 0 and kv % u == 0]
         if not degrees:
+            heads = (" and the KV heads (" + ", ".join(str(s.kv_heads) for s in shapes) + ")"
+                     if schedule.inner.divides_kv_heads else "")
             raise PlanError(
-                f"schedule='hybrid' with cp={cp}: no Ulysses degree 1 < U < {cp} divides both "
-                f"cp and the KV heads ({', '.join(str(s.kv_heads) for s in shapes)}); use "
-                "schedule='ring' or 'auto', or pass a two-axis mesh")
+                f"schedule={schedule.name!r} with cp={cp}: no {what} 1 < U < {cp} divides "
+                f"{'both ' if heads else ''}cp{heads}; use schedule='ring' or 'auto', or pass "
+                "a two-axis mesh")
         totals, fits = {}, {}
         for u in degrees:
             options = [replace(s, ulysses=u) for s in shapes]
-            problem = next((p for p in map(hybrid.feasible, options) if p), None)
+            problem = next((p for p in map(schedule.feasible, options) if p), None)
             if problem:
                 continue
-            predictions = [hybrid.predict(s, hardware) for s in options]
+            predictions = [schedule.predict(s, hardware) for s in options]
             totals[u] = sum(p.time_s for p in predictions)
             fits[u] = max(p.memory_bytes for p in predictions) <= limit
         ranked = sorted((u for u in totals if fits[u]), key=totals.get)
         if not ranked:
             raise PlanError(
-                f"schedule='hybrid' with cp={cp}: no Ulysses degree in {degrees} fits the "
+                f"schedule={schedule.name!r} with cp={cp}: no {what} in {degrees} fits the "
                 f"memory limit of {_mib(limit)} per device; raise memory_limit or cp")
         best = ranked[0]
-        note = (f"hybrid Ulysses degree {best} (ring {cp // best}) on {hardware.name}: "
+        note = (f"{schedule.name} {what} {best} ({schedule.inner.outer} {cp // best}) on "
+                f"{hardware.name}: "
                 f"predicted {totals[best] * 1e3:.3g} ms over all attentions")
         if len(ranked) > 1:
             note += f"; runner-up degree {ranked[1]}: {totals[ranked[1]] * 1e3:.3g} ms"
         return best, note
 
-    def plan_one(self, index: int, eqn, cp: int, ulysses: int, layout: str,
+    def plan_one(self, index: int, eqn, cp: int, mesh_axes: int, ulysses: int, layout: str,
                  hardware: Hardware | None, limit: int | None, spans: tuple[int, ...],
                  degree_note: str | None) -> AttentionPlan:
-        """The plan of one attention equation (a function of the equation and the mesh)."""
+        """The plan of one attention equation (a function of the equation and the mesh):
+        over ``mesh_axes`` CP axes, the first (inner) one of ``ulysses`` devices when
+        there are two."""
         spec = eqn.params["spec"]
         shape = attention_shape(spec, *(x.aval for x in eqn.invars[:3]), cp=cp,
                                 ulysses=ulysses, layout=layout)
         known = schedules()
         # Candidates run over as many mesh axes as the requested schedule, or under auto
-        # as the mesh has CP axes.
-        axes = known[self.schedule].mesh_axes if self.schedule != "auto" else \
-            2 if ulysses > 1 else 1
+        # as the plan has CP axes.
+        axes = known[self.schedule].mesh_axes if self.schedule != "auto" else mesh_axes
         # Under auto only the schedules that take part in it (``Schedule.automatic``).
         candidates = {name: s for name, s in known.items() if s.mesh_axes == axes
                       and (s.automatic or self.schedule != "auto")}
@@ -359,7 +369,7 @@ class PlanContextParallel(Pass):
                        bytes_per_device=costs, predictions=ranked)
         if self.schedule != "auto":
             chosen = known[self.schedule]
-            problem = mesh_problem(chosen, ulysses) or chosen.feasible(shape)
+            problem = mesh_problem(chosen, mesh_axes) or chosen.feasible(shape)
             if problem:
                 raise PlanError(f"attention at {where}: {problem}")
             reason = degree_note or "requested"

@@ -90,3 +90,20 @@ def test_cp_leaving_devices_idle_warns_with_the_mesh_fix():
         context_parallel(lambda q: jnp.sum(attention(q, q, q)), cp=8).module(
             jnp.concatenate([x, x[:, :4]], axis=1))
 
+
+
+def test_option_values_are_read_off_their_registries():
+    from cptransform.api.context_parallel import kernel_names, schedule_names
+    from cptransform.lowering.kernels import kernels
+    from cptransform.lowering.schedule import schedules
+    from cptransform.op.attention_spec import EmptyRows, MaskSpec
+    from cptransform.op.layouts import LAYOUTS, LayoutName
+    from cptransform.passes.plan_context_parallel import LOAD_BALANCES
+    assert kernel_names() == ("auto", *kernels())
+    assert schedule_names() == ("auto", *schedules()) and "halo" in schedule_names()
+    assert {v for v in LOAD_BALANCES.values() if v is not None} == set(LAYOUTS)
+    # Members are their strings: options accept either, and messages print the string.
+    assert LayoutName.ZIGZAG == "zigzag" and f"{LayoutName.STRIPED}" == "striped"
+    assert MaskSpec(empty_rows=EmptyRows.NAN) == MaskSpec(empty_rows="nan")
+    with pytest.raises(ValueError, match="one of zero, uniform, nan"):
+        MaskSpec(empty_rows="mean")

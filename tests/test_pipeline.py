@@ -1,4 +1,5 @@
 """Pipeline parsing, running, and the instruments (printing, dumps, timing, verification)."""
+import dataclasses
 import io
 import re
 from dataclasses import dataclass
@@ -33,6 +34,39 @@ def test_parse_options_and_spelling():
     two = Pipeline.parse("canonicalize,canonicalize{drop_noops=0}", available=PASSES)
     assert [q.drop_noops for q in two.passes] == [True, False]
     assert Pipeline.parse(two.spelled(), available=PASSES).spelled() == two.spelled()
+
+
+#: A value other than its default for each non-boolean option of a built-in pass.
+OPTION_SAMPLES = {"fold_scales": ("exact",), "schedule": ("ring", "halo"),
+                  "load_balance": ("zigzag", "none"), "hardware": ("h100",),
+                  "memory_limit": ("80%", 2 ** 30), "kernel": ("xla", "pallas")}
+
+
+def _changed_options(cls):
+    """Instances of pass ``cls`` with every option set away from its default, one sample
+    value of each option per instance."""
+    fields = dataclasses.fields(cls)
+    values = {f.name: (not f.default,) if f.type == "bool" else OPTION_SAMPLES[f.name]
+              for f in fields}
+    rounds = max((len(v) for v in values.values()), default=1)
+    return [cls(**{name: v[i % len(v)] for name, v in values.items()}) for i in range(rounds)]
+
+
+@pytest.mark.parametrize("name", list(PASSES))
+def test_every_pass_spelling_parses_back(name):
+    for p in _changed_options(PASSES[name]()):
+        again = Pipeline.parse(Pipeline([p]).spelled(), available=PASSES).passes
+        assert list(again) == [p], Pipeline([p]).spelled()
+
+
+def test_documented_memory_limit_spelling_parses():
+    (p,) = parse_pipeline("plan-context-parallel{memory_limit=80%}", available=PASSES)
+    assert p.memory_limit == "80%"
+    (p,) = parse_pipeline("plan-context-parallel{memory_limit=1024 hardware=none}",
+                          available=PASSES)
+    assert (p.memory_limit, p.hardware) == (1024, None)
+    with pytest.raises(PipelineError, match="expects bool, got 'maybe'"):
+        parse_pipeline("match-attention{strict=maybe}", available=PASSES)
 
 
 def test_registry_names_each_pass_after_its_module():

@@ -5,6 +5,7 @@ import numpy as np
 from jax import lax
 
 from cptransform import Graph, trace
+from cptransform.analysis.primitives import INLINABLE
 from cptransform.ir.module import iter_eqns
 from cptransform.ir.rewrite import Replacement, Rewriter
 
@@ -34,7 +35,8 @@ def test_inline_predicate_controls_jit():
     f = lambda x: jax.jit(jnp.sin)(x) * 2.0  # noqa: E731
     x = rand((8,))
     jaxpr = trace(f, x).jaxpr
-    inlined = Rewriter(inline=lambda eqn: eqn.primitive.name in ("jit", "pjit")).run(jaxpr)
+    inlined = Rewriter(inline=lambda eqn: eqn.primitive.name in ("jit", "pjit"),
+                       inlinable=INLINABLE).run(jaxpr)
     assert prims(inlined) == ["sin", "mul"]
     inside = Rewriter(rules={"sin": sin_to_cos}).run(jaxpr)
     names = prims(inside)

@@ -185,7 +185,7 @@ def test_vmap_of_sinks(rng):
 # -- every schedule ------------------------------------------------------------------------------
 
 SCHEDULES = {"ring": (4,), "ulysses": (4,), "allgather": (4,), "hybrid": (2, 2),
-             "halo": (4,)}
+             "halo": (4,), "double_ring": (2, 2)}
 
 
 def test_every_schedule_is_tested_with_sinks():

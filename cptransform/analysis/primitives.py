@@ -81,7 +81,9 @@ class PrimFacts:
     permutation of any sequence dim it carries. ``shiftable``: can run on a sequence held
     unsliced (see ``reorder-sequence``). ``identity``: for reductions, the element that
     leaves the result unchanged. ``moves``: set when the op only moves, casts or
-    broadcasts its operand. ``call``: for calls, what kind of body.
+    broadcasts its operand. ``call``: for calls, what kind of body. ``inlinable``: a call
+    whose body can be evaluated in place of it (jit, closed calls, remat, custom derivative
+    rules; not control flow), which is what the rewriter inlines (:data:`INLINABLE`).
     """
 
     family: Family
@@ -92,6 +94,7 @@ class PrimFacts:
     identity: Any = None
     moves: Moves | None = None
     call: CallKind | None = None
+    inlinable: bool = False
 
 
 ELEMENTWISE_NAMES = """
@@ -161,13 +164,15 @@ PRIMS["top_k"] = PrimFacts(Family.INDEXING, link_top_k, acts_on_top_k)
 
 for _name, _kind in {"pjit": CallKind.JIT, "jit": CallKind.JIT,
                      "closed_call": CallKind.CALL, "core_call": CallKind.CALL,
-                     "remat2": CallKind.REMAT, "checkpoint": CallKind.REMAT,
+                     "remat": CallKind.REMAT, "remat2": CallKind.REMAT,
+                     "checkpoint": CallKind.REMAT,
                      "custom_jvp_call": CallKind.CUSTOM_DERIVATIVE,
                      "custom_vjp_call": CallKind.CUSTOM_DERIVATIVE,
                      "custom_vjp_call_jaxpr": CallKind.CUSTOM_DERIVATIVE,
                      "scan": CallKind.CONTROL_FLOW, "while": CallKind.CONTROL_FLOW,
                      "cond": CallKind.CONTROL_FLOW}.items():
-    PRIMS[_name] = PrimFacts(Family.CALL, call=_kind)
+    PRIMS[_name] = PrimFacts(Family.CALL, call=_kind,
+                             inlinable=_kind is not CallKind.CONTROL_FLOW)
 
 PRIMS[attention_p.name] = PrimFacts(Family.ATTENTION, link_attention)
 
@@ -223,3 +228,8 @@ def acting_dims(eqn) -> list[set[int]] | None:
     """
     row = PRIMS.get(eqn.primitive.name)
     return row.acts_on(eqn) if row is not None and row.acts_on is not None else None
+
+
+#: The call-like primitives whose body the rewriter may evaluate inline (the ``inlinable``
+#: column); every :class:`~cptransform.ir.rewrite.Rewriter` of a pass is given it.
+INLINABLE = names_where(lambda row: row.inlinable)

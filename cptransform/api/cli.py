@@ -250,7 +250,7 @@ def _add_opt(sub) -> None:
 def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
     """``--cp`` and the ``context_parallel`` options, shared by ``opt`` and ``plan``."""
     from cptransform.analysis.hardware import HARDWARE
-    from cptransform.api.context_parallel import KERNELS, LOAD_BALANCES, schedule_names
+    from cptransform.api.context_parallel import LOAD_BALANCES, kernel_names, schedule_names
 
     g = parser.add_argument_group("context parallelism")
     g.add_argument("--cp", type=int, default=None, metavar="N",
@@ -263,7 +263,7 @@ def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
     # Values are checked by Options.check, whose errors suggest the closest name.
     g.add_argument("--schedule", default="auto", help=f"one of {', '.join(schedule_names())}")
     g.add_argument("--load-balance", default="auto", help=f"one of {', '.join(LOAD_BALANCES)}")
-    g.add_argument("--kernel", default="auto", help=f"one of {', '.join(KERNELS)}")
+    g.add_argument("--kernel", default="auto", help=f"one of {', '.join(kernel_names())}")
     g.add_argument("--hardware", default=None,
                    help="hardware row the planner prices schedules on (default: the devices'): "
                         f"one of {', '.join(HARDWARE)}")

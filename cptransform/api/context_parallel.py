@@ -25,6 +25,7 @@ from cptransform.ir.errors import ContextParallelError, ContextParallelOptionErr
     did_you_mean, unknown_name
 from cptransform.ir.module import Module, iter_eqns, trace
 from cptransform.ir.pipeline import PassTiming, Pipeline
+from cptransform.lowering.kernels import kernels
 from cptransform.lowering.schedule import schedules
 from cptransform.passes.canonicalize import Canonicalize
 from cptransform.passes.infer_seq_axes import InferSeqAxes
@@ -34,8 +35,6 @@ from cptransform.passes.match_windows import MatchWindows
 from cptransform.passes.plan_context_parallel import LOAD_BALANCES, REFUSED_LOAD_BALANCES, \
     PlanContextParallel
 from cptransform.passes.reorder_sequence import ReorderSequence
-
-KERNELS = ("auto", "xla", "pallas")
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,7 @@ class Options:
             raise NotImplementedError(REFUSED_LOAD_BALANCES[self.load_balance])
         for name, value, allowed in (("schedule", self.schedule, schedule_names()),
                                      ("load_balance", self.load_balance, LOAD_BALANCES),
-                                     ("kernel", self.kernel, KERNELS)):
+                                     ("kernel", self.kernel, kernel_names())):
             if value not in allowed:
                 raise ContextParallelOptionError(unknown_name(name, value, allowed, "="))
         if self.hardware is not None and self.hardware not in HARDWARE:
@@ -96,20 +95,21 @@ class Options:
         axes = self.axes
         if not 1 <= len(axes) <= 2:
             raise ContextParallelOptionError(
-                f"axis={self.axis!r}: give one mesh axis name, or two (ulysses, ring) for hybrid")
-        want = schedules()[self.schedule].mesh_axes if self.schedule != "auto" else len(axes)
+                f"axis={self.axis!r}: give one mesh axis name, or two (inner, outer) for a "
+                f"two-axis schedule ({two_axis_names()})")
+        record = schedules().get(self.schedule)
+        want = len(axes) if record is None else record.mesh_axes
         if want == 2 and len(axes) != 2 and self.mesh is not None:
-            # Without a mesh the planner builds the two axes from cp (Ulysses degree chosen
+            # Without a mesh the planner builds the two axes from cp (inner degree chosen
             # by the cost model); a given mesh must have them.
             raise ContextParallelOptionError(
                 f"schedule={self.schedule!r} over mesh= needs two mesh axes: "
-                "axis=('uly', 'ring') with a mesh that has both (or pass only cp= and the "
-                "planner builds them)")
+                f"axis={record.inner.names} with a mesh that has both (or pass only cp= and "
+                "the planner builds them)")
         if len(axes) == 2 and want != 2:
-            two = " or ".join(n for n, s in schedules().items() if s.mesh_axes == 2)
             raise ContextParallelOptionError(
-                f"two CP axes {axes} mean the {two} schedule; schedule={self.schedule!r} "
-                "runs over one axis")
+                f"two CP axes {axes} need a two-axis schedule ({two_axis_names()}); "
+                f"schedule={self.schedule!r} runs over one axis")
 
     @property
     def axes(self) -> tuple[str, ...]:
@@ -122,6 +122,16 @@ class Options:
         names = (self.static_argnames,) if isinstance(self.static_argnames, str) \
             else tuple(self.static_argnames)
         return CallArguments.split(args, kwargs, nums, names)
+
+
+def kernel_names() -> tuple[str, ...]:
+    """The values of the ``kernel`` option: ``auto`` and every registered kernel."""
+    return ("auto", *kernels())
+
+
+def two_axis_names() -> str:
+    """The registered schedules that run over two CP mesh axes, for messages."""
+    return " or ".join(n for n, s in schedules().items() if s.mesh_axes == 2)
 
 
 def schedule_names() -> tuple[str, ...]:
@@ -453,8 +463,9 @@ def context_parallel(fn: Callable | None = None, **options) -> Any:
     Usable as ``@context_parallel`` or ``@context_parallel(cp=8, schedule="ring", ...)``.
 
     Options: ``cp`` (devices; default all), ``mesh`` (an existing mesh) and ``axis`` (its CP
-    axis name, or ``(ulysses_axis, ring_axis)`` for hybrid), ``schedule`` (ring | ulysses |
-    allgather | hybrid | halo | auto; auto prices each feasible schedule, halo included, and
+    axis name, or ``(inner, outer)`` for a two-axis schedule: hybrid's ``(ulysses_axis,
+    ring_axis)``), ``schedule`` (ring | ulysses | allgather | hybrid | halo | double_ring |
+    auto; auto prices each feasible schedule, halo included, and
     takes the fastest), ``load_balance`` (zigzag | striped | none | auto: the layout with
     the least predicted time over all attentions; "documents" is refused), ``kernel``
     (pallas | xla | auto), ``seq_axes`` (override: a tuple

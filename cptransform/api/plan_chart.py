@@ -3,11 +3,12 @@ rank under every candidate layout.
 
 A schedule's picture is one or more :class:`Chart` grids, each cell one (query shard, key
 shard) block classified skip / partial / full by the mask's terms of positions (``?`` where
-segment ids, a dense mask or top-k indices decide): the ring is devices × steps; all-gather devices × key shards (one
-kernel call); Ulysses the query shards × key shards every device runs for its ``H/cp``
-heads; the hybrid both levels (ring groups × steps, then the shards inside a group). A
-schedule without an entry in :data:`CHARTS` gets a line saying so, never another
-schedule's picture. :func:`render_text` draws a chart as text, :func:`render_png` all of
+segment ids, a dense mask or top-k indices decide): a schedule that states its rotation
+(``Schedule.rotation``: the ring, the double ring) is devices × steps, drawn from that
+statement; all-gather devices × key shards (one kernel call); Ulysses the query shards ×
+key shards every device runs for its ``H/cp`` heads; the hybrid both levels (ring groups ×
+steps, then the shards inside a group). A schedule with neither a rotation nor an entry in
+:data:`CHARTS` gets a line saying so, never another schedule's picture. :func:`render_text` draws a chart as text, :func:`render_png` all of
 them with matplotlib (the ``plot`` extra).
 """
 from __future__ import annotations
@@ -126,16 +127,6 @@ def _relative(device_flops: tuple[int, ...], count: int) -> tuple[float, ...]:
     return tuple(work / work.mean()) if work.mean() > 0 else ()
 
 
-def ring_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
-    """Devices × ring steps: step ``i`` on device ``r`` holds the KV shard of device
-    ``(r - i) mod cp``."""
-    cp, pos = layout.cp, layout.all_positions()
-    work = schedules()["ring"].work(plan.shape).device_flops
-    return (Chart(f"ring over {cp} devices, {layout.name} layout", "device", "step",
-                  _grid(plan.mask, pos, lambda r: [pos[(r - i) % cp] for i in range(cp)]),
-                  _relative(work, cp)),)
-
-
 def allgather_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
     """Devices × key shards: each device's queries against every gathered key shard, in
     one kernel call."""
@@ -187,8 +178,8 @@ def halo_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
                   _relative(work, cp)),)
 
 
-#: Schedule name → its picture (a schedule registered elsewhere adds its own entry).
-CHARTS: dict[str, Callable] = {"ring": ring_charts, "allgather": allgather_charts,
+#: Schedule name → its picture, for the schedules that state no rotation.
+CHARTS: dict[str, Callable] = {"allgather": allgather_charts,
                                "ulysses": ulysses_charts, "hybrid": hybrid_charts,
                                "halo": halo_charts}
 
@@ -196,9 +187,24 @@ CHARTS: dict[str, Callable] = {"ring": ring_charts, "allgather": allgather_chart
 def charts_for(plan, layout: SequenceLayout) -> tuple[Chart, ...] | str:
     """The charts of ``plan``'s chosen schedule, or a line saying it has none."""
     draw = CHARTS.get(plan.schedule)
+    record = schedules().get(plan.schedule)
+    if draw is None and record is not None and record.rotation is not None:
+        return rotation_charts(plan, layout)
     if draw is None:
         return f"no chart for schedule {plan.schedule!r}"
     return draw(plan, layout)
+
+
+def rotation_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
+    """Devices × steps of a schedule that states its rotation (``Schedule.rotation``):
+    step ``t`` on the device of shard ``s`` holds the KV block of shard
+    ``rotation[s, t]``."""
+    record = schedules()[plan.schedule]
+    pos, sources = layout.all_positions(), record.rotation(plan.shape)
+    work = record.work(plan.shape).device_flops
+    return (Chart(f"{plan.schedule} over {layout.cp} devices, {layout.name} layout",
+                  "device", "step", _grid(plan.mask, pos, lambda s: pos[sources[s]]),
+                  _relative(work, layout.cp)),)
 
 
 def render_text(chart: Chart) -> str:

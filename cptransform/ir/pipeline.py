@@ -15,6 +15,8 @@ import dataclasses
 import logging
 import re
 import time
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Mapping, Sequence
 
@@ -83,23 +85,45 @@ class Pass:
         return self.name + ("{" + " ".join(changed) + "}" if changed else "")
 
 
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def _parse_none(text: str) -> None:
+    if text.lower() != "none":
+        raise ValueError(text)
+
+
+#: How option text becomes a value of each type an option may be declared with.
+_PARSERS: dict[type, Callable[[str], Any]] = {
+    type(None): _parse_none, bool: _parse_bool, int: int, float: float, str: str}
+
+
+def _option_types(cls: type[Pass], field: dataclasses.Field) -> tuple[type, ...]:
+    """The types option ``field`` of ``cls`` accepts, from its resolved annotation; a
+    union's members with ``None`` first, so ``none`` is never read as a string."""
+    declared = typing.get_type_hints(cls)[field.name]
+    members = typing.get_args(declared) if isinstance(declared, types.UnionType) \
+        or typing.get_origin(declared) is typing.Union else (declared,)
+    return tuple(sorted(members, key=lambda t: t is not type(None)))
+
+
 def _convert(cls: type[Pass], field: dataclasses.Field, text: str) -> Any:
-    kind = field.type if isinstance(field.type, str) else getattr(field.type, "__name__", "")
-    try:
-        if kind.startswith("bool"):
-            if text.lower() in ("1", "true", "yes", "on"):
-                return True
-            if text.lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(text)
-        if kind.startswith("int"):
-            return int(text)
-        if kind.startswith("float"):
-            return float(text)
-        return text
-    except ValueError:
-        raise PipelineError(f"pass {cls.name}: option {field.name} expects {kind}, "
-                            f"got {text!r}") from None
+    """The value of option ``field`` spelled ``text``: the first of its declared types
+    that reads it (``memory_limit: int | str | None`` takes ``1000``, ``80%``, ``none``)."""
+    accepted = _option_types(cls, field)
+    for kind in accepted:
+        try:
+            return _PARSERS[kind](text)
+        except ValueError:
+            continue
+    names = " | ".join("None" if t is type(None) else t.__name__ for t in accepted)
+    raise PipelineError(f"pass {cls.name}: option {field.name} expects {names}, "
+                        f"got {text!r}")
 
 
 def make_pass(name: str, options: dict[str, str] | None = None, *,

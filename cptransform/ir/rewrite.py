@@ -34,23 +34,22 @@ class Replacement:
 EqnRule = Callable[[Any, list], "Sequence[Any] | None"]
 Planner = Callable[[Any], "Sequence[Replacement]"]
 
-#: Call-like primitives whose body can be evaluated inline.
-INLINABLE = ("pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint",
-             "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr")
-
-
 @dataclass
 class Rewriter:
     """One rewrite walk; see the module docstring.
 
     ``plan(open_jaxpr)`` returns the replacements for one (sub-)jaxpr; ``rules`` maps a
     primitive name to an :data:`EqnRule`; ``inline(eqn)`` says whether to evaluate a
-    call-like equation's body in place.
+    call-like equation's body in place; ``inlinable``: the names of the call-like
+    primitives whose body can be (the primitives table's column,
+    ``cptransform.analysis.primitives.INLINABLE``: the IR toolkit reads no analysis, so
+    its users hand it over). A body that gained constants is inlined only when inlinable.
     """
 
     plan: Planner | None = None
     rules: Mapping[str, EqnRule] | None = None
     inline: Callable[[Any], bool] | None = None
+    inlinable: frozenset[str] = frozenset()
 
     def __post_init__(self):
         self._plans: dict[int, tuple[Any, dict]] = {}
@@ -96,7 +95,7 @@ class Rewriter:
         subs = list(compat.eqn_subjaxprs(eqn))
         if not subs:
             return compat.bind_eqn(eqn, invals)
-        body = self._call_body(eqn) if eqn.primitive.name in INLINABLE else None
+        body = self._call_body(eqn) if eqn.primitive.name in self.inlinable else None
         params = self._rewrite_params(eqn)
         wants_inline = self.inline is not None and self.inline(eqn)
         if body is not None and (wants_inline or params is None):
@@ -134,7 +133,7 @@ class Rewriter:
         for eqn in jaxpr.eqns:
             if self.rules and eqn.primitive.name in self.rules:
                 return True
-            if self.inline is not None and eqn.primitive.name in INLINABLE and self.inline(eqn):
+            if self.inline is not None and eqn.primitive.name in self.inlinable and self.inline(eqn):
                 return True
             if any(self._touches(compat.open_jaxpr(s)) for _, s in compat.eqn_subjaxprs(eqn)):
                 return True

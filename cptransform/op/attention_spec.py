@@ -7,12 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
 
+from cptransform.ir.spelled_enum import SpelledEnum
 from cptransform.op import mask_terms
 from cptransform.op.layouts import SequenceLayout
 
-EmptyRows = Literal["zero", "uniform", "nan"]
+
+class EmptyRows(SpelledEnum):
+    """What a query row that sees no key returns (see :class:`MaskSpec`)."""
+
+    ZERO = "zero"
+    UNIFORM = "uniform"
+    NAN = "nan"
 
 
 @dataclass(frozen=True)
@@ -104,14 +110,14 @@ class MaskSpec:
     segments: bool = False
     dense: bool = False
     bias: bool = False
-    empty_rows: EmptyRows = "zero"
+    empty_rows: EmptyRows | str = EmptyRows.ZERO.value
     topk: bool = False
     chunk: int | None = None
 
     def __post_init__(self):
-        if self.empty_rows not in ("zero", "uniform", "nan"):
-            raise ValueError(f"empty_rows must be 'zero', 'uniform' or 'nan', got "
-                             f"{self.empty_rows!r}")
+        if self.empty_rows not in EmptyRows.spellings():
+            raise ValueError(f"empty_rows must be one of {', '.join(EmptyRows.spellings())}, "
+                             f"got {self.empty_rows!r}")
         if self.window is not None:
             left, right = self.window
             for side in (left, right):

@@ -8,16 +8,25 @@ layout: they read positions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import jax.numpy as jnp
 import numpy as np
 
 from cptransform.ir.errors import LayoutError, unknown_name
+from cptransform.ir.spelled_enum import SpelledEnum
 from cptransform.op.seq_permute import seq_permute_p
 
-LayoutName = Literal["contiguous", "zigzag", "striped"]
-LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag", "striped")
+
+class LayoutName(SpelledEnum):
+    """The sequence layouts (see :class:`SequenceLayout`)."""
+
+    CONTIGUOUS = "contiguous"
+    ZIGZAG = "zigzag"
+    STRIPED = "striped"
+
+
+#: Every layout's name, read off :class:`LayoutName`.
+LAYOUTS: tuple[str, ...] = LayoutName.spellings()
 
 
 def layout_multiple(name: str, cp: int) -> int:
@@ -60,7 +69,7 @@ class SequenceLayout:
     * ``striped``: token ``t`` lives on rank ``t % cp``.
     """
 
-    name: LayoutName
+    name: LayoutName | str
     seq_len: int
     cp: int
 

@@ -220,6 +220,84 @@ class _Problem:
 
 
 @dataclass(frozen=True)
+class _BackwardRows:
+    """What the backward reads per query chunk, folded into chunk rows
+    (:meth:`_Problem.fold`): ``lse``, ``delta``, ``nan`` (NaN for NaN rows, else 0) and
+    ``do``."""
+
+    lse: jax.Array
+    delta: jax.Array
+    nan: jax.Array
+    do: jax.Array
+
+    @classmethod
+    def build(cls, pb: _Problem, lse, delta, do) -> "_BackwardRows":
+        accum = pb.acc
+        # Padded query rows: lse = +inf makes their probabilities 0, do = 0 their dV terms.
+        lse_rows = pb.fold(_pad(jnp.swapaxes(lse.astype(accum), 1, 2), 1, pb.cq * pb.nq,
+                                jnp.inf)[..., None])[..., 0]
+        delta_rows = pb.fold(jnp.swapaxes(delta, 1, 2)[..., None])[..., 0]
+        nan_rows = jnp.where(jnp.isnan(lse_rows), jnp.nan, 0.0).astype(accum)
+        do_rows = pb.fold(do.astype(accum))
+        return cls(lse_rows, delta_rows, nan_rows, do_rows)
+
+
+def _pair_gradients(pb: _Problem, rows: _BackwardRows, spec: AttentionSpec, i, j, kc, vc,
+                    masked: bool):
+    """``(g_q, g_k, g_v, g_b)`` of query chunk ``i`` against key chunk ``j`` (``kc``,
+    ``vc``), the mask applied when ``masked`` (a partial pair)."""
+    accum = pb.acc
+    b, hkv, g = pb.q.shape[:3]
+    bias = pb.block.bias
+    scale = accum.type(spec.scale)
+    qc = pb.q_rows(i)
+    s, tanh = pb.logits(qc, kc, i, j)
+    # A NaN row has NaN probabilities at masked keys too (as a dense softmax).
+    # s ≤ lse; a recomputed logit can still round a few ulps above it at huge
+    # magnitudes, where exp would overflow (minimum keeps NaN).
+    p = jnp.exp(jnp.minimum(s - rows.lse[i][..., None], 0.0))
+    if masked:
+        ok = pb.visible(i, j)
+        p = jnp.where(ok, p, 0.0)
+    p = p + rows.nan[i][..., None]
+    do_i = rows.do[i]
+    g_v = jnp.einsum("bhqk,bhqd->bhkd", p, do_i, preferred_element_type=accum)
+    dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, vc.astype(accum), preferred_element_type=accum)
+    ds = p * (dp - rows.delta[i][..., None])
+    if masked:  # a masked logit's gradient is an exact 0
+        ds = jnp.where(ok, ds, 0.0)
+    g_b = None
+    if bias is not None:
+        g_b = sum_to(ds.reshape(b, hkv * g, pb.cq, pb.ck),
+                      (*bias.shape[:2], pb.cq, pb.ck))
+    if tanh is not None:
+        ds = ds * (1.0 - tanh * tanh)
+    ds = ds * scale
+    g_q = jnp.einsum("bhqk,bhkd->bhqd", ds, kc.astype(accum), preferred_element_type=accum)
+    g_k = jnp.einsum("bhqk,bhqd->bhkd", ds, qc.astype(accum), preferred_element_type=accum)
+    return g_q, g_k, g_v, g_b
+
+
+def _gradients_unfolded(pb: _Problem, block: Block, dq, dk, dv, dbias):
+    """The chunked gradients (``dq [nq, …]``, ``dk``/``dv [nk, …]``, ``dbias [nk, nq, …]``)
+    as ``[B, Tq, H, D]``, ``[B, Tkv, Hkv, D|Dv]`` and ``[Bb, Hb, Tq, Tkv]``."""
+    b, hkv = pb.q.shape[:2]
+    bias = pb.block.bias
+    tq, tkv = block.q.shape[1], block.k.shape[1]
+    dq = pb.unfold(dq)[:, :tq]
+    # [nk, B, Hkv, ck, D] → [B, Tkv, Hkv, D]
+    keys = lambda x: jnp.moveaxis(x, (0, 3), (1, 2)).reshape(  # noqa: E731
+        b, pb.nk * pb.ck, hkv, x.shape[-1])[:, :tkv]
+    dk, dv = keys(dk), keys(dv)
+    if bias is not None:
+        # [nk, nq, Bb, Hb, cq, ck] → [Bb, Hb, Tq, Tkv]
+        bb, hb = bias.shape[:2]
+        dbias = jnp.transpose(dbias, (2, 3, 1, 4, 0, 5)).reshape(
+            bb, hb, pb.nq * pb.cq, pb.nk * pb.ck)[:, :, :tq, :tkv]
+    return dq, dk, dv, dbias
+
+
+@dataclass(frozen=True)
 class ChunkedKernel:
     """Flash-style local step in plain JAX; see the module doc. ``chunk`` is the target
     chunk length for queries and keys (:func:`~cptransform.analysis.block_work.chunk_size`)."""
@@ -292,43 +370,9 @@ class ChunkedKernel:
         accum = pb.acc
         if delta is None:
             delta = row_delta(o, do, dlse)
-        # Padded query rows: lse = +inf makes their probabilities 0, do = 0 their dV terms.
-        lse_rows = pb.fold(_pad(jnp.swapaxes(lse.astype(accum), 1, 2), 1, pb.cq * pb.nq,
-                                jnp.inf)[..., None])[..., 0]
-        delta_rows = pb.fold(jnp.swapaxes(delta, 1, 2)[..., None])[..., 0]
-        nan_rows = jnp.where(jnp.isnan(lse_rows), jnp.nan, 0.0).astype(accum)
-        do_rows = pb.fold(do.astype(accum))
+        rows = _BackwardRows.build(pb, lse, delta, do)
         b, hkv, g, _, d = pb.q.shape
         bias = pb.block.bias
-        scale = accum.type(spec.scale)
-
-        def pair(i, j, kc, vc, masked):
-            qc = pb.q_rows(i)
-            s, tanh = pb.logits(qc, kc, i, j)
-            # A NaN row has NaN probabilities at masked keys too (as a dense softmax).
-            # s ≤ lse; a recomputed logit can still round a few ulps above it at huge
-            # magnitudes, where exp would overflow (minimum keeps NaN).
-            p = jnp.exp(jnp.minimum(s - lse_rows[i][..., None], 0.0))
-            if masked:
-                ok = pb.visible(i, j)
-                p = jnp.where(ok, p, 0.0)
-            p = p + nan_rows[i][..., None]
-            do_i = do_rows[i]
-            g_v = jnp.einsum("bhqk,bhqd->bhkd", p, do_i, preferred_element_type=accum)
-            dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, vc.astype(accum), preferred_element_type=accum)
-            ds = p * (dp - delta_rows[i][..., None])
-            if masked:  # a masked logit's gradient is an exact 0
-                ds = jnp.where(ok, ds, 0.0)
-            g_b = None
-            if bias is not None:
-                g_b = sum_to(ds.reshape(b, hkv * g, pb.cq, pb.ck),
-                              (*bias.shape[:2], pb.cq, pb.ck))
-            if tanh is not None:
-                ds = ds * (1.0 - tanh * tanh)
-            ds = ds * scale
-            g_q = jnp.einsum("bhqk,bhkd->bhqd", ds, kc.astype(accum), preferred_element_type=accum)
-            g_k = jnp.einsum("bhqk,bhqd->bhkd", ds, qc.astype(accum), preferred_element_type=accum)
-            return g_q, g_k, g_v, g_b
 
         def k_chunk(dq, j):
             kc, vc = pb.kv(j)
@@ -344,13 +388,13 @@ class ChunkedKernel:
                 qc = pb.q_rows(i)
                 g_q = zq + jnp.sum(zero_times(kc), axis=2, keepdims=True)
                 g_k = zk + jnp.sum(zero_times(qc), axis=2, keepdims=True)
-                g_v = zv + jnp.sum(nan_rows[i][..., None] + zero_times(do_rows[i]), axis=2,
+                g_v = zv + jnp.sum(rows.nan[i][..., None] + zero_times(rows.do[i]), axis=2,
                                    keepdims=True)
                 return g_q, g_k, g_v, zb
 
             branches = (skip,
-                        lambda i: pair(i, j, kc, vc, False),
-                        lambda i: pair(i, j, kc, vc, True))
+                        lambda i: _pair_gradients(pb, rows, spec, i, j, kc, vc, False),
+                        lambda i: _pair_gradients(pb, rows, spec, i, j, kc, vc, True))
 
             def step(i, state):
                 dq, dk, dv, dbias_col = state
@@ -363,20 +407,9 @@ class ChunkedKernel:
             dq, dk, dv, dbias_col = lax.fori_loop(0, pb.nq, step, (dq, zk, zv, dbias_col))
             return dq, (dk, dv, dbias_col)
 
-        dq0 = jnp.zeros_like(do_rows, dtype=accum, shape=(pb.nq, b, hkv, g * pb.cq, d))
+        dq0 = jnp.zeros_like(rows.do, dtype=accum, shape=(pb.nq, b, hkv, g * pb.cq, d))
         dq, (dk, dv, dbias) = lax.scan(k_chunk, dq0, jnp.arange(pb.nk))
-        tq, tkv = block.q.shape[1], block.k.shape[1]
-        dq = pb.unfold(dq)[:, :tq]
-        # [nk, B, Hkv, ck, D] → [B, Tkv, Hkv, D]
-        keys = lambda x: jnp.moveaxis(x, (0, 3), (1, 2)).reshape(  # noqa: E731
-            b, pb.nk * pb.ck, hkv, x.shape[-1])[:, :tkv]
-        dk, dv = keys(dk), keys(dv)
-        if bias is not None:
-            # [nk, nq, Bb, Hb, cq, ck] → [Bb, Hb, Tq, Tkv]
-            bb, hb = bias.shape[:2]
-            dbias = jnp.transpose(dbias, (2, 3, 1, 4, 0, 5)).reshape(
-                bb, hb, pb.nq * pb.cq, pb.nk * pb.ck)[:, :, :tq, :tkv]
-        return dq, dk, dv, dbias
+        return _gradients_unfolded(pb, block, dq, dk, dv, dbias)
 
 
 register_kernel(ChunkedKernel())

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cptransform.analysis.match_report import MatchReport
+from cptransform.analysis.primitives import INLINABLE
 from cptransform.ir import compat
 from cptransform.ir.errors import MatchAttentionError
 from cptransform.ir.facts import Fact
@@ -89,7 +90,7 @@ class MatchAttention(Pass):
             refusals.extend(matcher.refusals)
             return reps
 
-        new = Rewriter(plan=plan).run(module.jaxpr)
+        new = Rewriter(plan=plan, inlinable=INLINABLE).run(module.jaxpr)
         if self.strict:
             bad = [r for r, attention_like in refusals if attention_like]
             if bad:
