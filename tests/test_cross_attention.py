@@ -14,6 +14,7 @@ from schedule_cases import BTHD, HEAD_KINDS, Case, check_schedule
 from cptransform import context_parallel
 from cptransform.analysis.seq_axes import SeqAxisError
 from cptransform.ir.module import iter_eqns
+from cptransform.lowering.sharding_leaks import sequence_all_gathers
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import AttentionSpec, MaskSpec
 
@@ -111,6 +112,25 @@ def test_transform_shards_each_sequence(schedule, load_balance, tq, tkv, causal)
     # Two sequences, found by dataflow: the queries' and the memory's.
     assert module.facts.seq_axes.lengths == (tq, tkv)
     assert module.facts.seq_axes.inputs[-2:] == ((1,), (1,))
+
+
+def test_sequences_of_one_length_run_permuted_without_gathers():
+    """A decoder over an encoder's memory of the same length: both sequences share the
+    zigzag permutation, so the whole program runs in layout order (no per-attention
+    permutation, which GSPMD would partition as an all-gather of the whole sequence)."""
+    args = cross_args(16, 16)
+    fn = lambda p, x, m: decoder_over_memory(p, x, m, causal=True)  # noqa: E731
+    want = jax.value_and_grad(fn, argnums=(0, 1, 2))(*args)
+    f = context_parallel(fn, cp=8, schedule="ring", load_balance="zigzag")
+    grad = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+    got = grad(*args)
+    np.testing.assert_allclose(got[0], want[0], rtol=RTOL)
+    for g, w in zip(jax.tree_util.tree_leaves(got[1]), jax.tree_util.tree_leaves(want[1])):
+        np.testing.assert_allclose(g, w, rtol=0, atol=RTOL * float(jnp.max(jnp.abs(w))))
+    module = f.module(*args)
+    assert module.facts.seq_axes.lengths == (16, 16)
+    assert module.facts.layout is not None and module.facts.layout.name == "zigzag"
+    assert sequence_all_gathers(grad.lower(*args).compile().as_text(), 16) == []
 
 
 @pytest.mark.slow
