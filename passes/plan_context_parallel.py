@@ -253,13 +253,17 @@ class PlanContextParallel(Pass):
 
         new = Rewriter(rules={attention_p.name: decide}, inlinable=INLINABLE).run(module.jaxpr) if eqns \
             else module.jaxpr
-        seq_len = facts.seq_axes.seq_len
+        # Sequences of one common length (an encoder and a decoder of equal lengths) share
+        # one permutation: every op between them (cross attention, a sum of encoder and
+        # decoder states) then sees both in the same order, as in natural order.
+        lengths = set(facts.seq_axes.lengths)
+        seq_len = next(iter(lengths)) if len(lengths) == 1 else None
         reordered = layout != "contiguous" and seq_len is not None \
             and seq_len % layout_multiple(layout, cp) == 0
         sequence = SequenceLayout(layout, seq_len, cp) if reordered else None
         where = "" if reordered or layout == "contiguous" else \
             " inside each attention only: " + (
-                f"{len(facts.seq_axes.lengths)} sequences" if seq_len is None else
+                f"{len(lengths)} sequences of different lengths" if seq_len is None else
                 f"length {seq_len} is not a multiple of {layout_multiple(layout, cp)}") + \
             "; the program stays in natural order"
         why = "load_balance=" + self.load_balance if forced is not None else \

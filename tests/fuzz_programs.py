@@ -90,11 +90,7 @@ ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES
 #: Classes that currently find bugs (wrong numbers or unclear crashes), with the reason.
 #: ``tests/test_fuzz.py`` skips them; ``bench/fuzz.py`` runs them. Fix the bug, delete the
 #: entry, and the CI fuzzer covers the class.
-KNOWN_BROKEN: dict[str, str] = {
-    "dtype_f64": "float64 programs drawn here come back ~2e-9 relative off (float64 would be "
-                 "~1e-15; tests/test_calls.py's float64 attention does reach 1e-12): some op "
-                 "around the attention still computes below float64",
-}
+KNOWN_BROKEN: dict[str, str] = {}
 
 #: ``windows`` variants, ``kind_width``: max/min/avg pooling of a (centered or causal) window,
 #: a depthwise causal conv (Mamba's short conv), a token shift by pad+slice, a roll.
@@ -247,6 +243,12 @@ def _fill_value(fill: str, dtype):
     return -1e9
 
 
+def softmax_dtype(dtype):
+    """The dtype the programs compute softmaxes (and RoPE angles) in: float32 for bf16 and
+    float16 activations, float64 for float64 ones (``dtype_f64`` is float64 throughout)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def rmsnorm(x, g, eps=1e-5):
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * g
 
@@ -254,8 +256,9 @@ def rmsnorm(x, g, eps=1e-5):
 def rope(x, base=10000.0):
     """x: [B, S, H, D] (D even); positions from jnp.arange."""
     s, d = x.shape[1], x.shape[-1]
-    pos = jnp.arange(s, dtype=jnp.float32)
-    inv = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    angles = softmax_dtype(x.dtype)
+    pos = jnp.arange(s, dtype=angles)
+    inv = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=angles) / d))
     ang = pos[:, None] * inv[None, :]
     cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
@@ -346,8 +349,8 @@ def _attend_built(case: FuzzCase, q, k, v, inputs):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     else:
         s = q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1)
-    s = jnp.where(visible, s.astype(jnp.float32) / math.sqrt(q.shape[-1]),
-                  _fill_value(case.fill, jnp.float32))
+    s = jnp.where(visible, s.astype(softmax_dtype(s.dtype)) / math.sqrt(q.shape[-1]),
+                  _fill_value(case.fill, softmax_dtype(s.dtype)))
     p = jax.nn.softmax(s, axis=-1)
     if case.variant == "keras_softmax_zero":
         p = jnp.where(visible, p, 0.0)
@@ -387,7 +390,7 @@ def attend(case: FuzzCase, q, k, v, params, inputs):
         return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, **kw)
 
     allowed = _allowed(case, inputs)
-    fill = _fill_value(case.fill, jnp.float32)
+    fill = _fill_value(case.fill, softmax_dtype(q.dtype))
     if case.gqa_style == "reshape" and kh != h:
         g = h // kh
         qg = q.reshape(q.shape[0], q.shape[1], kh, g, q.shape[3])
@@ -395,7 +398,7 @@ def attend(case: FuzzCase, q, k, v, params, inputs):
             s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k)
         else:
             s = qg.transpose(0, 2, 3, 1, 4) @ k.transpose(0, 2, 3, 1)[:, :, None]
-        s = s.astype(jnp.float32) * scale
+        s = s.astype(softmax_dtype(s.dtype)) * scale
         s = s.reshape(s.shape[0], h, s.shape[3], s.shape[4])
         if bias is not None:
             s = s + bias
@@ -415,7 +418,7 @@ def attend(case: FuzzCase, q, k, v, params, inputs):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     else:
         s = q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1)
-    s = s.astype(jnp.float32) * scale
+    s = s.astype(softmax_dtype(s.dtype)) * scale
     if bias is not None:
         s = s + bias
     if allowed is not None:

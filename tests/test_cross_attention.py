@@ -14,6 +14,7 @@ from schedule_cases import BTHD, HEAD_KINDS, Case, check_schedule
 from cptransform import context_parallel
 from cptransform.analysis.seq_axes import SeqAxisError
 from cptransform.ir.module import iter_eqns
+from cptransform.lowering.sharding_leaks import sequence_all_gathers
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import AttentionSpec, MaskSpec
 
@@ -91,7 +92,7 @@ def cross_args(tq: int, tkv: int):
 @pytest.mark.parametrize("schedule,load_balance,tq,tkv,causal", [
     ("ring", "zigzag", 19, 40, True),
     ("allgather", "none", 16, 24, False),
-    ("ulysses", "zigzag", 16, 16, True),   # equal lengths, still two sequences
+    ("ulysses", "zigzag", 16, 16, True),   # equal lengths, still two sequences: one layout
 ])
 def test_transform_shards_each_sequence(schedule, load_balance, tq, tkv, causal):
     args = cross_args(tq, tkv)
@@ -111,6 +112,13 @@ def test_transform_shards_each_sequence(schedule, load_balance, tq, tkv, causal)
     # Two sequences, found by dataflow: the queries' and the memory's.
     assert module.facts.seq_axes.lengths == (tq, tkv)
     assert module.facts.seq_axes.inputs[-2:] == ((1,), (1,))
+    if tq == tkv and load_balance != "none":
+        # One common length: both sequences share the permutation and the program runs in
+        # layout order (an attention permuting its own operands would make GSPMD
+        # all-gather the whole sequence around it).
+        assert module.facts.layout is not None and module.facts.layout.name == load_balance
+        hlo = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))).lower(*args).compile()
+        assert sequence_all_gathers(hlo.as_text(), tq) == []
 
 
 @pytest.mark.slow
