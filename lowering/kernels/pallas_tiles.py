@@ -30,6 +30,7 @@ class TileSides:
     row_seg: object = None
     col_seg: object = None
     dense: object = None          # int8 [rows, cols], nonzero = visible
+    picked: object = None         # int8 [rows, cols], nonzero = a top-k index
     row_valid: object = None      # bool [rows, 1]: not padding
     col_valid: object = None      # bool [1, cols]
     transposed: bool = False
@@ -57,10 +58,11 @@ def visible_tile(spec: AttentionSpec, t: TileSides):
     :func:`~cptransform.op.attention_reference.visible` says for this tile), padding
     excluded."""
     dense = None if t.dense is None else t.dense != 0
+    picked = None if t.picked is None else t.picked != 0
     if t.transposed:
-        tile = mask_terms.Tile(t.col_pos, t.row_pos, t.col_seg, t.row_seg, dense)
+        tile = mask_terms.Tile(t.col_pos, t.row_pos, t.col_seg, t.row_seg, dense, picked)
     else:
-        tile = mask_terms.Tile(t.row_pos, t.col_pos, t.row_seg, t.col_seg, dense)
+        tile = mask_terms.Tile(t.row_pos, t.col_pos, t.row_seg, t.col_seg, dense, picked)
     return t.row_valid & t.col_valid & mask_terms.visible(spec.mask.terms(), tile)
 
 
