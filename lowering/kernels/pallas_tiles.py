@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cptransform.op import mask_terms
+from cptransform.op.attention_reference import capped_logits
 from cptransform.op.attention_spec import AttentionSpec
 
 F32 = jnp.float32
@@ -79,15 +80,7 @@ def dot_nn(a, b):
 def tile_logits(spec: AttentionSpec, rows, cols, bias=None):
     """``(s, tanh)``: float32 logits ``softcap(scale · rows·colsᵀ) + bias`` of one tile and the
     soft-cap's ``tanh`` (``None`` without soft-cap), which the backward needs."""
-    s = dot_nt(rows, cols) * F32(spec.scale)
-    tanh = None
-    if spec.softcap is not None:
-        cap = F32(spec.softcap)
-        tanh = jnp.tanh(s / cap)
-        s = tanh * cap
-    if bias is not None:
-        s = s + bias.astype(F32)
-    return s, tanh
+    return capped_logits(spec, dot_nt(rows, cols) * F32(spec.scale), bias)
 
 
 def online_softmax(state, s, ok, v):
