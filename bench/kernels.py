@@ -1,12 +1,16 @@
 """Local-step kernel throughput: the Pallas kernel next to cuDNN and XLA attention.
 
 Forward and forward+backward TFLOP/s at B=1, H=16, D=128, bf16, S ∈ {8K, 32K}, for a causal
-mask, no mask, and a random block-sparse mask (128 × 128 blocks, 10% of them visible), for
+mask, no mask, a random block-sparse mask (128 × 128 blocks, 10% of them visible), and a
+DeepSeek-style top-k indexer mask (each query's ``S/64`` indices among its causal keys, half
+of them in its own and the previous 128-block, half anywhere before), for
 
 * ``pallas``: this package's ``"pallas"`` kernel (the GPU variant on a GPU), forward then
-  backward from the forward's ``o``/``lse`` (what a schedule runs);
+  backward from the forward's ``o``/``lse`` (what a schedule runs); the top-k mask as
+  ``topk_indices`` (the kernels' selection of each call's keys, tiles no index reaches
+  skipped);
 * ``cudnn`` / ``xla``: ``jax.nn.dot_product_attention(implementation=...)``, ``jax.grad`` for
-  the backward (the block-sparse mask goes in as a dense boolean mask).
+  the backward (the block-sparse and top-k masks go in as dense boolean masks).
 
 FLOPs count only the visible fraction of the score matrix (causal ½, block-sparse the drawn
 density): forward ``4·B·H·S²·D·fraction``, backward 2.5× that (the flash-attention
@@ -41,7 +45,7 @@ from cptransform.lowering.block import Block  # noqa: E402
 from cptransform.lowering.kernels.pallas import PallasKernel  # noqa: E402
 
 BTHD = Layout.parse("BTHD")
-MASKS = ("causal", "full", "block_sparse")
+MASKS = ("causal", "full", "block_sparse", "topk")
 
 
 def block_sparse_mask(seq: int, block: int, density: float, seed: int = 0):
@@ -54,23 +58,46 @@ def block_sparse_mask(seq: int, block: int, density: float, seed: int = 0):
     return jnp.asarray(dense)[None, None], float(tiles.mean())
 
 
+def topk_mask(seq: int, block: int, seed: int = 0):
+    """``(indices [1, 1, S, k] int32, the same as a dense bool [1, 1, S, S], density)``:
+    ``k = max(S // 64, 2)`` causal keys per query, half drawn from its own and the previous
+    ``block`` keys, half from all earlier ones (an indexer's mix of local and far picks)."""
+    rng = np.random.default_rng(seed)
+    k = max(seq // 64, 2)
+    rows = np.arange(seq)[:, None]
+    near = rows - (rng.random((seq, k // 2)) * np.minimum(rows + 1, 2 * block)).astype(int)
+    far = (rng.random((seq, k - k // 2)) * (rows + 1)).astype(int)
+    idx = np.concatenate([near, far], axis=1).astype(np.int32)
+    dense = np.zeros((seq, seq), bool)
+    dense[rows, idx] = True
+    return jnp.asarray(idx)[None, None], jnp.asarray(dense)[None, None], float(dense.mean())
+
+
 def problem(seq: int, heads: int, dim: int, mask: str, block: int, dtype):
-    """``(q, k, v, dense_mask | None, fraction of the score matrix visible)``."""
+    """``(q, k, v, dense_mask | None, topk_indices | None, fraction of the score matrix
+    visible)``."""
     keys = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (1, seq, heads, dim), dtype) for key in keys)
     if mask == "block_sparse":
         dense, fraction = block_sparse_mask(seq, block, 0.10)
-        return q, k, v, dense, fraction
-    return q, k, v, None, 0.5 if mask == "causal" else 1.0
+        return q, k, v, dense, None, fraction
+    if mask == "topk":
+        idx, dense, fraction = topk_mask(seq, block)
+        return q, k, v, dense, idx, fraction
+    return q, k, v, None, None, 0.5 if mask == "causal" else 1.0
 
 
-def pallas_fns(kernel: PallasKernel, mask: str, seq: int, scale: float):
-    """``(forward, forward+backward)`` of the Pallas kernel on ``(q, k, v, dense)``."""
+def pallas_fns(kernel: PallasKernel, mask: str, seq: int, scale: float, topk=None):
+    """``(forward, forward+backward)`` of the Pallas kernel on ``(q, k, v, dense)``; the
+    top-k mask reads ``topk`` (indices) and ignores ``dense``."""
     spec = AttentionSpec(BTHD, BTHD, BTHD, scale=scale, positions=True,
-                         mask=MaskSpec(causal=mask == "causal", dense=mask == "block_sparse"))
+                         mask=MaskSpec(causal=mask in ("causal", "topk"),
+                                       dense=mask == "block_sparse", topk=mask == "topk"))
     pos = jnp.arange(seq, dtype=jnp.int32)[None]
 
     def block(q, k, v, dense):
+        if topk is not None:
+            return Block(q, k, v, pos, pos, topk=topk)
         return Block(q, k, v, pos, pos, mask=dense)
 
     def fwd(q, k, v, dense):
@@ -127,12 +154,13 @@ def main() -> int:
     rows, failures = [], []
     for seq in seqs:
         for mask in MASKS:
-            q, k, v, dense, fraction = problem(seq, heads, dim, mask, block, jnp.bfloat16)
+            q, k, v, dense, topk, fraction = problem(seq, heads, dim, mask, block,
+                                                     jnp.bfloat16)
             flops = 4 * heads * seq * seq * dim * fraction
             scale = dim ** -0.5
             want = None
             for impl in impls:
-                fns = pallas_fns(kernel, mask, seq, scale) if impl == "pallas" else \
+                fns = pallas_fns(kernel, mask, seq, scale, topk) if impl == "pallas" else \
                     nn_fns(impl, mask, scale)
                 fwd, fwd_bwd = (jax.jit(f) for f in fns)
                 row = dict(impl=impl, seq=seq, mask=mask, fraction=fraction)

@@ -46,7 +46,7 @@ from cptransform.ir.errors import CPTransformError
 
 #: One attention with a drawn mask, around projections (norm / RoPE / residual drawn).
 MASK_CLASSES = ("mask_none", "mask_causal", "mask_window", "mask_two_sided", "mask_segments",
-                "mask_key_padding", "mask_dense", "mask_bias", "mask_builders")
+                "mask_key_padding", "mask_dense", "mask_bias", "mask_builders", "mask_chunked")
 #: The surrounding-program classes (mask drawn from the simple ones unless stated).
 PROGRAM_CLASSES = (
     "llama_block",      # RMSNorm, RoPE (positions from jnp.arange), GQA, SwiGLU, residuals
@@ -102,6 +102,12 @@ WINDOW_VARIANTS = tuple(f"{kind}_{width}" for kind in WINDOW_KINDS for width in 
 #: masks (with Keras' post-softmax zeroing), a padding mask spelled ``data > 0``.
 MASK_BUILDERS = ("hf_slice", "hf_dynamic_slice", "neo_xor", "mistral_triu",
                  "tril_difference", "keras_minimum", "keras_softmax_zero", "data_padding")
+#: Llama-4 chunked attention's public spellings (the ``mask_chunked`` class draws one; the
+#: chunk is ``FuzzCase.window``): ``(qi // C == ki // C) & (ki <= qi)``; transformers' Llama-4
+#: ``_create_chunked_attention_mask`` (``|ki // C - qi // C| == 0`` and ``ki - qi <= 0``);
+#: transformers' ``masking_utils`` (``and_masks(causal_mask_function,
+#: chunked_overlay(C))``: per-index functions vmapped over query and key indices).
+CHUNKED_SPELLINGS = ("floordiv", "llama4_abs", "hf_overlay")
 
 SPELLINGS = ("jnn", "einsum", "matmul")
 SCHEDULES = ("ring", "ulysses", "allgather", "auto")
@@ -124,9 +130,9 @@ class FuzzCase:
     head_dim: int
     v_head_dim: int
     model_dim: int
-    mask: str            # none causal window two_sided segments key_padding dense bias
+    mask: str            # none causal window two_sided segments key_padding dense bias chunked
     causal: bool         # combined with segments / key_padding / dense / bias
-    window: int          # for window / two_sided
+    window: int          # for window / two_sided; the chunk C for chunked
     spelling: str        # jnn einsum matmul
     gqa_style: str       # repeat reshape (hand-written spellings)
     fill: str            # where-mask fill: neg_big (-1e9), finfo_min, neg_inf
@@ -165,7 +171,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
     mask = {"mask_none": "none", "mask_causal": "causal", "mask_window": "window",
             "mask_two_sided": "two_sided", "mask_segments": "segments",
             "mask_key_padding": "key_padding", "mask_dense": "dense",
-            "mask_bias": "bias", "mask_builders": "builder"}.get(cls)
+            "mask_bias": "bias", "mask_builders": "builder", "mask_chunked": "chunked"}.get(cls)
     if cls == "masked_rows":
         mask = "key_padding"
     elif mask is None:
@@ -182,12 +188,12 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
     schedules = tuple(s for s in SCHEDULES if s != "ulysses" or heads % cp == 0)
     schedule = choose("schedule", schedules)
     load_balance = choose("load_balance", LOAD_BALANCES)
-    causal = mask in ("causal", "window") or (
+    causal = mask in ("causal", "window", "chunked") or (
         mask in ("segments", "key_padding", "dense", "bias") and choose("causal", (False, True)))
     if cls == "masked_rows":
         causal = True
     window = choose("window", (1, 3, 5, 8, 17)) if mask in ("window", "two_sided", "builder") \
-        else 0
+        else choose("chunk", (3, 4, 8, 16)) if mask == "chunked" else 0
     fill = "neg_inf" if cls == "masked_rows" else choose("fill", ("neg_big", "finfo_min",
                                                                   "neg_inf"))
     variants = {
@@ -204,6 +210,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "windows": WINDOW_VARIANTS,
         "static_equal_hash": ((1, True, 1.0, 1), (True, 1, 1.0), (1.0, True, 1)),
         "mask_builders": MASK_BUILDERS,
+        "mask_chunked": CHUNKED_SPELLINGS,
         "merge_tokens": ("rows", "rows_heads", "rows_bf16"),
         "chunk_tokens": ("2", "4", "8"),
         "dense_head": ("",),
@@ -281,6 +288,8 @@ def _allowed(case: FuzzCase, inputs: dict, batched: bool = True):
         m = conj(m, i - j < case.window)
     if case.mask == "two_sided":
         m = conj(m, jnp.abs(i - j) <= case.window)
+    if case.mask == "chunked":  # the spelling writes its causal part itself
+        m = _chunked(case)
     if m is not None:
         m = m[None, None]
     if case.mask == "segments":
@@ -292,6 +301,21 @@ def _allowed(case: FuzzCase, inputs: dict, batched: bool = True):
     if case.mask == "dense":
         m = conj(m, inputs["dense_mask"])
     return m
+
+
+def _chunked(case: FuzzCase):
+    """The causal chunked visibility ``[S, S]`` in the drawn spelling (its causal part
+    included: each spelling writes the two together)."""
+    c, ar = case.window, jnp.arange(case.seq)
+    if case.variant == "llama4_abs":
+        block_pos = jnp.abs(ar[None, :] // c - ar[:, None] // c)
+        token_pos = ar[None, :] - ar[:, None]
+        return (block_pos == 0) & (token_pos <= 0)
+    if case.variant == "hf_overlay":
+        def both(q_idx, kv_idx):
+            return (kv_idx <= q_idx) & (kv_idx // c == q_idx // c)
+        return jax.vmap(jax.vmap(both, in_axes=(None, 0)), in_axes=(0, None))(ar, ar)
+    return (ar[:, None] // c == ar[None, :] // c) & (ar[None, :] <= ar[:, None])
 
 
 def _key_valid(case, inputs):
@@ -385,6 +409,8 @@ def attend(case: FuzzCase, q, k, v, params, inputs):
                 mask = inputs["key_valid"][:, None, None, :]
         if case.mask == "dense":
             mask = inputs["dense_mask"]
+        if case.mask == "chunked":
+            mask = _chunked(case)[None, None]
         if bias is not None:
             bias = bias.astype(q.dtype)
         return jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, **kw)

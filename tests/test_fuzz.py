@@ -106,3 +106,12 @@ def test_case_repr_round_trips():
     case = draw_case(numpy_chooser(np.random.default_rng(1)), "mask_causal", 1)
     assert eval(repr(case), {"FuzzCase": FuzzCase}) == case
     assert jax.device_count() >= 8
+
+
+@settings(max_examples=1, deadline=None, derandomize=True, database=None,
+          phases=(Phase.explicit, Phase.generate), suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 2 ** 20))
+def test_fuzz_chunked_attention_fast_sample(seed):
+    """The fast tier's sample of ``mask_chunked`` (Llama-4 chunked attention in one of its
+    public spellings); the slow tier draws the class with the others."""
+    drawn_and_run("mask_chunked", seed)

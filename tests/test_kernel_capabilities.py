@@ -6,7 +6,9 @@ import pytest
 
 from cptransform.ir.errors import KernelError
 from cptransform.lowering.kernels import capabilities, kernels
-from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
+from cptransform.lowering.kernels.capabilities import (
+    ALL_TERMS, Capabilities, choose_kernel, warn_passed_over)
+from cptransform.op import mask_terms
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 
 BTHD = Layout.parse("BTHD")
@@ -17,11 +19,12 @@ def spec(**mask):
 
 
 def test_a_named_kernel_refuses_what_it_cannot_run():
-    with pytest.raises(KernelError, match="top-k") as err:
-        choose_kernel("pallas", spec(causal=True, topk=True), jnp.float32, (8, 8), kernels())
-    assert isinstance(err.value, NotImplementedError)
-    with pytest.raises(KernelError, match="float64"):
+    with pytest.raises(KernelError, match="float64") as err:
         choose_kernel("pallas", spec(causal=True), jnp.float64, (8, 8), kernels())
+    assert isinstance(err.value, NotImplementedError)
+    without_topk = Capabilities(mask_terms=ALL_TERMS - {mask_terms.TopK})
+    assert "top-k" in without_topk.refusal(spec(causal=True, topk=True), jnp.float32, (8, 8),
+                                           "cpu")
     with pytest.raises(KernelError, match="unknown kernel"):
         choose_kernel("triton", spec(), jnp.float32, (8, 8), kernels())
     kernel, why = choose_kernel("pallas", spec(chunk=4, causal=True), jnp.bfloat16, (8, 8),
@@ -30,8 +33,8 @@ def test_a_named_kernel_refuses_what_it_cannot_run():
 
 
 def test_auto_takes_pallas_on_a_device_only_after_its_self_check(monkeypatch):
-    """On a GPU/TPU ``auto`` runs the self-check once per device kind; a failed check (or
-    a mask Pallas does not read) falls back to XLA with one warning line saying why."""
+    """On a GPU/TPU ``auto`` runs the self-check once per device kind; a failed check falls
+    back to XLA with one warning line saying why."""
     calls = []
     verdict = {"pallas": "its dq differs from the reference"}
 
@@ -58,7 +61,7 @@ def test_auto_takes_pallas_on_a_device_only_after_its_self_check(monkeypatch):
     assert kernel.name == "pallas" and "not" not in why
     kernel, why = choose_kernel("auto", spec(causal=True, topk=True), jnp.float32, (8, 8),
                                 kernels(), backend="tpu")
-    assert kernel.name == "xla" and "top-k" in why
+    assert kernel.name == "pallas"  # the Pallas kernels read every mask term
 
 
 def test_auto_on_cpu_is_the_xla_kernel():

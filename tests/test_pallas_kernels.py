@@ -14,8 +14,10 @@ from cptransform.op.attention_reference import attend
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import get_kernel
-from cptransform.lowering.kernels.block_table import FULL, PARTIAL, SKIP, block_table
+from cptransform.lowering.kernels import pallas_gpu, pallas_tpu
+from cptransform.lowering.kernels.block_table import FULL, PARTIAL, SKIP, block_table, fetch_order
 from cptransform.lowering.kernels.pallas import PallasKernel
+from cptransform.lowering.kernels.pallas_operands import prepare
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from examples import llama  # noqa: E402
@@ -173,3 +175,76 @@ def test_context_parallel_with_pallas(tiny_llama, schedule, load_balance, varian
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         scale = float(jnp.max(jnp.abs(r))) or 1.0
         assert float(jnp.max(jnp.abs(g - r))) <= 1e-5 * scale
+
+
+def _window_block(rng, **options):
+    """16 × 16 tokens, window (2, 2) in 4 × 4 tiles: each row visits 2 or 3 tiles and skips
+    the rest, on both sides of the band."""
+    return make_block(rng, MaskSpec(window=(2, 2)), tq=16, tkv=16, q_offset=0, **options)
+
+
+def test_skipped_tpu_steps_fetch_the_block_already_held(rng):
+    """Every grid step of the TPU kernels fetches, by its index map, the tile
+    ``fetch_order`` names: a visited tile itself, a skipped one the last visited tile of its
+    row (the first one at a row's start). So the K/V block index changes only at visited
+    tiles: as many DMAs as visited tiles, in the forward (along keys) and in dK/dV (along
+    the G·nq query blocks of a KV head)."""
+    block, spec = _window_block(rng, heads=(4, 2))
+    ops = prepare(block, spec, 4, 4)
+    for table in (ops.table, pallas_tpu.kv_major_table(ops.table, ops.groups, 2)):
+        table = np.asarray(table)
+        fetch = np.asarray(fetch_order(table))
+        fetched = pallas_tpu.fetched_tile(table.shape)
+        for b, h, i in np.ndindex(*table.shape[:3]):
+            row = table[b, h, i]
+            visited = np.flatnonzero(row != SKIP)
+            steps = [int(fetched(b, h, i, j, None, fetch.reshape(-1)))
+                     for j in range(row.size)]
+            for j, step in enumerate(steps):
+                before = visited[visited <= j]
+                want = before[-1] if before.size else visited[0]
+                assert step == want, (b, h, i, j, steps, row)
+            changes = 1 + sum(a != c for a, c in zip(steps, steps[1:]))
+            assert changes == visited.size
+        assert (table == SKIP).any()
+
+
+def test_kv_major_table_is_the_forward_table_transposed(rng):
+    """A per-head dense mask of 4 query heads over 2 KV heads."""
+    dense = rng.random((1, 4, 16, 16)) < 0.5
+    dense[..., :4, 4:8] = False
+    table = np.asarray(block_table(MaskSpec(dense=True), *[jnp.arange(16)[None]] * 2, None,
+                                   None, jnp.asarray(dense), 4, 4))
+    assert table.shape == (1, 4, 4, 4)
+    kv_major = np.asarray(pallas_tpu.kv_major_table(table, 2, 2))
+    for hk, j, r in np.ndindex(2, 4, 8):
+        assert kv_major[0, hk, j, r] == table[0, hk * 2 + r // 4, r % 4, j]
+
+
+def _eqns(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs in its equations' params."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+def test_gpu_loop_loads_no_kv_for_a_skipped_tile(rng):
+    """The GPU forward's key loop reads the table entry, then branches: the skip branch is
+    empty, so no K or V of a skipped tile is loaded (Triton loads at the ``ref[...]``)."""
+    block, spec = _window_block(rng)
+    ops = prepare(block, spec, 16, 4)
+    jaxpr = jax.make_jaxpr(lambda: pallas_gpu.forward(ops, spec, True))()
+    (call,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+    (loop,) = [e for e in _eqns(call.params["jaxpr"]) if e.primitive.name in ("scan", "while")]
+    body = loop.params["jaxpr"].jaxpr if "jaxpr" in loop.params else loop.params["body_jaxpr"]
+    top = [e.primitive.name for e in body.eqns]
+    assert top.count("get") == 1  # the table entry
+    (by_kind,) = [e for e in body.eqns if e.primitive.name == "cond"]
+    skip = by_kind.params["branches"][1].jaxpr  # lax.cond(kind == SKIP, skip, …)
+    assert not skip.eqns
+    loads = [e for e in _eqns(by_kind.params["branches"][0].jaxpr) if e.primitive.name == "get"]
+    assert loads  # the visited tiles load K and V

@@ -3,7 +3,8 @@
 The reference against the dense mask a scatter builds, the matcher turning that scatter
 into ``topk_indices``, every schedule × layout against one device (forward and the
 gradients of q, k, v and the indexer's parameters), the chunked kernel's block skipping,
-top-k larger than the causal keys, duplicate indices, and the Pallas refusal.
+top-k larger than the causal keys, duplicate indices, and the indexer (indices or its dense
+data mask) through the Pallas kernels.
 """
 import sys
 from pathlib import Path
@@ -27,39 +28,49 @@ B, S, H, D, HI, DI, K = 1, 64, 8, 8, 2, 8, 8
 RTOL = 1e-5
 
 
-def scatter_mask(idx, s=S):
-    """The dense mask ``zeros.at[b, q, idx].set(True)`` of indices ``[b, q, k]``."""
+def scatter_mask(idx, s=None):
+    """The dense mask ``zeros.at[b, q, idx].set(True)`` of indices ``[b, q, k]`` (``s``
+    keys; default: as many as queries)."""
     b, q = idx.shape[:2]
+    s = q if s is None else s
     return jnp.zeros((b, q, s), bool).at[
         jnp.arange(b)[:, None, None], jnp.arange(q)[None, :, None], idx].set(True)
 
 
 def indexer(x_q, x_k, w):
     """DeepSeek's lightning indexer: ``sum_h w_h · relu(q_h · k)``, causal (``-inf``)."""
+    s = x_q.shape[1]
     scores = jnp.einsum("bshd,btd->bsht", x_q, x_k)
     scores = jnp.sum(jax.nn.relu(scores) * w[..., None], axis=2)
-    causal = jnp.arange(S)[:, None] >= jnp.arange(S)[None, :]
+    causal = jnp.arange(s)[:, None] >= jnp.arange(s)[None, :]
     return jnp.where(causal, scores, -jnp.inf), causal
 
 
-def sparse_loss(q, k, v, qi, ki, w, top=K):
+def sparse_loss(q, k, v, qi, ki, w, top=K, dense=False):
     """Sparse attention picked by the indexer, plus the indexer's auxiliary loss (KL from
-    the main attention's head-summed distribution, held constant, to the indexer's)."""
+    the main attention's head-summed distribution, held constant, to the indexer's).
+
+    ``dense``: the indexer's mask as data (``scores`` at or above the row's ``top``-th
+    largest), which stays a dense ``[B, S, S]`` mask operand instead of indices."""
+    s, h, d = q.shape[1:]
     scores, causal = indexer(qi, ki, w)
-    _, idx = lax.top_k(scores, top)
-    mask = scatter_mask(idx) & causal
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+    if dense:
+        kth = lax.top_k(scores, top)[0][..., -1:]
+        mask = (scores >= kth) & causal
+    else:
+        mask = scatter_mask(lax.top_k(scores, top)[1]) & causal
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * d ** -0.5
     p = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), axis=-1)
     out = jnp.einsum("bhqk,bkhd->bqhd", p, v)
-    dense = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
-    target = lax.stop_gradient(jnp.sum(dense, axis=1) / H)
+    full = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+    target = lax.stop_gradient(jnp.sum(full, axis=1) / h)
     log_p = jax.nn.log_softmax(scores, axis=-1)
-    aux = -jnp.sum(jnp.where(causal, target * log_p, 0.0)) / S
+    aux = -jnp.sum(jnp.where(causal, target * log_p, 0.0)) / s
     return jnp.sum(jnp.sin(out)) + aux
 
 
-def inputs(rng):
-    shapes = [(B, S, H, D)] * 3 + [(B, S, HI, DI), (B, S, DI), (B, S, HI)]
+def inputs(rng, s=S, h=H):
+    shapes = [(B, s, h, D)] * 3 + [(B, s, HI, DI), (B, s, DI), (B, s, HI)]
     return tuple(randn(rng, *s) for s in shapes)
 
 
@@ -189,13 +200,33 @@ def test_chunked_kernel_skips_chunks_no_index_falls_in(rng):
     assert_close(lse, lse_ref, RTOL)
 
 
-def test_pallas_refuses_indices(rng):
-    q, k, v = (randn(rng, 1, S, H, D) for _ in range(3))
-    idx = jnp.zeros((1, 1, S, 2), jnp.int32)
-    fn = context_parallel(cp=8, schedule="ring", kernel="pallas")(
-        lambda q, k, v: attention(q, k, v, topk_indices=idx, causal=True))
-    with pytest.raises(NotImplementedError, match="top-k"):
-        fn(q, k, v)
+#: The indexer through ``kernel="pallas"``: (schedule, layout, variant, mask form), a mesh
+#: of 2 (hybrid: 2 × 2) over 16 tokens. The ring meets every layout, the other schedules
+#: one each; the variants and the mask forms (indices, or the indexer's dense data mask)
+#: alternate. Interpreted Pallas takes about a minute a case, so all are slow-tier; the
+#: fast tier has the kernel-level test below.
+PALLAS_CASES = [("ring", "none", "tpu", "topk"), ("ring", "zigzag", "gpu", "dense"),
+                ("ring", "striped", "tpu", "dense"), ("allgather", "striped", "gpu", "topk"),
+                ("ulysses", "zigzag", "tpu", "topk"), ("hybrid", "none", "gpu", "topk")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,layout,variant,form", PALLAS_CASES)
+def test_pallas_indexer_matches_one_device(rng, monkeypatch, schedule, layout, variant, form):
+    """Forward and the gradients of q, k, v and the indexer's parameters (its auxiliary loss
+    path) on the Pallas kernels (interpret mode) against one device."""
+    monkeypatch.setenv("CPTRANSFORM_PALLAS_VARIANT", variant)
+    args = inputs(rng, s=16, h=2)
+    loss = lambda *a: sparse_loss(*a, top=4, dense=form == "dense")  # noqa: E731
+    mesh = make_mesh((2, 2), ("uly", "ring")) if schedule == "hybrid" else make_mesh((2,), ("cp",))
+    fn = context_parallel(mesh=mesh, axis=tuple(mesh.axis_names), schedule=schedule,
+                          load_balance=layout, kernel="pallas")(loss)
+    assert relative(fn(*args), loss(*args)) <= RTOL
+    got = jax.grad(fn, argnums=tuple(range(6)))(*args)
+    want = jax.grad(loss, argnums=tuple(range(6)))(*args)
+    for name, g, w in zip(("q", "k", "v", "q_index", "k_index", "w_index"), got, want):
+        assert relative(g, w) <= RTOL, (name, relative(g, w))
+    assert ("topk" if form == "topk" else "dense") in fn.explain(*args)
 
 
 @pytest.mark.slow
@@ -218,3 +249,27 @@ def test_hybrid_matches_one_device(rng):
     got = jax.grad(fn, argnums=tuple(range(6)))(*args)
     want = jax.grad(sparse_loss, argnums=tuple(range(6)))(*args)
     assert all(relative(g, w) <= RTOL for g, w in zip(got, want))
+
+
+def test_pallas_table_skips_tiles_no_index_reaches(rng):
+    """The Pallas kernels' block table of a top-k mask (with causal, odd lengths, 4 × 4
+    tiles): key blocks no index reaches are skipped, and the selection the kernels read is
+    the reference's. (The numbers through the kernels: the schedule matrix above.)"""
+    from cptransform.lowering.kernels.block_table import SKIP
+    from cptransform.lowering.kernels.pallas_operands import prepare
+    from cptransform.op.attention_reference import selected
+
+    q, k, v = randn(rng, 1, 13, 2, D), randn(rng, 1, 11, 1, D), randn(rng, 1, 11, 1, D)
+    q_pos = jnp.arange(13, dtype=jnp.int32)[None] + 3
+    kv_pos = jnp.arange(11, dtype=jnp.int32)[None]
+    idx = jnp.asarray(rng.integers(0, 4, (1, 2, 13, 2)), jnp.int32).at[..., 1, 0].set(5)
+    block = Block(q=q, k=k, v=v, q_pos=q_pos, kv_pos=kv_pos, topk=idx)
+    spec = jax.make_jaxpr(lambda *a: attention(*a, topk_indices=idx, causal=True))(
+        q, k, v).eqns[-1].params["spec"].replace(positions=True)
+    ops = prepare(block, spec, 4, 4)
+    table = np.asarray(ops.table)
+    # Key blocks 1 and 2 hold no index but the 5 of query block 0's second row.
+    assert table.shape == (1, 1, 4, 3) and (table[0, 0, :, 1:] == SKIP).sum() == 7
+    assert not (table[0, 0, :, 0] == SKIP).any()
+    np.testing.assert_array_equal(np.asarray(ops.picked[..., :13, :11]) != 0,
+                                  np.asarray(selected(idx, kv_pos)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from cptransform.op.accumulation import accumulator_dtype
@@ -53,21 +54,43 @@ def selected(topk, kv_pos):
     return jax.vmap(per_head)(srt, kv)                    # over B
 
 
+def capped_logits(spec: AttentionSpec, scaled, bias=None):
+    """``(s, tanh)``: the logits ``softcap(scaled) + bias`` from the scaled products
+    ``scaled = scale · q·kᵀ`` (in their dtype), and the soft-cap's ``tanh`` (``None``
+    without soft-cap), which a backward needs for ``ds · (1 - tanh²)``.
+
+    The one definition of the logits after the product: the reference, the XLA kernels and
+    both Pallas kernels call it (the product itself is each one's own: its operand layout,
+    and whether the scale goes on ``q`` or on the product, are how each computes it fastest
+    and most exactly). Plain ``jnp`` arithmetic on an array, so it traces inside a Pallas
+    kernel body too.
+    """
+    dtype = np.dtype(scaled.dtype).type
+    tanh = None
+    if spec.softcap is not None:
+        cap = dtype(spec.softcap)
+        tanh = jnp.tanh(scaled / cap)
+        scaled = tanh * cap
+    if bias is not None:
+        scaled = scaled + bias.astype(scaled.dtype)
+    return scaled, tanh
+
+
 def logits(spec: AttentionSpec, q, k, bias=None):
     """``[B, H, Tq, Tkv]`` logits (:func:`accumulator_dtype`) from canonical
-    ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``."""
+    ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``: :func:`capped_logits` of the scaled product."""
+    return logits_and_tanh(spec, q, k, bias)[0]
+
+
+def logits_and_tanh(spec: AttentionSpec, q, k, bias=None):
+    """:func:`logits` and the soft-cap's ``tanh`` (see :func:`capped_logits`)."""
     b, tq, h, d = q.shape
     hkv = k.shape[2]
     acc = accumulator_dtype(q.dtype, k.dtype)
     qg = q.reshape(b, tq, hkv, h // hkv, d)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=acc)
     s = s.reshape(b, h, tq, k.shape[1]).astype(acc) * acc.type(spec.scale)
-    if spec.softcap is not None:
-        cap = acc.type(spec.softcap)
-        s = jnp.tanh(s / cap) * cap
-    if bias is not None:
-        s = s + bias.astype(acc)
-    return s
+    return capped_logits(spec, s, bias)
 
 
 def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,

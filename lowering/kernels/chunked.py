@@ -43,7 +43,7 @@ from cptransform.lowering.kernels import register_kernel, row_delta, sum_to, zer
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.lowering.kernels.capabilities import Capabilities
 from cptransform.op import mask_terms
-from cptransform.op.attention_reference import visible
+from cptransform.op.attention_reference import capped_logits, visible
 from cptransform.op.attention_spec import AttentionSpec
 
 #: Pair kinds of :func:`chunk_kinds` (also the ``lax.switch`` branch indices).
@@ -174,14 +174,9 @@ class _Problem:
         # at huge logits (~1e29) that one-ulp gap is exp(±4e22) instead of 1.
         qs = qc.astype(accum) * accum.type(spec.scale)
         s = jnp.einsum("bhqd,bhkd->bhqk", qs, kc.astype(accum), preferred_element_type=accum)
-        tanh = None
-        if spec.softcap is not None:
-            cap = accum.type(spec.softcap)
-            tanh = jnp.tanh(s / cap)
-            s = tanh * cap
-        if self.block.bias is not None:
-            s = s + _rows(self._tile(self.block.bias, i, j), self.groups).astype(accum)
-        return s, tanh
+        bias = None if self.block.bias is None else _rows(self._tile(self.block.bias, i, j),
+                                                          self.groups)
+        return capped_logits(spec, s, bias)
 
     def visible(self, i, j):
         """Bool ``[B|1, Hkv|1, G·cq, ck]``: the mask of pair ``(i, j)`` (padded keys off)."""

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from cptransform.op import mask_terms
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels.capabilities import ALL_TERMS, Capabilities
@@ -41,10 +40,10 @@ class PallasKernel:
     """
 
     name = "pallas"
-    #: No top-k indices yet; never compiled on a GPU or TPU by the test suite, so ``auto``
-    #: takes it there only after its on-device self-check.
+    #: Every mask term; never compiled on a GPU or TPU by the test suite, so ``auto`` takes
+    #: it there only after its on-device self-check.
     capabilities = Capabilities(
-        mask_terms=ALL_TERMS - {mask_terms.TopK},
+        mask_terms=ALL_TERMS,
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         needs_check=frozenset({"gpu", "cuda", "rocm", "tpu"}))
 

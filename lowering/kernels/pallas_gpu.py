@@ -32,11 +32,12 @@ def _whole(x):
 
 
 def _mask_inputs(ops: Operands, *, kv_major: bool, group: int):
-    """``(names, arrays, specs)`` for positions, segment ids, dense mask and bias.
+    """``(names, arrays, specs)`` for positions, segment ids, dense mask, top-k selection and
+    bias.
 
     Q-major (grid ``(b, h, i)``): this program's query block as a column, all keys as a
-    row; mask/bias rows ``[bq, Tkvp]``. KV-major (grid ``(b, hkv, j)``): this key block as
-    a column, all queries as a row; the transposed mask/bias ``[group, bk, Tqp]`` of the
+    row; mask/selection/bias rows ``[bq, Tkvp]``. KV-major (grid ``(b, hkv, j)``): this key
+    block as a column, all queries as a row; the transposed ones ``[group, bk, Tqp]`` of the
     query heads of KV head ``hkv``.
     """
     bq, bk = ops.bq, ops.bk
@@ -56,7 +57,7 @@ def _mask_inputs(ops: Operands, *, kv_major: bool, group: int):
             arrays += [as_column(qx), as_row(kx)]
             specs += [pl.BlockSpec((None, bq, 1), lambda b, h, i, lead=lead: (lead(b), i, 0)),
                       pl.BlockSpec((None, 1, tkvp), lambda b, h, i, lead=lead: (lead(b), 0, 0))]
-    for name, x in (("mask", ops.mask), ("bias", ops.bias)):
+    for name, x in (("mask", ops.mask), ("picked", ops.picked), ("bias", ops.bias)):
         if x is None:
             continue
         nb, nh = x.shape[:2]
@@ -89,16 +90,21 @@ def _sides(spec, refs, ops, q_start, kv_start, kv_major, head=0):
 
     q_valid = valid_range(q_start, bq, ops.tq, axis=1 if kv_major else 0)
     kv_valid = valid_range(kv_start, bk, ops.tkv, axis=0 if kv_major else 1)
-    dense = None
-    if "mask" in refs:
-        m = refs["mask"]
-        dense = m[head if m.shape[0] > 1 else 0, :, pl.ds(q_start, bq)] if kv_major \
+
+    def tile(name):
+        """This tile of a ``[bq, Tkvp]`` row band (Q-major) or ``[group, bk, Tqp]`` (KV-major)."""
+        if name not in refs:
+            return None
+        m = refs[name]
+        return m[head if m.shape[0] > 1 else 0, :, pl.ds(q_start, bq)] if kv_major \
             else m[:, pl.ds(kv_start, bk)]
+
     rows, cols = ("kv", "q") if kv_major else ("q", "kv")
     valid = {"q": q_valid, "kv": kv_valid}
     return TileSides(row_pos=load(rows + "_pos"), col_pos=load(cols + "_pos"),
-                     row_seg=load(rows + "_seg"), col_seg=load(cols + "_seg"), dense=dense,
-                     row_valid=valid[rows], col_valid=valid[cols], transposed=kv_major)
+                     row_seg=load(rows + "_seg"), col_seg=load(cols + "_seg"),
+                     dense=tile("mask"), picked=tile("picked"), row_valid=valid[rows],
+                     col_valid=valid[cols], transposed=kv_major)
 
 
 def _by_kind(kind, skip, full, partial, carry):

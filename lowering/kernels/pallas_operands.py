@@ -6,6 +6,14 @@ Heads-major (``[B, H, T, D]``) because Mosaic tiles the last two dims of every b
 Lengths are padded up to a multiple of the block; padded rows and columns are excluded by
 the kernels' index check (tiles holding them are never :data:`FULL`), so padding needs no
 special positions and works for every mask, the unmasked one included.
+
+A top-k mask reaches the kernels as its selection on this call's keys (``picked``, int8
+``[B|1, H|1, Tq, Tkv]``, what :func:`~cptransform.op.attention_reference.selected` says for
+the key positions the call holds): the indices name global positions, so under a ring the
+selection of step ``i`` is the one of the KV shard held then, in the keys' layout order,
+without slicing by rank. The block table's top-k term skips the tiles no index reaches;
+the kernels read ``picked`` as they read a dense mask, forward Q-major and (transposed)
+KV-major in dK/dV.
 """
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from cptransform.op.attention_reference import selected
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels.block_table import block_table
@@ -24,7 +33,8 @@ class Operands:
     """Padded heads-major operands and the static facts every kernel needs.
 
     ``q [B, H, Tqp, D]``, ``k [B, Hkv, Tkvp, D]``, ``v [B, Hkv, Tkvp, Dv]``; positions and
-    segment ids ``[B|1, Tp]`` int32; ``mask`` int8 and ``bias`` ``[B|1, H|1, Tqp, Tkvp]``;
+    segment ids ``[B|1, Tp]`` int32; ``mask`` and ``picked`` (the top-k selection) int8 and
+    ``bias`` ``[B|1, H|1, Tqp, Tkvp]``;
     ``table`` int32 ``[Bt, Ht, nq, nk]`` (:func:`block_table`). ``tq``/``tkv`` are the real
     lengths, ``bq``/``bk`` the block sizes, ``groups`` query heads per KV head.
     """
@@ -37,6 +47,7 @@ class Operands:
     q_seg: object
     kv_seg: object
     mask: object
+    picked: object
     bias: object
     table: object
     tq: int
@@ -73,19 +84,13 @@ def tokens_major(x, length: int):
 
 
 def prepare(block: Block, spec: AttentionSpec, bq: int, bk: int) -> Operands:
-    """Pad and transpose ``block`` for kernels with ``bq × bk`` tiles; builds the table.
-
-    Raises ``NotImplementedError`` for a top-k mask: its tiles are built from indices, which
-    the Pallas kernels do not read yet (the ``"xla"`` kernel does).
-    """
-    if spec.mask.topk:
-        raise NotImplementedError(
-            "the Pallas kernels do not support top-k sparse masks (topk_indices); use "
-            "kernel='xla', whose chunked local step builds the tiles from the indices")
+    """Pad and transpose ``block`` for kernels with ``bq × bk`` tiles; builds the table and,
+    for a top-k mask, the selection ``picked`` on this block's keys."""
     tq, tkv = block.q.shape[1], block.k.shape[1]
     tqp, tkvp = -(-tq // bq) * bq, -(-tkv // bk) * bk
+    topk = block.topk if spec.mask.topk else None
     table = block_table(spec.mask, block.q_pos, block.kv_pos, block.q_seg, block.kv_seg,
-                        block.mask if spec.mask.dense else None, bq, bk)
+                        block.mask if spec.mask.dense else None, bq, bk, topk)
 
     def dense(x):
         return _pad_to(_pad_to(x, 2, tqp), 3, tkvp)
@@ -100,6 +105,7 @@ def prepare(block: Block, spec: AttentionSpec, bq: int, bk: int) -> Operands:
         kv_seg=_pad_to(block.kv_seg.astype(jnp.int32), 1, tkvp) if segments else None,
         # int8, not bool: Mosaic has no bool memory refs.
         mask=dense(block.mask.astype(jnp.int8)) if spec.mask.dense else None,
+        picked=None if topk is None else dense(selected(topk, block.kv_pos).astype(jnp.int8)),
         bias=dense(block.bias) if block.bias is not None else None,
         table=table, tq=tq, tkv=tkv, bq=bq, bk=bk,
         groups=block.q.shape[2] // block.k.shape[2])

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cptransform.op import mask_terms
+from cptransform.op.attention_reference import capped_logits
 from cptransform.op.attention_spec import AttentionSpec
 
 F32 = jnp.float32
@@ -30,6 +31,7 @@ class TileSides:
     row_seg: object = None
     col_seg: object = None
     dense: object = None          # int8 [rows, cols], nonzero = visible
+    picked: object = None         # int8 [rows, cols], nonzero = a top-k index
     row_valid: object = None      # bool [rows, 1]: not padding
     col_valid: object = None      # bool [1, cols]
     transposed: bool = False
@@ -57,10 +59,11 @@ def visible_tile(spec: AttentionSpec, t: TileSides):
     :func:`~cptransform.op.attention_reference.visible` says for this tile), padding
     excluded."""
     dense = None if t.dense is None else t.dense != 0
+    picked = None if t.picked is None else t.picked != 0
     if t.transposed:
-        tile = mask_terms.Tile(t.col_pos, t.row_pos, t.col_seg, t.row_seg, dense)
+        tile = mask_terms.Tile(t.col_pos, t.row_pos, t.col_seg, t.row_seg, dense, picked)
     else:
-        tile = mask_terms.Tile(t.row_pos, t.col_pos, t.row_seg, t.col_seg, dense)
+        tile = mask_terms.Tile(t.row_pos, t.col_pos, t.row_seg, t.col_seg, dense, picked)
     return t.row_valid & t.col_valid & mask_terms.visible(spec.mask.terms(), tile)
 
 
@@ -77,15 +80,7 @@ def dot_nn(a, b):
 def tile_logits(spec: AttentionSpec, rows, cols, bias=None):
     """``(s, tanh)``: float32 logits ``softcap(scale · rows·colsᵀ) + bias`` of one tile and the
     soft-cap's ``tanh`` (``None`` without soft-cap), which the backward needs."""
-    s = dot_nt(rows, cols) * F32(spec.scale)
-    tanh = None
-    if spec.softcap is not None:
-        cap = F32(spec.softcap)
-        tanh = jnp.tanh(s / cap)
-        s = tanh * cap
-    if bias is not None:
-        s = s + bias.astype(F32)
-    return s, tanh
+    return capped_logits(spec, dot_nt(rows, cols) * F32(spec.scale), bias)
 
 
 def online_softmax(state, s, ok, v):

@@ -1,7 +1,11 @@
 """TPU-style Pallas kernels (splash-attention structure): the grid walks key blocks, the
 running softmax and gradient accumulators live in VMEM scratch, and the block table is
 scalar-prefetched into SMEM so that skipped tiles cost one ``pl.when`` and full tiles skip the
-mask.
+mask. So is its :func:`~cptransform.lowering.kernels.block_table.fetch_order`: the index maps
+of the operands that change along the reduction axis (K/V and the key side in the forward and
+dQ kernels; Q, dO, ``lse``, ``delta`` and the query side in dK/dV) read the tile to fetch from
+it, so a skipped step names the block the pipeline already holds and no DMA happens (splash
+attention's ``data_next``).
 
 Three ``pallas_call``\\ s, named so they can be read in a jaxpr:
 
@@ -9,8 +13,9 @@ Three ``pallas_call``\\ s, named so they can be read in a jaxpr:
 * ``cp_attention_dq``: the same Q-major grid, accumulating dQ (and writing dbias tiles);
 * ``cp_attention_dkv``: the KV-major grid ``(B, Hkv, nk, G·nq)``: key blocks outer, the
   query blocks of all ``G`` query heads of a KV head folded into one reduction axis. Its
-  table and dense mask/bias are the forward ones transposed (grid axes swapped, and each
-  tile ``[bk, bq]``), and it computes the transposed tile ``Sᵀ = K·Qᵀ`` directly.
+  table (:func:`kv_major_table`) and dense mask/selection/bias are the forward ones
+  transposed (grid axes swapped, and each tile ``[bk, bq]``), and it computes the transposed
+  tile ``Sᵀ = K·Qᵀ`` directly.
 
 Positions, segment ids, ``lse`` and ``delta`` enter as ``[.., T, 1]`` columns or ``[.., 1, T]``
 rows (a block dim equal to the array dim is legal for Mosaic whatever its size).
@@ -24,7 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from cptransform.op.attention_spec import AttentionSpec
-from cptransform.lowering.kernels.block_table import FULL, PARTIAL, SKIP
+from cptransform.lowering.kernels.block_table import FULL, PARTIAL, SKIP, fetch_order
 from cptransform.lowering.kernels.pallas_operands import Operands, head_index, out_struct
 from cptransform.lowering.kernels.pallas_tiles import (
     F32, TileSides, as_column, as_row, dot_nn, dot_nt, finish_softmax, grad_logits,
@@ -43,8 +48,28 @@ def _table_index(shape, b, h, i, j):
     return ((head_index(bt, b) * ht + head_index(ht, h)) * n1 + i) * n2 + j
 
 
+def fetched_tile(shape):
+    """The tile index a grid step ``(b, h, i, j)`` fetches along the reduction axis, read
+    from the prefetched :func:`fetch_order` (index-map arguments: the grid indices, then the
+    table and the fetch order)."""
+    return lambda b, h, i, j, table, fetch: fetch[_table_index(shape, b, h, i, j)]
+
+
+def kv_major_table(table, groups: int, kv_heads: int):
+    """The dK/dV grid's table ``[Bt, Hkv|1, nk, G·nq]``: the forward's with its block axes
+    swapped and the ``G`` query heads of each KV head laid along the reduction axis (entry
+    ``r`` is query block ``r % nq`` of query head ``hkv·G + r // nq``)."""
+    t = jnp.swapaxes(table, 2, 3)
+    bt, ht, nk, nq = t.shape
+    if ht == 1:
+        return jnp.tile(t, (1, 1, 1, groups))
+    return t.reshape(bt, kv_heads, groups, nk, nq).transpose(0, 1, 3, 2, 4).reshape(
+        bt, kv_heads, nk, groups * nq)
+
+
 def _mask_inputs(ops: Operands, *, kv_major: bool, q_block, kv_block, head):
-    """``(names, arrays, specs)`` of positions, segment ids, dense mask and bias.
+    """``(names, arrays, specs)`` of positions, segment ids, dense mask, top-k selection and
+    bias.
 
     ``q_block(idx)``/``kv_block(idx)``/``head(idx)`` map grid indices to the query block,
     key block and query head. Q-major: queries as columns, keys as rows, tiles
@@ -69,7 +94,7 @@ def _mask_inputs(ops: Operands, *, kv_major: bool, q_block, kv_block, head):
         if qx is not None:
             side("q_" + name, qx, bq, q_block, column=not kv_major)
             side("kv_" + name, kx, bk, kv_block, column=kv_major)
-    for name, x in (("mask", ops.mask), ("bias", ops.bias)):
+    for name, x in (("mask", ops.mask), ("picked", ops.picked), ("bias", ops.bias)):
         if x is None:
             continue
         if kv_major:
@@ -93,21 +118,23 @@ def _sides(spec: AttentionSpec, refs, ops: Operands, q_start, kv_start, kv_major
     valid = {"q": q_valid, "kv": kv_valid}
     return TileSides(row_pos=load(rows + "_pos"), col_pos=load(cols + "_pos"),
                      row_seg=load(rows + "_seg"), col_seg=load(cols + "_seg"),
-                     dense=load("mask"), row_valid=valid[rows], col_valid=valid[cols],
+                     dense=load("mask"), picked=load("picked"), row_valid=valid[rows], col_valid=valid[cols],
                      transposed=kv_major)
 
 
 def _call(kernel, names, arrays, in_specs, out_shape, out_specs, scratch, grid, name,
           interpret, table):
+    """``pallas_call`` with ``table`` and its :func:`fetch_order` scalar-prefetched (the
+    kernel's first two arguments)."""
     return pl.pallas_call(
         functools.partial(kernel, names=tuple(names)),
         out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs,
+            num_scalar_prefetch=2, grid=grid, in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(dimension_semantics=_SEMANTICS),
         interpret=interpret, name=name,
-    )(_flat_table(table), *arrays)
+    )(_flat_table(table), _flat_table(fetch_order(table)), *arrays)
 
 
 def _split(refs, names, n_out):
@@ -120,17 +147,18 @@ def forward(ops: Operands, spec: AttentionSpec, interpret):
     b, h, tqp, d = ops.q.shape
     dv, g, nq, nk, bq, bk = ops.v.shape[3], ops.groups, ops.nq, ops.nk, ops.bq, ops.bk
     tshape = ops.table.shape
-    q_block, kv_block, head = (lambda idx: idx[2]), (lambda idx: idx[3]), (lambda idx: idx[1])
-    names, arrays, specs = _mask_inputs(ops, kv_major=False, q_block=q_block,
-                                        kv_block=kv_block, head=head)
+    fetched = fetched_tile(tshape)
+    names, arrays, specs = _mask_inputs(ops, kv_major=False, q_block=lambda idx: idx[2],
+                                        kv_block=lambda idx: fetched(*idx),
+                                        head=lambda idx: idx[1])
+    q_map = lambda bi, hi, i, j, *t: (bi, hi, i, 0)  # noqa: E731
+    kv_map = lambda bi, hi, i, j, *t: (bi, hi // g, fetched(bi, hi, i, j, *t), 0)  # noqa: E731
     names = ["q", "k", "v"] + names
     arrays = [ops.q, ops.k, ops.v] + arrays
-    specs = [pl.BlockSpec((None, None, bq, d), lambda bi, hi, i, j, t: (bi, hi, i, 0)),
-             pl.BlockSpec((None, None, bk, d), lambda bi, hi, i, j, t: (bi, hi // g, j, 0)),
-             pl.BlockSpec((None, None, bk, dv), lambda bi, hi, i, j, t: (bi, hi // g, j, 0)),
-             ] + specs
+    specs = [pl.BlockSpec((None, None, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
+             pl.BlockSpec((None, None, bk, dv), kv_map)] + specs
 
-    def kernel(table, *refs, names):
+    def kernel(table, fetch, *refs, names):
         refs, (o_ref, lse_ref), scratch = _split(refs, names, 2)
         bi, hi, i, j = (pl.program_id(a) for a in range(4))
 
@@ -161,8 +189,7 @@ def forward(ops: Operands, spec: AttentionSpec, interpret):
     o, lse = _call(
         kernel, names, arrays, specs,
         [out_struct((b, h, tqp, dv), F32, arrays), out_struct((b, h, tqp, 1), F32, arrays)],
-        [pl.BlockSpec((None, None, bq, dv), lambda bi, hi, i, j, t: (bi, hi, i, 0)),
-         pl.BlockSpec((None, None, bq, 1), lambda bi, hi, i, j, t: (bi, hi, i, 0))],
+        [pl.BlockSpec((None, None, bq, dv), q_map), pl.BlockSpec((None, None, bq, 1), q_map)],
         [pltpu.VMEM((bq, 1), F32), pltpu.VMEM((bq, 1), F32), pltpu.VMEM((bq, dv), F32),
          pltpu.VMEM((bq, 1), F32)],
         (b, h, nq, nk), "cp_attention_fwd", interpret, ops.table)
@@ -178,10 +205,12 @@ def backward_dq(ops: Operands, spec: AttentionSpec, do, lse, delta, interpret):
     b, h, tqp, d = ops.q.shape
     dv, g, nq, nk, bq, bk = ops.v.shape[3], ops.groups, ops.nq, ops.nk, ops.bq, ops.bk
     tkvp, tshape, has_bias = ops.k.shape[2], ops.table.shape, ops.bias is not None
+    fetched = fetched_tile(tshape)
     names, arrays, specs = _mask_inputs(ops, kv_major=False, q_block=lambda idx: idx[2],
-                                        kv_block=lambda idx: idx[3], head=lambda idx: idx[1])
-    q_map = lambda bi, hi, i, j, t: (bi, hi, i, 0)  # noqa: E731
-    kv_map = lambda bi, hi, i, j, t: (bi, hi // g, j, 0)  # noqa: E731
+                                        kv_block=lambda idx: fetched(*idx),
+                                        head=lambda idx: idx[1])
+    q_map = lambda bi, hi, i, j, *t: (bi, hi, i, 0)  # noqa: E731
+    kv_map = lambda bi, hi, i, j, *t: (bi, hi // g, fetched(bi, hi, i, j, *t), 0)  # noqa: E731
     names = ["q", "k", "v", "do", "lse", "delta"] + names
     arrays = [ops.q, ops.k, ops.v, do, as_column(lse), as_column(delta)] + arrays
     specs = [pl.BlockSpec((None, None, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
@@ -193,9 +222,9 @@ def backward_dq(ops: Operands, spec: AttentionSpec, do, lse, delta, interpret):
     if has_bias:
         out_shape.append(out_struct((b, h, tqp, tkvp), F32, arrays))
         out_specs.append(pl.BlockSpec((None, None, bq, bk),
-                                      lambda bi, hi, i, j, t: (bi, hi, i, j)))
+                                      lambda bi, hi, i, j, *t: (bi, hi, i, j)))
 
-    def kernel(table, *refs, names):
+    def kernel(table, fetch, *refs, names):
         refs, outs, (acc,) = _split(refs, names, len(out_shape))
         bi, hi, i, j = (pl.program_id(a) for a in range(4))
 
@@ -243,15 +272,16 @@ def backward_dkv(ops: Operands, spec: AttentionSpec, do, lse, delta, interpret):
     b, h, tqp, d = ops.q.shape
     hkv, tkvp = ops.k.shape[1], ops.k.shape[2]
     dv, g, nq, nk, bq, bk = ops.v.shape[3], ops.groups, ops.nq, ops.nk, ops.bq, ops.bk
-    table_t = jnp.swapaxes(ops.table, 2, 3)
+    table_t = kv_major_table(ops.table, g, hkv)
     tshape = table_t.shape
-    q_head = lambda idx: idx[1] * g + idx[3] // nq  # noqa: E731
-    q_block = lambda idx: idx[3] % nq  # noqa: E731
+    fetched = fetched_tile(tshape)
+    q_head = lambda idx: idx[1] * g + fetched(*idx) // nq  # noqa: E731
+    q_block = lambda idx: fetched(*idx) % nq  # noqa: E731
     names, arrays, specs = _mask_inputs(ops, kv_major=True, q_block=q_block,
                                         kv_block=lambda idx: idx[2], head=q_head)
-    q_map = lambda bi, hk, j, r, t: (bi, hk * g + r // nq, r % nq, 0)  # noqa: E731
-    q_row = lambda bi, hk, j, r, t: (bi, hk * g + r // nq, 0, r % nq)  # noqa: E731
-    kv_map = lambda bi, hk, j, r, t: (bi, hk, j, 0)  # noqa: E731
+    q_map = lambda *idx: (idx[0], q_head(idx), q_block(idx), 0)  # noqa: E731
+    q_row = lambda *idx: (idx[0], q_head(idx), 0, q_block(idx))  # noqa: E731
+    kv_map = lambda bi, hk, j, r, *t: (bi, hk, j, 0)  # noqa: E731
     names = ["q", "k", "v", "do", "lse", "delta"] + names
     arrays = [ops.q, ops.k, ops.v, do, as_row(lse), as_row(delta)] + arrays
     specs = [pl.BlockSpec((None, None, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
@@ -259,7 +289,7 @@ def backward_dkv(ops: Operands, spec: AttentionSpec, do, lse, delta, interpret):
              pl.BlockSpec((None, None, 1, bq), q_row), pl.BlockSpec((None, None, 1, bq), q_row),
              ] + specs
 
-    def kernel(table, *refs, names):
+    def kernel(table, fetch, *refs, names):
         refs, (dk_ref, dv_ref), (dk_acc, dv_acc) = _split(refs, names, 2)
         bi, hk, j, r = (pl.program_id(a) for a in range(4))
 
@@ -280,7 +310,7 @@ def backward_dkv(ops: Operands, spec: AttentionSpec, do, lse, delta, interpret):
             dv_acc[...] += dot_nn(p_t.astype(do_.dtype), do_)
             dk_acc[...] += dot_nn(ds_t.astype(q.dtype), q)
 
-        kind = table[_table_index(tshape, bi, hk * g + r // nq, j, r % nq)]
+        kind = table[_table_index(tshape, bi, hk, j, r)]
         pl.when(kind == FULL)(lambda: step(False))
         pl.when(kind == PARTIAL)(lambda: step(True))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from cptransform.op.accumulation import accumulator_dtype
-from cptransform.op.attention_reference import attend, empty_rows_of, logits, visible
+from cptransform.op.attention_reference import attend, empty_rows_of, logits_and_tanh, visible
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import sum_to
@@ -39,15 +39,7 @@ class XlaKernel:
         b, tq, h, d = q.shape
         _, tkv, hkv, dv_dim = v.shape
         accum = accumulator_dtype(q.dtype)
-        raw = logits(spec.replace(softcap=None), q, k)
-        if spec.softcap is not None:
-            cap = accum.type(spec.softcap)
-            tanh = jnp.tanh(raw / cap)
-            s = tanh * cap
-        else:
-            s = raw
-        if bias is not None:
-            s = s + bias.astype(accum)
+        s, tanh = logits_and_tanh(spec, q, k, bias)
         ok = visible(spec.mask, block.q_pos, block.kv_pos, block.q_seg, block.kv_seg,
                      block.mask)
         # Empty rows (lse = -inf) get p = 0; a NaN row keeps its NaN lse, so its p is NaN
