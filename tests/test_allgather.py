@@ -40,7 +40,8 @@ def test_communication_gathers_forward_and_reduce_scatters_backward(heads, segme
 
     def forward(*xs):
         return context_parallel_attention(*xs, spec=case.spec, mesh=mesh, axes="cp",
-                                          schedule="allgather", layout="striped")
+                                          schedule="allgather", layout="striped",
+                                          in_layout_order=True)
 
     def loss(*xs):
         return jnp.sum(forward(*xs).astype(jnp.float32))

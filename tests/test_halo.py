@@ -241,7 +241,8 @@ def test_permutes_move_only_halos(layout, window):
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in case.operands]
 
     def forward(*xs):
-        return context_parallel_attention(*xs, spec=case.spec, **halo(cp, layout))
+        return context_parallel_attention(*xs, spec=case.spec, **halo(cp, layout),
+                                          in_layout_order=True)
 
     def grad(*xs):
         return jax.grad(lambda q, k, v: jnp.sum(forward(q, k, v).astype(jnp.float32)),

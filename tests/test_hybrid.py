@@ -71,7 +71,8 @@ def test_communication_on_each_axis(shape, heads, explicit):
 
     def forward(*xs):
         return context_parallel_attention(*xs, spec=case.spec, mesh=mesh, axes=AXES,
-                                          schedule="hybrid", layout="zigzag")
+                                          schedule="hybrid", layout="zigzag",
+                                          in_layout_order=True)
 
     report = lower_and_count(forward, *abstract)
     expected = schedules()["hybrid"].volume(AttentionShape(
