@@ -361,6 +361,29 @@ def refuse_set_mesh_gradients(name: str, leaves: list) -> None:
             "the mesh as context_parallel(..., mesh=mesh)")
 
 
+class _Program:
+    """The transformed program, jitted, in the two forms its derivatives need.
+
+    ``reverse``: the program as lowered, whose schedules are ``custom_vjp``s (``grad``,
+    ``vjp``, no derivative). ``forward``: the same with a JVP rule built from its VJP
+    (:func:`~cptransform.api.forward_mode.with_forward_mode`), built on first use for
+    forward-mode tangents only: under reverse mode that rule would trace the transpose of
+    every schedule's backward, several times the cost of tracing the program."""
+
+    def __init__(self, flat_call: Callable):
+        self.reverse = jax.jit(flat_call)
+        self._flat_call = flat_call
+        self._forward = None
+
+    def for_arguments(self, flat: list) -> Callable:
+        """The form to call on ``flat`` (forward mode when any carries a JVP tangent)."""
+        if not compat.forward_differentiated(flat):
+            return self.reverse
+        if self._forward is None:
+            self._forward = jax.jit(with_forward_mode(self._flat_call))
+        return self._forward
+
+
 class ContextParallelFunction:
     """The result of :func:`context_parallel`: call it like the original function."""
 
@@ -410,7 +433,7 @@ class ContextParallelFunction:
         report_unsharded(final, self.options)
         stats = TransformStats(name, traced, result.timings)
         log.info("%s", stats.describe())
-        return (final, tuple(written), jax.jit(with_forward_mode(final.flat_call))), stats
+        return (final, tuple(written), _Program(final.flat_call)), stats
 
     # -- calling --
     def __call__(self, *args, **kwargs):
@@ -421,7 +444,7 @@ class ContextParallelFunction:
         refuse_set_mesh_gradients(final.name, jax.tree_util.tree_leaves(arguments))
         flat = _on_mesh(jax.tree_util.tree_leaves(arguments), final.facts.mesh)
         with compat.no_mesh_context():
-            flat_out = call(*flat)
+            flat_out = call.for_arguments(flat)(*flat)
         out, writes = jax.tree_util.tree_unflatten(final.out_tree, flat_out)
         write_back(arguments, written, writes)
         return out
@@ -430,7 +453,7 @@ class ContextParallelFunction:
         """``jax.jit(...).lower`` of the transformed program (ShapeDtypeStructs allowed)."""
         _, _, call, split = self._build(args, kwargs)
         with compat.no_mesh_context():
-            return call.lower(*jax.tree_util.tree_leaves((split.args, split.kwargs)))
+            return call.reverse.lower(*jax.tree_util.tree_leaves((split.args, split.kwargs)))
 
     def explain(self, *args, leaks: bool = False, verbose: bool = False, **kwargs) -> str:
         """A readable account of what the transform does for these arguments: the plan,

@@ -299,3 +299,23 @@ def differentiated(values) -> bool:
     kinds = tuple(k for k in (getattr(_ad, "JVPTracer", None),
                               getattr(_ad, "LinearizeTracer", None)) if k is not None)
     return any(isinstance(v, kinds) for v in values)
+
+
+def forward_differentiated(values) -> bool:
+    """Whether any of ``values`` carries a forward-mode tangent (``jax.jvp``,
+    ``jax.jacfwd``, the outer derivative of ``jax.hessian``) at any level of its tracers;
+    reverse mode (``grad``, ``vjp``) traces with ``LinearizeTracer``s instead."""
+    from jax._src.interpreters import ad as _ad
+    from jax._src.interpreters import batching as _batching
+    jvp = getattr(_ad, "JVPTracer", None)
+    for v in values:
+        while isinstance(v, _core.Tracer):
+            if jvp is not None and isinstance(v, jvp):
+                return True
+            inner = getattr(v, "primal", None)
+            if inner is None and isinstance(v, _batching.BatchTracer):
+                inner = v.val
+            if inner is None:
+                break
+            v = inner
+    return False
