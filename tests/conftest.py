@@ -12,6 +12,16 @@ if os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+# JAX's persistent compilation cache: programs that took over a second to compile are
+# stored, so a second run of a tier (or the slow tier after the fast one) loads them
+# instead. CPTRANSFORM_TEST_COMPILATION_CACHE names another folder, or "0" to turn it off.
+_CACHE = os.environ.get("CPTRANSFORM_TEST_COMPILATION_CACHE",
+                        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                     ".cache", "jax"))
+if _CACHE not in ("", "0"):
+    jax.config.update("jax_compilation_cache_dir", _CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 import pytest  # noqa: E402
 from jax.sharding import AxisType  # noqa: E402
 
