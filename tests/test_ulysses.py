@@ -63,7 +63,8 @@ def test_communication_is_four_all_to_alls(heads):
 
     def forward(*xs):
         return context_parallel_attention(*xs, spec=case.spec, mesh=mesh, axes="cp",
-                                          schedule="ulysses", layout="zigzag")
+                                          schedule="ulysses", layout="zigzag",
+                                          in_layout_order=True)
 
     report = lower_and_count(forward, *abstract)
     expected = schedules()["ulysses"].volume(AttentionShape(
