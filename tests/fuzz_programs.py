@@ -90,7 +90,11 @@ ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES
 #: Classes that currently find bugs (wrong numbers or unclear crashes), with the reason.
 #: ``tests/test_fuzz.py`` skips them; ``bench/fuzz.py`` runs them. Fix the bug, delete the
 #: entry, and the CI fuzzer covers the class.
-KNOWN_BROKEN: dict[str, str] = {}
+KNOWN_BROKEN: dict[str, str] = {
+    "pooling": "segment_sum pooling (variant segment_sum) under allgather, cp=8, seq 16, "
+               "even with load_balance='none': the w_pool gradient differs by 1e-4 relative "
+               "in 27% of its entries (FuzzCase seed 4823); cause not found yet",
+}
 
 #: ``windows`` variants, ``kind_width``: max/min/avg pooling of a (centered or causal) window,
 #: a depthwise causal conv (Mamba's short conv), a token shift by pad+slice, a roll.
