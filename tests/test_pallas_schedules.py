@@ -25,7 +25,6 @@ MESHES = {
     "allgather": ((2, 4, 8), ("cp",), "cp"),
     "hybrid": (((2, 2), (2, 4), (4, 2)), ("uly", "ring"), ("uly", "ring")),
     "halo": ((4,), ("cp",), "cp"),  # windows only: its own cases below
-    "double_ring": (((2, 2), (2, 4), (4, 2)), ("inner", "outer"), ("inner", "outer")),
 }
 VARIANTS = ("tpu", "gpu")
 FULL = os.environ.get("CPTRANSFORM_PALLAS_FULL") == "1"
