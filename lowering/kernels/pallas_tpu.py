@@ -142,17 +142,26 @@ def _split(refs, names, n_out):
     return dict(zip(names, refs[:n_in])), refs[n_in:n_in + n_out], refs[n_in + n_out:]
 
 
-def forward(ops: Operands, spec: AttentionSpec, interpret):
-    """``(o [B, H, Tqp, Dv] f32, lse [B, H, Tqp] f32)``."""
-    b, h, tqp, d = ops.q.shape
-    dv, g, nq, nk, bq, bk = ops.v.shape[3], ops.groups, ops.nq, ops.nk, ops.bq, ops.bk
-    tshape = ops.table.shape
-    fetched = fetched_tile(tshape)
+def _q_major_inputs(ops: Operands):
+    """The mask inputs of a Q-major grid ``(b, h, i, j)`` and its index maps: the query
+    block ``i``, and the KV block the fetch order names (a skipped step keeps the block it
+    holds, so no K/V moves)."""
+    fetched = fetched_tile(ops.table.shape)
     names, arrays, specs = _mask_inputs(ops, kv_major=False, q_block=lambda idx: idx[2],
                                         kv_block=lambda idx: fetched(*idx),
                                         head=lambda idx: idx[1])
+    g = ops.groups
     q_map = lambda bi, hi, i, j, *t: (bi, hi, i, 0)  # noqa: E731
     kv_map = lambda bi, hi, i, j, *t: (bi, hi // g, fetched(bi, hi, i, j, *t), 0)  # noqa: E731
+    return names, arrays, specs, q_map, kv_map
+
+
+def forward(ops: Operands, spec: AttentionSpec, interpret):
+    """``(o [B, H, Tqp, Dv] f32, lse [B, H, Tqp] f32)``."""
+    b, h, tqp, d = ops.q.shape
+    dv, nq, nk, bq, bk = ops.v.shape[3], ops.nq, ops.nk, ops.bq, ops.bk
+    tshape = ops.table.shape
+    names, arrays, specs, q_map, kv_map = _q_major_inputs(ops)
     names = ["q", "k", "v"] + names
     arrays = [ops.q, ops.k, ops.v] + arrays
     specs = [pl.BlockSpec((None, None, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
@@ -203,14 +212,9 @@ def backward_dq(ops: Operands, spec: AttentionSpec, do, lse, delta, interpret):
     ``rowsum(dO∘O) - dlse``). dbias tiles of skipped blocks are written as zeros.
     """
     b, h, tqp, d = ops.q.shape
-    dv, g, nq, nk, bq, bk = ops.v.shape[3], ops.groups, ops.nq, ops.nk, ops.bq, ops.bk
+    dv, nq, nk, bq, bk = ops.v.shape[3], ops.nq, ops.nk, ops.bq, ops.bk
     tkvp, tshape, has_bias = ops.k.shape[2], ops.table.shape, ops.bias is not None
-    fetched = fetched_tile(tshape)
-    names, arrays, specs = _mask_inputs(ops, kv_major=False, q_block=lambda idx: idx[2],
-                                        kv_block=lambda idx: fetched(*idx),
-                                        head=lambda idx: idx[1])
-    q_map = lambda bi, hi, i, j, *t: (bi, hi, i, 0)  # noqa: E731
-    kv_map = lambda bi, hi, i, j, *t: (bi, hi // g, fetched(bi, hi, i, j, *t), 0)  # noqa: E731
+    names, arrays, specs, q_map, kv_map = _q_major_inputs(ops)
     names = ["q", "k", "v", "do", "lse", "delta"] + names
     arrays = [ops.q, ops.k, ops.v, do, as_column(lse), as_column(delta)] + arrays
     specs = [pl.BlockSpec((None, None, bq, d), q_map), pl.BlockSpec((None, None, bk, d), kv_map),
