@@ -25,14 +25,17 @@ MESHES = {
     "allgather": ((2, 4, 8), ("cp",), "cp"),
     "hybrid": (((2, 2), (2, 4), (4, 2)), ("uly", "ring"), ("uly", "ring")),
     "halo": ((4,), ("cp",), "cp"),  # windows only: its own cases below
+    # Its own small case below: a pairwise case on two ring axes costs minutes interpreted.
+    "double_ring": (((2, 2),), ("inner", "outer"), ("inner", "outer")),
 }
+OWN_CASES = ("halo", "double_ring")
 VARIANTS = ("tpu", "gpu")
 FULL = os.environ.get("CPTRANSFORM_PALLAS_FULL") == "1"
 
 
 def cases():
     out = []
-    pairwise = {name: mesh for name, mesh in MESHES.items() if name != "halo"}
+    pairwise = {name: mesh for name, mesh in MESHES.items() if name not in OWN_CASES}
     for s, (schedule, (shapes, _, _)) in enumerate(pairwise.items()):
         for i, (shape, layout, kind, heads, dv) in enumerate(pairwise_cases(cps=shapes)):
             if FULL or i % 3 == s % 3 and i // 3 == s % 3:
@@ -90,3 +93,11 @@ def test_pallas_nan_in_one_token(rng, monkeypatch, schedule, variant, operand):
 def test_pallas_halo(rng, monkeypatch, layout, kind, variant):
     """Halo's one kernel call per device (halos ‖ local keys) with the Pallas kernels."""
     run("halo", 4, layout, make_case(rng, kind, "gqa", seq=48), monkeypatch, variant)
+
+
+@pytest.mark.slow
+def test_pallas_double_ring(rng, monkeypatch):
+    """The double ring's two rotations (inner ring per group, outer across groups) with the
+    Pallas kernels: a causal GQA case under zigzag, every gradient."""
+    run("double_ring", (2, 2), "zigzag", make_case(rng, "causal", "gqa", seq=16), monkeypatch,
+        "gpu")
