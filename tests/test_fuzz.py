@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
 
-from fuzz_programs import (ALL_CLASSES, KNOWN_BROKEN, LAYOUT_CLASSES, FuzzCase, draw_case,
+from fuzz_programs import (ALL_CLASSES, KNOWN_BROKEN, LAYOUT_CLASSES, FuzzCase,
+                           beyond_float32_noise, build, draw_case,
                            numpy_chooser, run_case)
 from cptransform.ir.errors import CPTransformError
 
@@ -115,3 +116,19 @@ def test_fuzz_chunked_attention_fast_sample(seed):
     """The fast tier's sample of ``mask_chunked`` (Llama-4 chunked attention in one of its
     public spellings); the slow tier draws the class with the others."""
     drawn_and_run("mask_chunked", seed)
+
+
+def test_float32_noise_allowance_still_sees_a_real_error():
+    """The allowance for an ill-conditioned float32 program (the transformed run may be a few
+    times further from float64 than the undecorated run is) passes the undecorated run's own
+    numbers and rejects them 1e-3 off."""
+    case = FuzzCase(cls='pooling', seed=4823, cp=8, schedule='allgather', load_balance='none',
+                    batch=1, seq=16, heads=4, kv_heads=4, head_dim=16, v_head_dim=16,
+                    model_dim=32, mask='causal', causal=True, window=0, spelling='jnn',
+                    gqa_style='repeat', fill='finfo_min', variant='segment_sum', norm=False,
+                    rope=False, residual=False, bf16=False)
+    loss, params, inputs = build(case)
+    ref = jax.jit(jax.value_and_grad(loss))(params, inputs)
+    assert beyond_float32_noise(case, ref, ref, "diff") is None
+    off = jax.tree_util.tree_map(lambda x: x * (1 + 1e-3), ref)
+    assert beyond_float32_noise(case, off, ref, "diff").startswith("diff; against float64")
