@@ -26,8 +26,9 @@ from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, m
 from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
     tile_bytes
 from cptransform.lowering.block import Block
-from cptransform.lowering.schedule import Schedule, any_length, differentiable, key_count, \
-    register_schedule, with_sinks
+from cptransform.lowering.schedule import (Schedule, added_fill_sharded, any_length,
+                                           differentiable, key_count, register_schedule,
+                                           with_sinks)
 from cptransform.lowering.ulysses import gather_sequence
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import fill_empty_rows
@@ -68,7 +69,8 @@ def allgather(block: Block, *, spec, axes, kernel):
     """The ``allgather`` schedule over one mesh axis (see the module doc)."""
     o, lse, v_mean = gathered_attention(block.replace(sinks=None), spec, axes[0], kernel)
     o, lse = with_sinks(block, o, lse)
-    return fill_empty_rows(spec, o, lse, v_mean).astype(block.q.dtype)
+    added = added_fill_sharded(spec, block, axes, block.k.shape[1] * lax.axis_size(axes[0]))
+    return fill_empty_rows(spec, o, lse, v_mean, added).astype(block.q.dtype)
 
 
 def allgather_volume(shape: AttentionShape) -> CommVolume:

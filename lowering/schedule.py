@@ -44,7 +44,7 @@ from cptransform.analysis.local_memory import query_state_bytes, shard_bytes
 from cptransform.analysis.prediction import Prediction, predict
 from cptransform.lowering.block import Block
 from cptransform.op.accumulation import accumulator_dtype
-from cptransform.op.attention_reference import fill_empty_rows, merge_sinks
+from cptransform.op.attention_reference import added_fill_term, fill_empty_rows, merge_sinks
 from cptransform.op.attention_spec import AttentionSpec
 
 
@@ -225,7 +225,7 @@ def finished(block, spec: AttentionSpec, o, lse, axes: tuple[str, ...]):
     :func:`fill_empty_rows_sharded`); ``o`` in ``q.dtype``."""
     o, lse = with_sinks(block, o, lse)
     kv_len = block.k.shape[1] * (lax.axis_size(axes) if axes else 1)
-    return fill_empty_rows_sharded(spec, o, lse, block.v, axes, kv_len).astype(block.q.dtype)
+    return fill_empty_rows_sharded(spec, o, lse, block, axes, kv_len).astype(block.q.dtype)
 
 
 def with_sinks(block, o, lse):
@@ -245,18 +245,36 @@ def with_sinks(block, o, lse):
     return merge_sinks(o, lse, block.sinks)
 
 
-def fill_empty_rows_sharded(spec: AttentionSpec, o, lse, v, axes, kv_len: int):
-    """``spec.mask.empty_rows`` for a schedule whose V is sharded over ``axes``.
+def fill_empty_rows_sharded(spec: AttentionSpec, o, lse, block, axes, kv_len: int):
+    """``spec.mask.empty_rows`` for a schedule whose K/V (``block``'s) are sharded over
+    ``axes``; ``o`` and ``lse`` are those of ``block``'s queries.
 
     Empty rows (:func:`~cptransform.op.attention_reference.empty_rows_of`) take the mean of
     V over all ``kv_len`` keys (a psum of the local sums; padded keys, whose V is zero, are
     not counted: :func:`key_count`) for ``"uniform"``, NaN times it for ``"nan"``; with
-    ``"zero"`` ``o`` is returned unchanged. Pass ``axes=()`` when ``v`` already holds every
-    key.
+    ``"zero"`` ``o`` is returned unchanged. An added fill (``spec.mask.added_fill``) also
+    gets the logits' gradient of one device (:func:`~cptransform.op.attention_reference.
+    added_fill_term`, from psums of the local K/V sums). Pass ``axes=()`` when ``block``
+    already holds every key.
     """
     if spec.mask.empty_rows == "zero":
         return o
-    total = jnp.sum(v.astype(accumulator_dtype(v.dtype)), axis=1, keepdims=True)
-    if axes:
-        total = lax.psum(total, tuple(axes))
-    return fill_empty_rows(spec, o, lse, total / key_count(spec, kv_len)).astype(o.dtype)
+    total = _key_sum(axes)(jnp.sum(block.v.astype(accumulator_dtype(block.v.dtype)), axis=1,
+                                   keepdims=True))
+    return fill_empty_rows(spec, o, lse, total / key_count(spec, kv_len),
+                           added_fill_sharded(spec, block, axes, kv_len)).astype(o.dtype)
+
+
+def added_fill_sharded(spec: AttentionSpec, block, axes, kv_len: int):
+    """:func:`~cptransform.op.attention_reference.added_fill_term` of ``block``'s queries
+    over all ``kv_len`` keys, ``block``'s K/V sharded over ``axes``; ``None`` unless
+    ``spec.mask.added_fill``."""
+    if not spec.mask.added_fill:
+        return None
+    return added_fill_term(spec, block.q, block.k, block.v, key_count(spec, kv_len),
+                           _key_sum(axes))
+
+
+def _key_sum(axes):
+    """A sum over this device's keys completed to all keys: a psum over ``axes``."""
+    return (lambda x: lax.psum(x, tuple(axes))) if axes else (lambda x: x)

@@ -64,7 +64,7 @@ PROGRAM_CLASSES = (
     "checkpoint",       # jax.checkpoint around the block
     "vmap_batch",       # a per-example block under jax.vmap over the batch
     "nan_weight",       # a NaN in the output projection: the loss must be NaN too
-    "masked_rows",      # fully masked query rows with a -inf fill (left padding + causal)
+    "masked_rows",      # fully masked query rows (left padding + causal), -inf or added fill
     "windows",          # a windowed op along the tokens before and after the block
 )
 #: The calls around the transform: state across steps, static arguments, dtypes.
@@ -194,8 +194,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         causal = True
     window = choose("window", (1, 3, 5, 8, 17)) if mask in ("window", "two_sided", "builder") \
         else choose("chunk", (3, 4, 8, 16)) if mask == "chunked" else 0
-    fill = "neg_inf" if cls == "masked_rows" else choose("fill", ("neg_big", "finfo_min",
-                                                                  "neg_inf"))
+    fill = choose("fill", ("neg_inf", "finfo_min_added") if cls == "masked_rows" else FILLS)
     variants = {
         "mask_key_padding": ("lengths", "valid"),
         "mask_bias": ("param", "alibi"),
@@ -242,12 +241,26 @@ def numpy_chooser(rng: np.random.Generator):
 # Building the program
 # ----------------------------------------------------------------------------------------
 
+#: How masked logits are filled: selected (``where(mask, s, fill)``) with -1e9, the dtype's
+#: minimum or -inf, or (``_added``) added as a bias, ``s + where(mask, 0, fill)``, as
+#: transformers' attention bias does: a fully masked row's scores then keep their gradient.
+FILLS = ("neg_big", "finfo_min", "neg_inf", "neg_big_added", "finfo_min_added")
+
+
 def _fill_value(fill: str, dtype):
+    fill = fill.removesuffix("_added")
     if fill == "neg_inf":
         return -jnp.inf
     if fill == "finfo_min":
         return jnp.finfo(dtype).min
     return -1e9
+
+
+def _masked(case: FuzzCase, s, allowed, fill):
+    """The logits ``s`` with the entries ``allowed`` hides filled as ``case.fill`` says."""
+    if case.fill.endswith("_added"):
+        return s + jnp.where(allowed, 0.0, fill).astype(s.dtype)
+    return jnp.where(allowed, s, fill)
 
 
 def softmax_dtype(dtype):
@@ -373,8 +386,8 @@ def _attend_built(case: FuzzCase, q, k, v, inputs):
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     else:
         s = q.transpose(0, 2, 1, 3) @ k.transpose(0, 2, 3, 1)
-    s = jnp.where(visible, s.astype(softmax_dtype(s.dtype)) / math.sqrt(q.shape[-1]),
-                  _fill_value(case.fill, softmax_dtype(s.dtype)))
+    s = _masked(case, s.astype(softmax_dtype(s.dtype)) / math.sqrt(q.shape[-1]), visible,
+                _fill_value(case.fill, softmax_dtype(s.dtype)))
     p = jax.nn.softmax(s, axis=-1)
     if case.variant == "keras_softmax_zero":
         p = jnp.where(visible, p, 0.0)
@@ -429,7 +442,7 @@ def attend(case: FuzzCase, q, k, v, params, inputs):
         if bias is not None:
             s = s + bias
         if allowed is not None:
-            s = jnp.where(allowed, s, fill)
+            s = _masked(case, s, allowed, fill)
         p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
         pg = p.reshape(p.shape[0], kh, g, p.shape[2], p.shape[3])
         if case.spelling == "einsum":
@@ -448,7 +461,7 @@ def attend(case: FuzzCase, q, k, v, params, inputs):
     if bias is not None:
         s = s + bias
     if allowed is not None:
-        s = jnp.where(allowed, s, fill)
+        s = _masked(case, s, allowed, fill)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     if case.spelling == "einsum":
         return jnp.einsum("bhqk,bkhd->bqhd", p, v)

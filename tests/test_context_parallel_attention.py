@@ -81,7 +81,7 @@ def test_schedule_contract(rng, monkeypatch):
         everything = lambda x: jax.lax.all_gather(x, axes, axis=1, tiled=True)  # noqa: E731
         gathered = block.with_keys(jax.tree.map(everything, block.keys()))
         o, lse = kernel.forward(gathered, spec)
-        o = fill_empty_rows_sharded(spec, o, lse, gathered.v, (), gathered.k.shape[1])
+        o = fill_empty_rows_sharded(spec, o, lse, gathered, (), gathered.k.shape[1])
         return o.astype(block.q.dtype)
 
     record = Schedule("gather_all", mesh_axes=1, run=gather_all, volume=None,

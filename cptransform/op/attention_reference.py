@@ -179,12 +179,13 @@ def merge_sinks(o, lse, sinks):
     return o, jnp.where(empty, -jnp.inf, total)
 
 
-def fill_empty_rows(spec: AttentionSpec, o, lse, v_mean):
+def fill_empty_rows(spec: AttentionSpec, o, lse, v_mean, added=None):
     """Apply ``spec.mask.empty_rows`` to the rows :func:`empty_rows_of` names.
 
     ``"zero"`` keeps ``o`` (0, up to NaN from V); ``"uniform"`` gives ``v_mean``, the mean of
     V over *all* keys (``[B, 1, Hkv, Dv]`` float32); ``"nan"`` gives ``NaN·v_mean``: NaN,
     and, like softmax over an all ``-inf`` row on one device, a NaN gradient for every V.
+    ``added``: :func:`added_fill_term` of these rows, for ``spec.mask.added_fill``.
     """
     if spec.mask.empty_rows == "zero":
         return o
@@ -196,7 +197,39 @@ def fill_empty_rows(spec: AttentionSpec, o, lse, v_mean):
         # NaN only in the empty rows: a NaN factor on every row would turn the zero
         # cotangent that ``where`` sends the other rows into NaN (0·NaN) in dV.
         mean = mean * jnp.where(empty, jnp.nan, 1.0)
+    if added is not None:
+        mean = mean + added
     return jnp.where(empty, mean, o)
+
+
+def added_fill_term(spec: AttentionSpec, q, k, v, keys: int, key_sum=lambda x: x):
+    """Zero, carrying the gradient one device's softmax gives an empty row whose finite fill
+    was added to its scores (``spec.mask.added_fill``): ``[B, Tq, H, Dv]`` float32.
+
+    There every score of the row is ``s_ij + fill``, which rounds to ``fill``: the softmax
+    is uniform (``p = 1/n`` over the ``n`` keys), yet its derivative still reaches
+    ``s_ij = scale·q_i·k_j``: ``do_i = (1/n) Σ_j (ds_ij − mean_j ds_ij) v_j``. With
+    ``K̄V = (1/n) Σ_j k_j v_jᵀ`` and the means ``k̄``, ``v̄`` that is the derivative of
+    ``t_i = scale·(q_i·K̄V − (q_i·k̄) v̄)`` with V held constant (its own gradient, ``1/n``
+    per row, comes from the mean of V). The term is ``t − stop_gradient(t)``: nothing is
+    added to the output, and no key is visited, so block skipping is unchanged.
+
+    ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``, ``v [B,Tkv,Hkv,Dv]`` in canonical layout, the
+    keys this device holds; ``key_sum`` completes a sum over them to all ``keys`` keys (a
+    ``psum`` over the CP axes when they are sharded). Padded keys (zero K and V) add nothing.
+    """
+    acc = accumulator_dtype(q.dtype)
+    kf, vs = k.astype(acc), lax.stop_gradient(v).astype(acc)
+    kv_mean = key_sum(jnp.einsum("bkhd,bkhe->bhde", kf, vs)) / keys
+    k_mean = key_sum(jnp.sum(kf, axis=1)) / keys
+    v_mean = key_sum(jnp.sum(vs, axis=1)) / keys
+    b, tq, h, d = q.shape
+    hkv = k.shape[2]
+    qg = q.astype(acc).reshape(b, tq, hkv, h // hkv, d)
+    t = jnp.einsum("bqhgd,bhde->bqhge", qg, kv_mean) \
+        - jnp.einsum("bqhgd,bhd->bqhg", qg, k_mean)[..., None] * v_mean[:, None, :, None, :]
+    t = (spec.scale * t).reshape(b, tq, h, -1)
+    return t - lax.stop_gradient(t)
 
 
 def to_canonical(spec: AttentionSpec, q, k, v):
@@ -261,6 +294,7 @@ def attention_reference(*operands, spec: AttentionSpec):
     if spec.sinks:
         o, lse = merge_sinks(o, lse, bcast(a["sinks"]))
     v_mean = jnp.mean(v.astype(accumulator_dtype(q.dtype)), axis=1, keepdims=True)
-    o = fill_empty_rows(spec, o, lse, v_mean)
+    added = added_fill_term(spec, q, k, v, tkv) if spec.mask.added_fill else None
+    o = fill_empty_rows(spec, o, lse, v_mean, added)
     o = o.reshape(batch_shape + o.shape[1:]).astype(a["q"].dtype)
     return from_canonical(spec, o)

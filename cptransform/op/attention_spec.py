@@ -102,6 +102,12 @@ class MaskSpec:
     ``jax.nn.dot_product_attention`` and flax) or ``"nan"`` (NaN, with a NaN gradient for
     every V: what softmax over logits filled with ``-inf`` gives). A row is empty when it
     receives no probability mass: no visible key, or only ``-inf`` visible logits.
+
+    ``added_fill`` (only with ``"uniform"``): the finite fill was *added* to the scores
+    (``logits + where(mask, 0, finfo.min)``, transformers' attention bias), not selected.
+    On one device an empty row's softmax is then uniform but its scores still receive the
+    gradient of that uniform softmax, so the row's query and every key get a gradient; the
+    schedules reproduce it (:func:`~cptransform.op.attention_reference.added_fill_term`).
     """
 
     causal: bool = False
@@ -113,11 +119,15 @@ class MaskSpec:
     empty_rows: EmptyRows | str = EmptyRows.ZERO.value
     topk: bool = False
     chunk: int | None = None
+    added_fill: bool = False
 
     def __post_init__(self):
         if self.empty_rows not in EmptyRows.spellings():
             raise ValueError(f"empty_rows must be one of {', '.join(EmptyRows.spellings())}, "
                              f"got {self.empty_rows!r}")
+        if self.added_fill and self.empty_rows != EmptyRows.UNIFORM.value:
+            raise ValueError("added_fill describes a finite fill added to the scores: it "
+                             f"needs empty_rows='uniform', got {self.empty_rows!r}")
         if self.window is not None:
             left, right = self.window
             for side in (left, right):
@@ -180,7 +190,7 @@ class MaskSpec:
         if self.bias:
             parts.append("bias")
         if self.empty_rows != "zero":
-            parts.append(f"empty={self.empty_rows}")
+            parts.append(f"empty={self.empty_rows}" + ("(added)" if self.added_fill else ""))
         return " ".join(parts) if parts else "full"
 
     def replace(self, **changes) -> "MaskSpec":

@@ -19,7 +19,7 @@ from cptransform.analysis.mask_values import And, Pred, as_dense, conjuncts
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
-from cptransform.passes.match_attention.logits import empty_rows, visible_form
+from cptransform.passes.match_attention.logits import empty_rows, fill_added, visible_form
 from cptransform.passes.match_attention.qk_product import QKProduct
 from cptransform.passes.match_attention.sink import SinkColumn, sink_source
 from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
@@ -51,6 +51,7 @@ class Candidate:
     ``q_pads``/``kv_pads``: keep-masks of one sequence only, folded into segment ids;
     ``dense``: the rest of the mask, as data; ``topk``: the top-k indices selecting the
     keys (an :class:`Opaque` whose ``k`` dim is labelled ``TOPK_DIM``) or None;
+    ``added_fill``: the finite fill is added to the scores (``MaskSpec.added_fill``);
     ``mask_kinds``: the parts found, for reports; ``sink``: the array the sink logits come
     from (None without a sink column).
     """
@@ -71,6 +72,7 @@ class Candidate:
     softcap: float | None
     biases: tuple
     empty_rows: str
+    added_fill: bool
     band: tuple | None
     segments: tuple
     q_pads: tuple
@@ -111,6 +113,7 @@ class Candidate:
             window=(-lo, hi if two_sided else None) if lo is not None else None,
             segments=bool(self.segments) or bool(self.q_pads or self.kv_pads),
             dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows,
+            added_fill=self.added_fill,
             topk=self.topk is not None, chunk=self.chunk)
         return AttentionSpec(q=canonical, k=k_layout, v=k_layout, scale=float(self.scale),
                              softcap=self.softcap, groups=self.groups, mask=mask,
@@ -138,6 +141,11 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     rows, preds = empty_rows(qk.steps)
     if zeroing:
         rows = _zeroed_rows(preds, zeroing, column)
+    added = rows == "uniform" and fill_added(qk.steps, preds)
+    if added and (softcap is not None or biases):
+        raise NotAttention("a finite fill added to the scores after a soft-cap or beside a "
+                           "bias: a fully masked row's score gradient is not reproduced for "
+                           "those (select the fill with where(mask, x, fill) instead)")
     parts = _mask_parts(qk, preds, batch, stats)
     sides = [d.source for d in parts.dense] + [b for b, _ in biases] \
         + list(parts.segments or ()) + ([parts.topk.indices] if parts.topk else [])
@@ -187,7 +195,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         v=Operand(v_in, _labels_of(v_dims, v_feature, V_FEATURE, v_in)),
         batch=tuple(batch), q_seq=q_seq, kv_seq=qk.kv, kv_head=kv_head, group=group,
         sizes=sizes, out_labels=out_labels, scale=scale, softcap=softcap,
-        biases=tuple(biases), empty_rows=rows, band=parts.band,
+        biases=tuple(biases), empty_rows=rows, added_fill=added, band=parts.band,
         segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
         groups=hq // hk, mask_kinds=kinds, sink=sink,
         topk=None if topk is None else topk.indices, chunk=parts.chunk)

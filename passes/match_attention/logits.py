@@ -107,3 +107,22 @@ def empty_rows(steps: Sequence[Step]) -> tuple[str, list[Pred]]:
         raise NotAttention(f"masked logits become {fill:g}, too large to hide them")
     raise NotAttention("masked logits take different values depending on which mask hides "
                        f"them ({', '.join(sorted(f'{v:g}' for v in hidden_values))})")
+
+
+def fill_added(steps: Sequence[Step], preds: Sequence[Pred]) -> bool:
+    """Whether the masked logits still carry the scores' gradient: every mask step adds its
+    fill (``x + where(mask, 0, fill)``) rather than selecting it or multiplying by the mask.
+
+    On one device an empty row of such a softmax (``empty_rows="uniform"``) sends its
+    gradient to every score (``MaskSpec.added_fill``). A fill added by some masks and
+    selected by others would send it to the keys hidden by added masks only: refused.
+    """
+    cut = {st.pred for st in steps
+           if st.kind in (StepKind.MASK_REPLACE, StepKind.MASK_MUL) and st.pred is not None}
+    if not cut:
+        return bool(preds)
+    if set(preds) <= cut:
+        return False
+    raise NotAttention("a finite fill added to the scores by some masks and selected by "
+                       "others: a fully masked row's gradient would reach only some keys")
+
