@@ -9,6 +9,8 @@ missing (``pytest.importorskip``).
 """
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,9 +150,83 @@ def penzai_llama(use_layer_stack: bool):
     return loss, (params, tokens(4))
 
 
+# -- DeepMind gemma -------------------------------------------------------------------------
+
+def gemma():
+    """DeepMind's ``gemma`` 2.x Flax transformer (``gemma.transformer``, Gemma 2 style):
+    alternating local sliding-window and global layers, GQA, attention and final logit
+    soft-caps, post-norms; positions and masks from a padding mask the library's way
+    (``build_positions_from_mask``: ``cumsum(input_mask)``, ``make_causal_attn_mask``)."""
+    transformer = pytest.importorskip("gemma.transformer")
+    from gemma import modules
+
+    config = transformer.TransformerConfig(
+        num_layers=2, num_embed=VOCAB, embed_dim=DIM, hidden_dim=64, num_heads=HEADS,
+        head_dim=8, num_kv_heads=2, final_logit_softcap=30.0, use_post_attn_norm=True,
+        use_post_ffw_norm=True, max_cache_length=None, attn_logits_soft_cap=50.0,
+        attention_types=(modules.AttentionType.LOCAL_SLIDING, modules.AttentionType.GLOBAL),
+        sliding_window_size=8)
+    model = transformer.Transformer(config)
+    ids = tokens(5)
+
+    def loss(params, ids):
+        input_mask = ids != 0
+        positions = transformer.build_positions_from_mask(input_mask)
+        mask = transformer.make_causal_attn_mask(input_mask)
+        logits, _ = model.apply({"params": params}, ids, positions, None, mask)
+        return next_token_loss(logits, ids)
+
+    params = model.init(jax.random.key(0), ids, jnp.zeros_like(ids), None,
+                        jnp.ones((BATCH, SEQ, SEQ), bool))["params"]
+    return loss, (params, ids)
+
+
+# -- keras-hub (Keras 3 on JAX) --------------------------------------------------------------
+
+def _keras_causal_lm(name: str, **config):
+    """keras-hub's ``<name>CausalLM`` on a tiny ``<name>Backbone``; the loss calls the model
+    statelessly (``stateless_call``) on the trainable variables, with the padding mask the
+    library's preprocessors give (``token_ids != 0``)."""
+    os.environ.setdefault("KERAS_BACKEND", "jax")  # read when Keras is first imported
+    keras_hub = pytest.importorskip("keras_hub")
+    import keras
+    if keras.backend.backend() != "jax":
+        pytest.skip(f"Keras runs on {keras.backend.backend()}: set KERAS_BACKEND=jax")
+    keras.utils.set_random_seed(0)
+    backbone = getattr(keras_hub.models, f"{name}Backbone")(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=HEADS, num_key_value_heads=2,
+        hidden_dim=DIM, intermediate_dim=64, **config)
+    model = getattr(keras_hub.models, f"{name}CausalLM")(backbone=backbone, preprocessor=None)
+    frozen = [v.value for v in model.non_trainable_variables]
+
+    def loss(params, ids):
+        logits, _ = model.stateless_call(params, frozen,
+                                         {"token_ids": ids, "padding_mask": ids != 0})
+        return next_token_loss(logits, ids)
+
+    return loss, ([v.value for v in model.trainable_variables], tokens(6))
+
+
+def keras_llama():
+    """keras-hub's Llama (``LlamaCausalLM``: RoPE, GQA, SwiGLU; Keras' own
+    ``dot_product_attention``)."""
+    return _keras_causal_lm("Llama")
+
+
+def keras_gemma():
+    """keras-hub's Gemma 2 (``GemmaCausalLM``): a sliding-window layer (``triu · tril`` of
+    ones) and a global one, int masks merged by ``minimum``, ``Softmax(mask=...)``, soft-caps,
+    and rows with no visible key zeroed after the attention."""
+    return _keras_causal_lm(
+        "Gemma", head_dim=8, query_head_dim_normalize=True, use_post_ffw_norm=True,
+        use_post_attention_norm=True, final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0,
+        use_sliding_window_attention=True, sliding_window_size=8)
+
+
 FAMILIES = {
     "llama": llama, "mistral": mistral, "gpt_neo": gpt_neo, "bart": bart, "t5": t5,
     "penzai": lambda: penzai_llama(False), "penzai_stack": lambda: penzai_llama(True),
+    "gemma": gemma, "keras_llama": keras_llama, "keras_gemma": keras_gemma,
 }
 
 #: The schedules each family is checked under: (schedule, load_balance).

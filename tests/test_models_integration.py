@@ -1,4 +1,4 @@
-"""Public model packages as they are (the ``models`` extra): tiny configs, random weights,
+"""Public model packages as they are (`.ci/install-models`): tiny configs, random weights,
 loss and every gradient under ``context_parallel(cp=4)`` against one device, per schedule;
 every mask analytic (no dense ``S×S`` operand) and no all-gather of the whole sequence
 outside attention in the compiled program.
@@ -32,7 +32,18 @@ NOISE = 1e-8
 #: families; ring + zigzag where the program is reordered, encoder-decoder included).
 CI_SAMPLE = {"llama": "ring_zigzag", "mistral": "auto", "gpt_neo": "allgather",
              "bart": "ring_zigzag", "t5": "ring_zigzag", "penzai": "ulysses",
-             "penzai_stack": "auto"}
+             "penzai_stack": "auto", "gemma": "ring_zigzag", "keras_llama": "ulysses",
+             "keras_gemma": "auto"}
+
+#: What a family does not reach yet, asserted exactly as it stands (a fix fails the test
+#: until its entry goes). Attentions whose mask keeps a dense part: DeepMind gemma's local
+#: layer compares key indices with query positions ``cumsum(input_mask) - 1`` (data), and
+#: no ``MaskSpec`` term holds a window over data positions.
+DENSE_MASKS = {"gemma": 1}
+#: Full-sequence all-gathers outside attention: keras-hub's Gemma zeroes the output rows that
+#: see no key with ``all(mask == 0, axis=-1)`` on the ``S×S`` mask outside the attention
+#: (one per layer); building that mask gathers the key positions.
+SEQUENCE_GATHERS = {"keras_gemma": 2}
 
 
 def _case(family: str, schedule: str):
@@ -44,7 +55,8 @@ def _case(family: str, schedule: str):
 def test_model_is_exact_analytic_and_gathers_nothing(family, schedule):
     """Loss and every gradient as on one device; every attention matched and scheduled
     with an analytic mask; the compiled loss-and-gradient program (compiled once, for
-    both checks) holds no all-gather of the whole sequence outside the schedules."""
+    both checks) holds no all-gather of the whole sequence outside the schedules (but for
+    the gaps :data:`DENSE_MASKS` and :data:`SEQUENCE_GATHERS` name)."""
     loss, args = FAMILIES[family]()
     name, load_balance = SCHEDULES[schedule]
     f = context_parallel(loss, cp=CP, schedule=name, load_balance=load_balance)
@@ -59,8 +71,9 @@ def test_model_is_exact_analytic_and_gathers_nothing(family, schedule):
         assert err <= RTOL * scale + NOISE, f"{jax.tree_util.keystr(path[0])}: {err} vs {scale}"
     plans = f.module(*args).facts.plan
     assert plans, "no attention matched: the model ran unsharded"
-    assert not [p.mask for p in plans if p.mask.dense], "a dense mask operand survived"
-    assert sequence_all_gathers(compiled.as_text(), SEQ) == []
+    assert len([p for p in plans if p.mask.dense]) == DENSE_MASKS.get(family, 0), \
+        "dense mask operands"
+    assert len(sequence_all_gathers(compiled.as_text(), SEQ)) == SEQUENCE_GATHERS.get(family, 0)
 
 
 def test_transformers_flax_training_example():
