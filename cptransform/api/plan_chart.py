@@ -1,25 +1,25 @@
 """Pictures of a plan: each attention's chosen schedule as a grid of blocks, and the work per
 rank under every candidate layout.
 
-A schedule's picture is one or more :class:`Chart` grids, each cell one (query shard, key
-shard) block classified skip / partial / full by the mask's terms of positions (``?`` where
-segment ids, a dense mask or top-k indices decide): a schedule that states its rotation
-(``Schedule.rotation``: the ring, the double ring) is devices × steps, drawn from that
-statement; all-gather devices × key shards (one kernel call); Ulysses the query shards ×
-key shards every device runs for its ``H/cp`` heads; the hybrid both levels (ring groups ×
-steps, then the shards inside a group). A schedule with neither a rotation nor an entry in
-:data:`CHARTS` gets a line saying so, never another schedule's picture. :func:`render_text` draws a chart as text, :func:`render_png` all of
+A schedule's picture is one :class:`Chart` per grid of its statement
+(:class:`~cptransform.analysis.schedule_statement.Grid`), each cell one (query positions,
+key positions) block classified skip / partial / full by the mask's terms of positions
+(``?`` where segment ids, a dense mask or top-k indices decide): the ring and the double
+ring devices × steps (their rotations), all-gather devices × key shards (one kernel call),
+Ulysses the query shards × key shards every device runs for its ``H/cp`` heads, the hybrid
+both levels (ring groups × steps, then the shards inside a group), halo devices × the key
+pieces of their one call. A name with no schedule gets a line saying so. :func:`render_text` draws a chart as text, :func:`render_png` all of
 them with matplotlib (the ``plot`` extra).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
+from cptransform.analysis.schedule_statement import Calls
 from cptransform.ir.errors import PlotError
-from cptransform.lowering.halo import key_pieces
+from cptransform.lowering.ring import ring_rotation
 from cptransform.lowering.schedule import schedules
 from cptransform.op import mask_terms
 from cptransform.op.attention_reference import visible
@@ -127,84 +127,21 @@ def _relative(device_flops: tuple[int, ...], count: int) -> tuple[float, ...]:
     return tuple(work / work.mean()) if work.mean() > 0 else ()
 
 
-def allgather_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
-    """Devices × key shards: each device's queries against every gathered key shard, in
-    one kernel call."""
-    cp, pos = layout.cp, layout.all_positions()
-    work = schedules()["allgather"].work(plan.shape).device_flops
-    return (Chart(f"allgather over {cp} devices, {layout.name} layout (one kernel call "
-                  "per device)", "device", "key shard", _grid(plan.mask, pos, lambda r: pos),
-                  _relative(work, cp)),)
-
-
-def ulysses_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
-    """Query shards × key shards: after the all-to-alls every device holds the whole
-    sequence for ``H/cp`` heads and runs this whole grid, so all devices do equal work."""
-    cp, pos = layout.cp, layout.all_positions()
-    heads = plan.shape.heads // cp
-    return (Chart(f"ulysses over {cp} devices, {layout.name} layout: every device runs this "
-                  f"grid for its {heads} of {plan.shape.heads} heads (equal work)",
-                  "query shard", "key shard", _grid(plan.mask, pos, lambda r: pos)),)
-
-
-def hybrid_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
-    """Ring level: groups of ``U`` consecutive layout ranks × ring steps; Ulysses level:
-    the shards inside a group (every device of group ``g`` runs row block ``g`` of the
-    shard grid for its ``H/U`` heads)."""
-    u, cp = plan.shape.ulysses, layout.cp
-    ring = cp // u
-    pos = layout.all_positions()
-    groups = pos.reshape(ring, -1)
-    work = schedules()["hybrid"].work(plan.shape).device_flops
-    outer = Chart(f"hybrid ring level: {ring} groups of {u} devices, {layout.name} layout",
-                  "group", "step",
-                  _grid(plan.mask, groups, lambda g: [groups[(g - i) % ring]
-                                                      for i in range(ring)]),
-                  _relative(work, ring))
-    inner = Chart(f"hybrid Ulysses level: group g's {u} devices each run rows "
-                  f"[g·{u}, (g+1)·{u}) for {plan.shape.heads // u} of {plan.shape.heads} heads",
-                  "query shard", "key shard", _grid(plan.mask, pos, lambda r: pos))
-    return outer, inner
-
-
-def halo_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
-    """Devices × the pieces of keys of their one kernel call (halos from the neighbours and
-    the local chunks, in position order; a missing neighbour's halo is skipped)."""
-    cp, pos = layout.cp, layout.all_positions()
-    work = schedules()["halo"].work(plan.shape).device_flops
-    return (Chart(f"halo over {cp} devices, {layout.name} layout (one kernel call per device: "
-                  "neighbours' halos and local keys)", "device", "key piece",
-                  _grid(plan.mask, pos, lambda r: key_pieces(plan.shape)[r]),
-                  _relative(work, cp)),)
-
-
-#: Schedule name → its picture, for the schedules that state no rotation.
-CHARTS: dict[str, Callable] = {"allgather": allgather_charts,
-                               "ulysses": ulysses_charts, "hybrid": hybrid_charts,
-                               "halo": halo_charts}
-
-
 def charts_for(plan, layout: SequenceLayout) -> tuple[Chart, ...] | str:
-    """The charts of ``plan``'s chosen schedule, or a line saying it has none."""
-    draw = CHARTS.get(plan.schedule)
+    """The charts of ``plan``'s chosen schedule, drawn from its statement's grids
+    (:class:`~cptransform.analysis.schedule_statement.Grid`; ``layout`` names the layout in
+    their titles), or a line saying it has none. The grids whose rows make kernel calls
+    show each row's work relative to the mean."""
     record = schedules().get(plan.schedule)
-    if draw is None and record is not None and record.rotation is not None:
-        return rotation_charts(plan, layout)
-    if draw is None:
+    if record is None:
         return f"no chart for schedule {plan.schedule!r}"
-    return draw(plan, layout)
-
-
-def rotation_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
-    """Devices × steps of a schedule that states its rotation (``Schedule.rotation``):
-    step ``t`` on the device of shard ``s`` holds the KV block of shard
-    ``rotation[s, t]``."""
-    record = schedules()[plan.schedule]
-    pos, sources = layout.all_positions(), record.rotation(plan.shape)
-    work = record.work(plan.shape).device_flops
-    return (Chart(f"{plan.schedule} over {layout.cp} devices, {layout.name} layout",
-                  "device", "step", _grid(plan.mask, pos, lambda s: pos[sources[s]]),
-                  _relative(work, layout.cp)),)
+    said = record.statement(plan.shape)
+    work = said.work(plan.shape).device_flops
+    return tuple(Chart(grid.title.format(layout=layout.name), grid.rows, grid.columns,
+                       _grid(plan.mask, grid.queries, lambda r, grid=grid: grid.keys[r]),
+                       _relative(work, len(grid.queries))
+                       if grid.calls in (Calls.EACH_BLOCK, Calls.EACH_ROW) else ())
+                 for grid in said.grids)
 
 
 def render_text(chart: Chart) -> str:
@@ -232,8 +169,7 @@ def ring_chart(mask: MaskSpec, layout: SequenceLayout,
     relative = () if work is None or work.mean() <= 0 else tuple(work / work.mean())
     return render_text(Chart(
         f"ring over {cp} devices, {layout.name} layout", "device", "step",
-        _grid(mask, pos, lambda r: [pos[(r - i) % cp] for i in range(cp)], segment_ids),
-        relative))
+        _grid(mask, pos, lambda r: pos[ring_rotation(cp)[r]], segment_ids), relative))
 
 
 def balance_table(balances) -> str:
