@@ -86,5 +86,6 @@ def hybrid_feasible(shape: AttentionShape) -> str | None:
 
 HYBRID = register_schedule(Schedule("hybrid", mesh_axes=2, run=hybrid,
                                     statement=hybrid_statement, feasible=hybrid_feasible,
-                                    order=3, inner=InnerAxis("Ulysses degree", "ring", ("uly", "ring"),
-                                                    divides_kv_heads=True)))
+                                    order=3, inner=InnerAxis("Ulysses degree", "ring",
+                                                             ("uly", "ring"),
+                                                             divides_kv_heads=True)))

@@ -2,9 +2,10 @@
 
 A schedule module of this package (``ring.py``, ``ulysses.py``, …) defines its local
 function, its statement (transfers, kernel calls, local step) and its feasibility check,
-and registers them as one record with :func:`register_schedule`. :func:`schedules` imports every module of the
-package on first use, so adding a schedule is one new module (and its tests): the entry
-point, the planner, ``context_parallel``'s options and the CLI all read :func:`schedules`.
+and registers them as one record with :func:`register_schedule`. :func:`schedules`
+imports every module of the package on first use, so adding a schedule is one new module
+(and its tests): the entry point, the planner, ``context_parallel``'s options and the CLI
+all read :func:`schedules`.
 
 The local function, ``run(block, *, spec, axes, kernel) -> o``, runs under ``shard_map``
 and receives:

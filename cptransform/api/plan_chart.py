@@ -3,13 +3,15 @@ rank under every candidate layout.
 
 A schedule's picture is one :class:`Chart` per grid of its statement
 (:class:`~cptransform.analysis.schedule_statement.Grid`), each cell one (query positions,
-key positions) block classified skip / partial / full by the mask's terms of positions
-(``?`` where segment ids, a dense mask or top-k indices decide): the ring and the double
+key positions) block of a :class:`~cptransform.op.mask_terms.BlockKind`: skipped, partial
+or full by the mask's terms of positions (unknown where segment ids, a dense mask or top-k
+indices decide): the ring and the double
 ring devices × steps (their rotations), all-gather devices × key shards (one kernel call),
 Ulysses the query shards × key shards every device runs for its ``H/cp`` heads, the hybrid
 both levels (ring groups × steps, then the shards inside a group), halo devices × the key
-pieces of their one call. A name with no schedule gets a line saying so. :func:`render_text` draws a chart as text, :func:`render_png` all of
-them with matplotlib (the ``plot`` extra).
+pieces of their one call. A name with no schedule gets a line saying so.
+:func:`render_text` draws a chart as text, :func:`render_png` all of them with matplotlib
+(the ``plot`` extra).
 """
 from __future__ import annotations
 
@@ -22,12 +24,18 @@ from cptransform.ir.errors import PlotError
 from cptransform.lowering.ring import ring_rotation
 from cptransform.lowering.schedule import schedules
 from cptransform.op import mask_terms
+from cptransform.op.mask_terms import BlockKind
 from cptransform.op.attention_reference import visible
 from cptransform.op.attention_spec import MaskSpec
 from cptransform.op.layouts import SequenceLayout
 
-FULL, PARTIAL, SKIP, UNKNOWN = "#", "+", ".", "?"
-LEGEND = f"({FULL} full, {PARTIAL} partial, {SKIP} skipped, {UNKNOWN} data-dependent)"
+#: How each block kind is drawn: its character in the text chart, its name, its colour in
+#: the PNG; the legend lists them in this order.
+DRAWN = {BlockKind.FULL: ("#", "full", "#264653"),
+         BlockKind.PARTIAL: ("+", "partial", "#f4a261"),
+         BlockKind.SKIP: (".", "skipped", "#eeeeee"),
+         BlockKind.UNKNOWN: ("?", "data-dependent", "#bbbbff")}
+LEGEND = "(" + ", ".join(f"{c} {name}" for c, name, _ in DRAWN.values()) + ")"
 
 
 #: At most this many pieces per side classify a block: a side whose positions form more
@@ -49,13 +57,13 @@ def _pieces(positions: np.ndarray) -> mask_terms.Ranges:
 
 
 def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
-               segment_ids: np.ndarray | None = None) -> str:
+               segment_ids: np.ndarray | None = None) -> BlockKind:
     """Classify one (query shard, key shard) block by the mask's terms of positions.
 
     The terms classify the runs of consecutive positions of each side from their ranges
     (:func:`~cptransform.op.mask_terms.meet`), never a dense visibility, so a chart at
     a million tokens costs a few arrays of ``MAX_PIECES²``. Segment ids, dense masks and
-    top-k indices depend on data: such blocks are ``?`` unless the positions already hide
+    top-k indices depend on data: such blocks are ``UNKNOWN`` unless the positions already hide
     them entirely — or, for segments, unless ``segment_ids`` (``[B, S]`` in natural order,
     an example-sized batch) gives the data: then the block is classified for that batch
     element by element."""
@@ -63,19 +71,19 @@ def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
     positional = tuple(t for t in terms if t.key_hull is not None)
     may, full = mask_terms.meet(positional, mask_terms.Blocks(_pieces(q_pos), _pieces(kv_pos)))
     if not np.any(may):
-        return SKIP
+        return BlockKind.SKIP
     if mask.segments and segment_ids is not None:
         seg = np.asarray(segment_ids)
         known = mask.replace(dense=False, bias=False, topk=False)
         seen = np.asarray(visible(known, q_pos[None], kv_pos[None], seg[:, q_pos],
                                   seg[:, kv_pos]))
         if not seen.any():
-            return SKIP
+            return BlockKind.SKIP
         if not (mask.dense or mask.topk):
-            return FULL if seen.all() else PARTIAL
+            return BlockKind.FULL if seen.all() else BlockKind.PARTIAL
     if len(positional) < len(terms):
-        return UNKNOWN
-    return FULL if np.all(full) else PARTIAL
+        return BlockKind.UNKNOWN
+    return BlockKind.FULL if np.all(full) else BlockKind.PARTIAL
 
 
 def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
@@ -102,13 +110,13 @@ def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
 
 @dataclass(frozen=True)
 class Chart:
-    """One grid: its title, what rows and columns are, the cells (one character each) and
+    """One grid: its title, what rows and columns are, the cells (one block kind each) and
     optionally each row's work relative to the mean (``work``)."""
 
     title: str
     row_label: str
     column_label: str
-    cells: tuple[tuple[str, ...], ...]
+    cells: tuple[tuple[BlockKind, ...], ...]
     work: tuple[float, ...] = ()
 
 
@@ -151,7 +159,7 @@ def render_text(chart: Chart) -> str:
     lines = [f"{chart.title} {LEGEND}",
              f"{chart.column_label:>{width - 1}} "
              + " ".join(f"{i:>2}" for i in range(len(chart.cells[0])))]
-    lines += [f"{chart.row_label} {r:>2} " + " ".join(f"{c:>2}" for c in row)
+    lines += [f"{chart.row_label} {r:>2} " + " ".join(f"{DRAWN[c][0]:>2}" for c in row)
               for r, row in enumerate(chart.cells)]
     if chart.work:
         lines.append(f"{'work/mean':<{width}} " + " ".join(f"{w:.2f}" for w in chart.work))
@@ -185,8 +193,6 @@ def balance_table(balances) -> str:
     return "\n".join(lines)
 
 
-_KIND_VALUES = {SKIP: 0, PARTIAL: 1, FULL: 2, UNKNOWN: 3}
-
 #: How to install matplotlib, in a source checkout (its virtualenv) or as the package extra.
 INSTALL_MATPLOTLIB = ".venv/bin/pip install matplotlib (or pip install -e '.[plot]' in a " \
                      "source checkout; pip install 'cptransform[plot]' for an installed package)"
@@ -198,11 +204,6 @@ def require_matplotlib() -> None:
     import importlib.util
     if importlib.util.find_spec("matplotlib") is None:
         raise PlotError(f"--png needs matplotlib: {INSTALL_MATPLOTLIB}")
-
-
-#: Colour of each block kind in the PNG, in the order of :data:`_KIND_VALUES`.
-_KIND_COLOURS = ("#eeeeee", "#f4a261", "#264653", "#bbbbff")
-_KIND_NAMES = ("skipped", "partial", "full", "data-dependent")
 
 
 def render_png(path: str, charts: list[tuple[str, Chart]], balances) -> None:
@@ -221,10 +222,11 @@ def render_png(path: str, charts: list[tuple[str, Chart]], balances) -> None:
 
     panels = len(charts) + bool(balances)
     fig, axes = plt.subplots(panels, 1, figsize=(7.5, 3.4 * max(panels, 1)), squeeze=False)
-    colours = ListedColormap(list(_KIND_COLOURS))
+    kinds = sorted(BlockKind)
+    colours = ListedColormap([DRAWN[k][2] for k in kinds])
     for ax, (heading, chart) in zip(axes[:, 0], charts):
-        grid = np.array([[_KIND_VALUES[c] for c in row] for row in chart.cells])
-        ax.imshow(grid, cmap=colours, vmin=0, vmax=3)
+        grid = np.array([[int(c) for c in row] for row in chart.cells])
+        ax.imshow(grid, cmap=colours, vmin=0, vmax=len(kinds) - 1)
         ax.set_xticks(range(grid.shape[1]))
         ax.set_yticks(range(grid.shape[0]))
         ax.set_title(textwrap.fill(f"{heading}: {chart.title}", 70), fontsize=8)
@@ -233,9 +235,9 @@ def render_png(path: str, charts: list[tuple[str, Chart]], balances) -> None:
         for row, work in enumerate(chart.work):
             ax.text(grid.shape[1] - 0.3, row, f" work {work:.2f}x mean", va="center",
                     fontsize=7)
-        kinds = sorted({_KIND_VALUES[c] for row in chart.cells for c in row})
-        ax.legend(handles=[Patch(facecolor=_KIND_COLOURS[k], edgecolor="#999999",
-                                 label=_KIND_NAMES[k]) for k in kinds],
+        seen = [k for k in DRAWN if any(k in row for row in chart.cells)]
+        ax.legend(handles=[Patch(facecolor=DRAWN[k][2], edgecolor="#999999",
+                                 label=DRAWN[k][1]) for k in seen],
                   fontsize=7, loc="lower left", bbox_to_anchor=(1.45, 0.0), frameon=False)
     if balances:
         ax = axes[-1, 0]
