@@ -71,7 +71,8 @@ def main() -> None:
     from cptransform.lowering.context_parallel_attention import context_parallel_attention
     from cptransform.analysis.block_work import DEFAULT_CHUNK, chunk_size
     from cptransform.lowering.halo import NO_KEY, pieces
-    from cptransform.lowering.kernels.chunked import EMPTY, chunk_kinds
+    from cptransform.lowering.kernels.chunked import chunk_kinds
+    from cptransform.op.mask_terms import BlockKind
     from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
     from cptransform.op.layouts import SequenceLayout
 
@@ -151,7 +152,7 @@ def main() -> None:
         tq, tkv = len(q_pos), len(kv_pos)
         block = Block(z(tq), z(tkv), z(tkv), jnp.asarray(q_pos)[None], jnp.asarray(kv_pos)[None])
         kinds = np.asarray(chunk_kinds(block, spec_of(mask)))
-        return int(np.sum(kinds != EMPTY)) * chunk_size(tq, DEFAULT_CHUNK) * \
+        return int(np.sum(kinds != BlockKind.SKIP)) * chunk_size(tq, DEFAULT_CHUNK) * \
             chunk_size(tkv, DEFAULT_CHUNK)
 
     def executed(name, s, mask):

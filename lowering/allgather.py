@@ -21,10 +21,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.block_work import gathered_work
-from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
-from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
-    tile_bytes
+from cptransform.analysis.block_work import rank_positions
+from cptransform.analysis.cost_model import metadata, operands
+from cptransform.analysis.schedule_statement import Calls, LocalStep, Statement, shard_grid
 from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import (Schedule, added_fill_sharded, any_length,
                                            differentiable, key_count, register_schedule,
@@ -73,33 +72,24 @@ def allgather(block: Block, *, spec, axes, kernel):
     return fill_empty_rows(spec, o, lse, v_mean, added).astype(block.q.dtype)
 
 
-def allgather_volume(shape: AttentionShape) -> CommVolume:
+def allgather_statement(shape: AttentionShape) -> Statement:
     """All-gathers of K, V (and kv positions / segment ids) over ``shape.cp`` devices
-    forward; reduce-scatters of dK and dV in ``grad_bytes`` backward."""
+    forward, reduce-scatters of dK and dV in ``grad_bytes`` backward; each device's local
+    queries against every gathered key shard in one call, which keeps the whole K and V (its
+    residuals) and the float32 dK/dV of every key before the reduce-scatter."""
     cp = shape.cp
-    rows = shape.batch * shape.kv_padded // cp
-    kv_elems = kv_elements(shape)
-    transfers = [Transfer(name, "all_gather", rows * e * shape.dtype_bytes * (cp - 1))
-                 for name, e in kv_elems.items()]
-    transfers += [Transfer(name, "all_gather", b * (cp - 1), payload=False)
-                  for name, b in metadata(shape, ("kv",))]
-    transfers += [Transfer("d" + name, "reduce_scatter",
-                           shape.batch * shape.kv_padded * e * shape.grad_bytes * (cp - 1) // cp,
-                           backward=True) for name, e in kv_elems.items()]
-    return CommVolume("allgather", tuple(transfers))
-
-
-def allgather_memory(shape: AttentionShape) -> int:
-    """Its shards, K and V of the whole sequence (kept as residuals), the float32 query
-    state, float32 dK/dV of every key before the reduce-scatter, and one score tile."""
-    s, local = shape.kv_padded, shape.q_padded // shape.cp
-    return (shard_bytes(shape) + kv_bytes(shape, s, shape.kv_heads, shape.dtype_bytes)
-            + query_state_bytes(shape, local, shape.heads)
-            + kv_bytes(shape, s, shape.kv_heads, shape.grad_bytes)
-            + tile_bytes(shape, shape.heads, local, s))
+    gather = dict(kind="all_gather", group=cp)
+    transfers = (operands(shape, ("k", "v"), rows=shape.batch * shape.kv_padded // cp, **gather)
+                 + metadata(shape, ("kv",), **gather)
+                 + operands(shape, ("k", "v"), "reduce_scatter", shape.batch * shape.kv_padded,
+                            element=shape.grad_bytes, prefix="d", group=cp, backward=True))
+    grid = shard_grid(f"allgather over {cp} devices, {{layout}} layout (one kernel call per "
+                      "device)", "device", rank_positions(shape), Calls.EACH_ROW, shape.heads)
+    return Statement(tuple(transfers), (grid,),
+                     LocalStep(shape.q_padded // cp, shape.kv_padded, shape.heads,
+                               shape.kv_heads))
 
 
 ALLGATHER = register_schedule(Schedule("allgather", mesh_axes=1, run=allgather,
-                                       volume=allgather_volume, feasible=any_length,
-                                       order=2, work=gathered_work,
-                                       memory=allgather_memory))
+                                       statement=allgather_statement, feasible=any_length,
+                                       order=2))

@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 
 import jax
 
-COLLECTIVE_KINDS = ("all_to_all", "all_gather", "collective_permute", "reduce_scatter",
-                    "all_reduce")
+from cptransform.analysis.cost_model import WIRE
+
+#: The collectives counted: those the cost model prices.
+COLLECTIVE_KINDS = tuple(WIRE)
 
 _ELEMENT_BYTES = {
     "i1": 1, "i8": 1, "ui8": 1, "i16": 2, "ui16": 2, "i32": 4, "ui32": 4, "i64": 8, "ui64": 8,
@@ -104,14 +106,9 @@ class Collective:
 
     @property
     def bytes_per_device(self) -> int:
-        b, n = self.operand_bytes, self.group_size
-        if self.kind == "collective_permute":
-            return b
-        if self.kind == "all_gather":
-            return b * (n - 1)
-        if self.kind == "all_reduce":
-            return 2 * b * (n - 1) // n
-        return b * (n - 1) // n
+        """What one device puts on the wire for one execution (the convention above, the
+        cost model's :data:`~cptransform.analysis.cost_model.WIRE`)."""
+        return WIRE[self.kind](self.operand_bytes, self.group_size)
 
     @property
     def total_bytes(self) -> int:

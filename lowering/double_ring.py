@@ -27,7 +27,6 @@ outer hops of the float32 dK/dV. Every hop is sent ahead of the compute it feeds
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -35,15 +34,15 @@ import numpy as np
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
-from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
-    tile_bytes
+from cptransform.analysis.block_work import rank_positions
+from cptransform.analysis.cost_model import Transfer, metadata, operands
+from cptransform.analysis.schedule_statement import Statement, rotated
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import row_delta
 from cptransform.lowering.ring import accumulator_zeros, arrived, around_the_ring, packed, \
-    rotate, travelling, unpacked
+    ring_step, rotate, travelling, unpacked
 from cptransform.lowering.schedule import InnerAxis, Schedule, any_length, differentiable, \
-    finished, register_schedule, rotated_work
+    finished, register_schedule
 from cptransform.op.attention_reference import merge
 
 
@@ -131,47 +130,38 @@ def double_ring(block: Block, *, spec, axes, kernel):
     return finished(block, spec, o, lse, axes)
 
 
-def double_ring_volume(shape: AttentionShape) -> CommVolume:
+def double_ring_transfers(shape: AttentionShape) -> tuple[Transfer, ...]:
     """Inner hops (axis 0) and outer hops (axis 1) of K, V and their metadata forward and
     backward, and of the float32 dK/dV backward (see the module doc)."""
     u, r = shape.ulysses, shape.cp // shape.ulysses
     rows = shape.batch * shape.kv_padded // shape.cp
-    kv_elems = kv_elements(shape)
-    meta = metadata(replace(shape, positions=shape.positions and shape.explicit_positions),
-                    ("kv",))
-    hop = partial(Transfer, kind="collective_permute", overlapped=True)
+    meta = replace(shape, positions=shape.positions and shape.explicit_positions)
+    hop = dict(kind="collective_permute", overlapped=True)
     transfers = []
     for backward in (False, True):
         for axis, hops in ((0, r * (u - 1)), (1, r - 1)):
-            transfers += [hop(name, bytes=hops * rows * e * shape.dtype_bytes, axis=axis,
-                              backward=backward) for name, e in kv_elems.items()]
-            transfers += [hop(name, bytes=hops * b, payload=False, axis=axis,
-                              backward=backward) for name, b in meta]
+            transfers += operands(shape, ("k", "v"), rows=rows, times=hops, axis=axis,
+                                  backward=backward, **hop)
+            transfers += metadata(meta, ("kv",), times=hops, axis=axis, backward=backward,
+                                  **hop)
     for axis, hops in ((0, r * u), (1, r)):
-        transfers += [hop("d" + name, bytes=hops * rows * e * shape.grad_bytes, axis=axis,
-                          backward=True) for name, e in kv_elems.items()]
-    return CommVolume("double_ring", tuple(transfers))
+        transfers += operands(shape, ("k", "v"), rows=rows, element=shape.grad_bytes,
+                              prefix="d", times=hops, axis=axis, backward=True, **hop)
+    return tuple(transfers)
 
 
-def double_ring_rotation(shape: AttentionShape) -> np.ndarray:
-    """:func:`source_shards` of ``shape``'s inner ring size and outer ring."""
-    return source_shards(shape.ulysses, shape.cp // shape.ulysses)
-
-
-def double_ring_memory(shape: AttentionShape) -> int:
-    """Its shards, four KV blocks (the kept one and its successor in flight, the inner copy
-    computed on and the one arriving), the float32 query state, four float32 dK/dV
-    accumulators (inner and outer, each held and in flight) and one score tile."""
-    local = shape.q_padded // shape.cp
-    return (shard_bytes(shape) + 4 * kv_bytes(shape, local, shape.kv_heads, shape.dtype_bytes)
-            + query_state_bytes(shape, local, shape.heads)
-            + 4 * kv_bytes(shape, local, shape.kv_heads, shape.grad_bytes)
-            + tile_bytes(shape, shape.heads, local, local))
+def double_ring_statement(shape: AttentionShape) -> Statement:
+    """Its hops (:func:`double_ring_transfers`), its rotation (:func:`source_shards`) and
+    its step: the local queries against one KV block, with four float32 dK/dV accumulators
+    (inner and outer, each held and in flight)."""
+    u = shape.ulysses
+    grid = rotated(f"double_ring over {shape.cp} devices, {{layout}} layout", "device",
+                   rank_positions(shape), source_shards(u, shape.cp // u), shape.heads)
+    return Statement(double_ring_transfers(shape), (grid,),
+                     replace(ring_step(shape), accumulators=4))
 
 
 DOUBLE_RING = register_schedule(Schedule(
-    "double_ring", mesh_axes=2, run=double_ring, volume=double_ring_volume,
-    feasible=any_length, overlaps=True, order=5, work=rotated_work(double_ring_rotation),
-    memory=double_ring_memory, steps=lambda shape: shape.cp, automatic=False,
-    inner=InnerAxis("inner ring size", "outer ring", ("inner", "outer")),
-    rotation=double_ring_rotation))
+    "double_ring", mesh_axes=2, run=double_ring, statement=double_ring_statement,
+    feasible=any_length, order=5, automatic=False,
+    inner=InnerAxis("inner ring size", "outer ring", ("inner", "outer"))))

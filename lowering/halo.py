@@ -61,10 +61,10 @@ import numpy as np
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.block_work import Work, rank_positions, work_of
-from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
-from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
-    tile_bytes
+from cptransform.analysis.block_work import rank_positions
+from cptransform.analysis.cost_model import Transfer, metadata, operands
+from cptransform.analysis.local_memory import F32
+from cptransform.analysis.schedule_statement import Calls, Grid, LocalStep, Statement
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import row_delta, zero_times
 from cptransform.lowering.ring import packed, unpacked
@@ -312,36 +312,9 @@ def halo_feasible(shape: AttentionShape) -> str | None:
     return None
 
 
-def halo_volume(shape: AttentionShape) -> CommVolume:
-    """The halo exchange over ``shape.cp`` devices (see the module doc); a side that is open
-    or wider than a chunk (an infeasible shape) is priced at a whole chunk."""
-    chunks = CHUNKS_PER_RANK.get(shape.layout, 1)
-    chunk = shape.q_padded // (shape.cp * chunks)
-    left, right = halo_sides(shape.band) or (chunk, chunk)
-    keys = chunks * (min(left, chunk) + min(right, chunk))
-    rows = shape.batch * keys
-    kv_elems = kv_elements(shape)
-    transfers = [Transfer(name, "collective_permute", rows * e * shape.dtype_bytes)
-                 for name, e in kv_elems.items()]
-    # metadata() gives a device's bytes of its local keys; the halos carry ``keys`` of them.
-    local = shape.kv_padded // shape.cp
-    transfers += [Transfer(name, "collective_permute", keys * b // local, payload=False)
-                  for name, b in metadata(shape, ("kv",))]
-    transfers += [Transfer("d" + name, "collective_permute", rows * e * shape.grad_bytes,
-                           backward=True) for name, e in kv_elems.items()]
-    # The Σ 0·x terms that carry NaN/Inf from outside the window (float32 all-reduces).
-    reduce = lambda elements: 2 * shape.batch * elements * 4 * (shape.cp - 1) // shape.cp  # noqa: E731
-    transfers += [Transfer("zero_v", "all_reduce", reduce(shape.kv_heads * shape.dv),
-                           payload=False),
-                  Transfer("zero_qkv", "all_reduce", reduce(
-                      shape.kv_heads * shape.head_dim + shape.heads * (shape.head_dim + shape.dv)),
-                      backward=True, payload=False)]
-    return CommVolume("halo", tuple(transfers))
-
-
 def _kernel_keys(shape: AttentionShape) -> tuple[int, tuple[Piece, ...]]:
     """How many keys the kernel call of a rank holds, and their pieces (an infeasible side
-    is priced at a whole chunk, as in :func:`halo_volume`)."""
+    is priced at a whole chunk)."""
     chunks = CHUNKS_PER_RANK.get(shape.layout, 1)
     local = shape.q_padded // shape.cp
     chunk = local // chunks
@@ -360,24 +333,33 @@ def key_pieces(shape: AttentionShape) -> list[list[np.ndarray]]:
              else np.full(p.width, NO_KEY) for p in runs] for r in range(cp)]
 
 
-def halo_work(shape: AttentionShape) -> Work:
-    """One kernel call per rank: its queries against its halos and local keys."""
-    ranks = rank_positions(shape)
-    return work_of(shape, [[(ranks[r], np.concatenate(keys))]
-                           for r, keys in enumerate(key_pieces(shape))], shape.heads)
-
-
-def halo_memory(shape: AttentionShape) -> int:
-    """Its shards, the halos received (kept as residuals), the float32 query state, float32
-    dK/dV of the kernel's keys and one score tile."""
+def halo_statement(shape: AttentionShape) -> Statement:
+    """The halo exchange over ``shape.cp`` devices (see the module doc; a side that is open
+    or wider than a chunk, an infeasible shape, is priced at a whole chunk): one kernel call
+    per rank, its queries against its halos and local keys (:func:`key_pieces`), which
+    keeps the halos (residuals) and the float32 dK/dV of all of them."""
     local = shape.q_padded // shape.cp
     keys, _ = _kernel_keys(shape)
-    return (shard_bytes(shape) + kv_bytes(shape, keys - local, shape.kv_heads, shape.dtype_bytes)
-            + query_state_bytes(shape, local, shape.heads)
-            + kv_bytes(shape, keys, shape.kv_heads, shape.grad_bytes)
-            + tile_bytes(shape, shape.heads, local, keys))
+    halos = keys - local
+    permute = "collective_permute"
+    transfers = (operands(shape, ("k", "v"), permute, shape.batch * halos)
+                 + metadata(shape, ("kv",), permute, tokens=halos)
+                 + operands(shape, ("k", "v"), permute, shape.batch * halos,
+                            element=shape.grad_bytes, prefix="d", backward=True))
+    # The Σ 0·x terms that carry NaN/Inf from outside the window (float32 all-reduces).
+    reduce = dict(kind="all_reduce", group=shape.cp, payload=False)
+    zero_qkv = shape.kv_heads * shape.head_dim + shape.heads * (shape.head_dim + shape.dv)
+    transfers += [Transfer("zero_v", held=shape.batch * shape.kv_heads * shape.dv * F32,
+                           **reduce),
+                  Transfer("zero_qkv", held=shape.batch * zero_qkv * F32, backward=True,
+                           **reduce)]
+    grid = Grid(f"halo over {shape.cp} devices, {{layout}} layout (one kernel call per "
+                "device: neighbours' halos and local keys)", "device", "key piece",
+                tuple(rank_positions(shape)), tuple(map(tuple, key_pieces(shape))),
+                Calls.EACH_ROW, shape.heads)
+    return Statement(tuple(transfers), (grid,),
+                     LocalStep(local, keys, shape.heads, shape.kv_heads))
 
 
-HALO = register_schedule(Schedule("halo", mesh_axes=1, run=halo, volume=halo_volume,
-                                  feasible=halo_feasible, order=4, work=halo_work,
-                                  memory=halo_memory))
+HALO = register_schedule(Schedule("halo", mesh_axes=1, run=halo, statement=halo_statement,
+                                  feasible=halo_feasible, order=4))

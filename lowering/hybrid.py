@@ -12,7 +12,7 @@ Communication per device: the Ulysses all-to-alls of q, k, v, o over ``U`` (loca
 ``T/cp``), the gathers of positions / segment ids over ``U`` (not of kv positions that are
 the layout's: the ring derives those for its blocks of ``U`` shards), then the ring's rotations of
 ``T/R`` keys of ``Hkv·f/U`` heads over ``R`` (``f`` the KV-head repeat factor of
-:mod:`cptransform.lowering.ulysses`); see :func:`hybrid_volume`.
+:mod:`cptransform.lowering.ulysses`); see :func:`hybrid_statement`.
 Needs ``H % U == 0``; any factorisation of ``cp`` works otherwise.
 """
 from __future__ import annotations
@@ -20,13 +20,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.block_work import Work, rank_positions, work_of
-from cptransform.analysis.cost_model import CommVolume
-from cptransform.analysis.local_memory import shard_bytes
+from cptransform.analysis.block_work import rank_positions
+from cptransform.analysis.schedule_statement import Calls, Statement, rotated, shard_grid
 from cptransform.lowering.block import Block
-from cptransform.lowering.ring import ring, ring_memory, ring_volume
+from cptransform.lowering.ring import ring, ring_rotation, ring_step, ring_transfers
 from cptransform.lowering.schedule import InnerAxis, Schedule, register_schedule
-from cptransform.lowering.ulysses import kv_head_repeats, ulysses_around, ulysses_volume
+from cptransform.lowering.ulysses import kv_head_repeats, ulysses_around, ulysses_transfers
 
 
 def hybrid(block: Block, *, spec, axes, kernel):
@@ -42,21 +41,6 @@ def hybrid(block: Block, *, spec, axes, kernel):
     return ulysses_around(ring_over_groups, block, spec=spec, axis=ulysses_axis)
 
 
-def hybrid_volume(shape: AttentionShape) -> CommVolume:
-    """Ulysses over ``shape.ulysses`` devices inside (on ``T/R`` tokens), the ring over the
-    ``R = cp / ulysses`` groups across (on the ``H/U`` heads and ``Hkv·f/U`` KV heads each
-    device holds after the all-to-all)."""
-    u, r = shape.ulysses, shape.cp // shape.ulysses
-    inner = ulysses_volume(replace(shape, seq_len=shape.q_padded // r,
-                                   kv_seq_len=shape.kv_padded // r, multiple=1, cp=u))
-    # Layout positions of the keys are derived by the ring, not gathered.
-    gathered = tuple(t for t in inner.transfers
-                     if shape.explicit_positions or t.name != "kv_positions")
-    outer = ring_volume(_ring_shape(shape))
-    # The ring's rotations run over the second mesh axis (the ring axis).
-    return CommVolume("hybrid", gathered + tuple(replace(t, axis=1) for t in outer.transfers))
-
-
 def _ring_shape(shape: AttentionShape) -> AttentionShape:
     """What the ring across the ``R`` groups sees: ``H/U`` query heads and ``Hkv·f/U`` KV
     heads (``f`` the repeat factor) on every device, ``R`` devices."""
@@ -66,17 +50,27 @@ def _ring_shape(shape: AttentionShape) -> AttentionShape:
                    ulysses=1)
 
 
-def hybrid_work(shape: AttentionShape) -> Work:
-    """Group ``r``'s ``U`` shards (layout order) for ``H/U`` heads against every group's,
-    one kernel call per ring step."""
+def hybrid_statement(shape: AttentionShape) -> Statement:
+    """Ulysses over ``shape.ulysses`` devices inside (on ``T/R`` tokens), then the ring
+    over the ``R = cp / ulysses`` groups across (on the ``H/U`` heads and ``Hkv·f/U`` KV
+    heads each device holds after the all-to-all, over the second mesh axis): group ``r``'s
+    ``U`` shards (layout order) against every group's, one kernel call per ring step."""
     u, r = shape.ulysses, shape.cp // shape.ulysses
-    groups = rank_positions(shape).reshape(r, -1)
-    return work_of(shape, [[(q, k) for k in groups] for q in groups], shape.heads // u)
-
-
-def hybrid_memory(shape: AttentionShape) -> int:
-    """Its shards, then the ring's memory on the head-sharded blocks of ``S/R`` tokens."""
-    return shard_bytes(shape) + ring_memory(_ring_shape(shape))
+    inner = ulysses_transfers(replace(shape, seq_len=shape.q_padded // r,
+                                      kv_seq_len=shape.kv_padded // r, multiple=1, cp=u))
+    # Layout positions of the keys are derived by the ring, not gathered.
+    gathered = tuple(t for t in inner
+                     if shape.explicit_positions or t.name != "kv_positions")
+    ring_shape = _ring_shape(shape)
+    positions = rank_positions(shape)
+    heads = shape.heads // u
+    grids = (rotated(f"hybrid ring level: {r} groups of {u} devices, {{layout}} layout",
+                     "group", positions.reshape(r, -1), ring_rotation(r), heads),
+             shard_grid(f"hybrid Ulysses level: group g's {u} devices each run rows "
+                        f"[g·{u}, (g+1)·{u}) for {heads} of {shape.heads} heads",
+                        "query shard", positions, Calls.INSIDE, heads))
+    return Statement(gathered + ring_transfers(ring_shape, axis=1), grids,
+                     ring_step(ring_shape))
 
 
 def hybrid_feasible(shape: AttentionShape) -> str | None:
@@ -90,9 +84,8 @@ def hybrid_feasible(shape: AttentionShape) -> str | None:
     return problem
 
 
-HYBRID = register_schedule(Schedule("hybrid", mesh_axes=2, run=hybrid, volume=hybrid_volume,
-                                    feasible=hybrid_feasible, overlaps=True, order=3,
-                                    work=hybrid_work, memory=hybrid_memory,
-                                    steps=lambda shape: shape.cp // shape.ulysses,
-                                    inner=InnerAxis("Ulysses degree", "ring", ("uly", "ring"),
-                                                    divides_kv_heads=True)))
+HYBRID = register_schedule(Schedule("hybrid", mesh_axes=2, run=hybrid,
+                                    statement=hybrid_statement, feasible=hybrid_feasible,
+                                    order=3, inner=InnerAxis("Ulysses degree", "ring",
+                                                             ("uly", "ring"),
+                                                             divides_kv_heads=True)))

@@ -45,7 +45,6 @@ The backward is a ``custom_vjp``: residuals are q, k, v, o, lse and the mask ope
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -53,12 +52,12 @@ import numpy as np
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
-from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
-    tile_bytes
+from cptransform.analysis.block_work import rank_positions
+from cptransform.analysis.cost_model import Transfer, metadata, operands
+from cptransform.analysis.schedule_statement import LocalStep, Statement, rotated
 from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import Schedule, any_length, differentiable, finished, \
-    register_schedule, rotated_work
+    register_schedule
 from cptransform.lowering.kernels import row_delta
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import merge
@@ -202,49 +201,48 @@ def ring(block: Block, *, spec, axes, kernel):
     return finished(block, spec, o, lse, axes)
 
 
-def ring_volume(shape: AttentionShape) -> CommVolume:
+def ring_transfers(shape: AttentionShape, **fields) -> tuple[Transfer, ...]:
     """The ring over ``shape.cp`` devices: K, V and their positions (only the caller's:
-    layout positions are derived, not sent) / segment ids make ``cp-1`` hops forward; the backward rotates K, V (and metadata) again ``cp-1`` times and
-    the float32 dK/dV accumulators ``cp`` times, so that they arrive home. Every rotation is
-    sent one step ahead of its compute (``overlapped``)."""
+    layout positions are derived, not sent) / segment ids make ``cp-1`` hops forward; the
+    backward rotates K, V (and metadata) again ``cp-1`` times and the float32 dK/dV
+    accumulators ``cp`` times, so that they arrive home. Every rotation is sent one step
+    ahead of its compute (``overlapped``); ``fields`` as in :class:`Transfer` (hybrid: the
+    ring's mesh axis)."""
     cp = shape.cp
     rows = shape.batch * shape.kv_padded // cp
-    kv_elems = kv_elements(shape)
-    hops = cp - 1
-    hop = partial(Transfer, kind="collective_permute", overlapped=True)
-    transfers = [hop(name, bytes=hops * rows * e * shape.dtype_bytes)
-                 for name, e in kv_elems.items()]
-    meta = metadata(replace(shape, positions=shape.positions and shape.explicit_positions),
-                    ("kv",))
-    transfers += [hop(name, bytes=hops * b, payload=False)
-                  for name, b in meta]
-    transfers += [hop(name, bytes=hops * rows * e * shape.dtype_bytes, backward=True)
-                  for name, e in kv_elems.items()]
-    transfers += [hop(name, bytes=hops * b, backward=True,
-                      payload=False) for name, b in meta]
-    transfers += [hop("d" + name, bytes=cp * rows * e * shape.grad_bytes, backward=True)
-                  for name, e in kv_elems.items()]
-    return CommVolume("ring", tuple(transfers))
+    meta = replace(shape, positions=shape.positions and shape.explicit_positions)
+    hop = dict(kind="collective_permute", overlapped=True, **fields)
+    transfers = []
+    for backward in (False, True):
+        transfers += operands(shape, ("k", "v"), rows=rows, times=cp - 1, backward=backward,
+                              **hop)
+        transfers += metadata(meta, ("kv",), times=cp - 1, backward=backward, **hop)
+    transfers += operands(shape, ("k", "v"), rows=rows, element=shape.grad_bytes, prefix="d",
+                          times=cp, backward=True, **hop)
+    return tuple(transfers)
 
 
-def ring_rotation(shape: AttentionShape) -> np.ndarray:
+def ring_rotation(cp: int) -> np.ndarray:
     """``[cp, cp]``: at step ``i`` rank ``r`` holds the KV block of rank ``(r - i) mod cp``
     (what the lowering runs, the work and the plan chart read)."""
-    ranks, steps = np.meshgrid(np.arange(shape.cp), np.arange(shape.cp), indexing="ij")
-    return (ranks - steps) % shape.cp
+    ranks, steps = np.meshgrid(np.arange(cp), np.arange(cp), indexing="ij")
+    return (ranks - steps) % cp
 
 
-def ring_memory(shape: AttentionShape) -> int:
-    """Its shards, the KV block computed on and the one arriving, the float32 query state,
-    the float32 dK/dV accumulators (held and in flight) and one score tile."""
-    local = shape.q_padded // shape.cp
-    return (shard_bytes(shape) + 2 * kv_bytes(shape, local, shape.kv_heads, shape.dtype_bytes)
-            + query_state_bytes(shape, local, shape.heads)
-            + 2 * kv_bytes(shape, local, shape.kv_heads, shape.grad_bytes)
-            + tile_bytes(shape, shape.heads, local, local))
+def ring_step(shape: AttentionShape) -> LocalStep:
+    """Each step: the local queries against one KV block; the float32 dK/dV accumulators
+    travel (held and in flight)."""
+    return LocalStep(shape.q_padded // shape.cp, shape.kv_padded // shape.cp, shape.heads,
+                     shape.kv_heads, accumulators=2)
 
 
-RING = register_schedule(Schedule("ring", mesh_axes=1, run=ring, volume=ring_volume,
-                                  feasible=any_length, overlaps=True, order=0,
-                                  work=rotated_work(ring_rotation), memory=ring_memory,
-                                  steps=lambda shape: shape.cp, rotation=ring_rotation))
+def ring_statement(shape: AttentionShape) -> Statement:
+    """The ring's transfers (:func:`ring_transfers`), its rotation (:func:`ring_rotation`)
+    and its step."""
+    grid = rotated(f"ring over {shape.cp} devices, {{layout}} layout", "device",
+                   rank_positions(shape), ring_rotation(shape.cp), shape.heads)
+    return Statement(ring_transfers(shape), (grid,), ring_step(shape))
+
+
+RING = register_schedule(Schedule("ring", mesh_axes=1, run=ring, statement=ring_statement,
+                                  feasible=any_length, order=0))

@@ -1,10 +1,11 @@
 """What a context-parallel schedule is: one :class:`Schedule` record each, and the registry.
 
 A schedule module of this package (``ring.py``, ``ulysses.py``, …) defines its local
-function, its communication formula and its feasibility check, and registers them as one
-record with :func:`register_schedule`. :func:`schedules` imports every module of the
-package on first use, so adding a schedule is one new module (and its tests): the entry
-point, the planner, ``context_parallel``'s options and the CLI all read :func:`schedules`.
+function, its statement (transfers, kernel calls, local step) and its feasibility check,
+and registers them as one record with :func:`register_schedule`. :func:`schedules`
+imports every module of the package on first use, so adding a schedule is one new module
+(and its tests): the entry point, the planner, ``context_parallel``'s options and the CLI
+all read :func:`schedules`.
 
 The local function, ``run(block, *, spec, axes, kernel) -> o``, runs under ``shard_map``
 and receives:
@@ -33,15 +34,14 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.block_work import Work, gathered_work, rank_positions, work_of
+from cptransform.analysis.block_work import Work
 from cptransform.analysis.cost_model import CommVolume
 from cptransform.analysis.hardware import Hardware
-from cptransform.analysis.local_memory import query_state_bytes, shard_bytes
 from cptransform.analysis.prediction import Prediction, predict
+from cptransform.analysis.schedule_statement import Statement
 from cptransform.lowering.block import Block
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import added_fill_term, fill_empty_rows, merge_sinks
@@ -74,26 +74,16 @@ class Schedule:
     * ``name``: what users pass as ``schedule=``;
     * ``mesh_axes``: how many CP mesh axes it runs over;
     * ``run``: the local function run under ``shard_map`` (see the module doc);
-    * ``volume(shape)``: its per-device :class:`CommVolume`, forward and backward;
+    * ``statement(shape)``: what it does for ``shape``, stated once
+      (:class:`~cptransform.analysis.schedule_statement.Statement`: its transfers, the
+      blocks each device's kernel calls meet, its local step); its volume, work, memory,
+      steps, prediction and plan chart are read off it;
     * ``feasible(shape)``: why it cannot run ``shape``, or ``None`` when it can;
-    * ``overlaps``: its transfers overlap the compute (its ``volume`` marks which:
-      ``Transfer.overlapped``); the planner prefers it between schedules predicted within
-      1% of each other;
     * ``order``: its place in listings (plans, ``explain``, CLI choices);
-    * ``work(shape)``: the :class:`~cptransform.analysis.block_work.Work` of its local
-      steps (executed FLOPs of the slowest device after block skipping, load balance);
-      default: local queries against all keys in one call;
-    * ``memory(shape)``: peak bytes per device of its local step (``None``: its shards,
-      everything its forward receives, and the float32 query state);
-    * ``steps(shape)``: how many compute steps its overlapped transfers are pipelined
-      over (1: it computes once, after its transfers);
     * ``automatic``: the planner's ``auto`` may choose it (otherwise only on request);
     * ``inner``: for a schedule over two mesh axes, how it splits them (:class:`InnerAxis`):
       the first of its ``axes`` is the inner one, of ``shape.ulysses`` devices. What a
-      schedule does is read off its record, never off how many axes a mesh has;
-    * ``rotation(shape)``: for a schedule that passes KV blocks around, ``[cp, steps]``
-      int, the layout shard whose block shard ``s`` computes with at step ``t`` (what the
-      plan chart draws when the schedule has no picture of its own).
+      schedule does is read off its record, never off how many axes a mesh has.
 
     :meth:`predict` prices it on a :class:`~cptransform.analysis.hardware.Hardware` row.
     """
@@ -101,23 +91,29 @@ class Schedule:
     name: str
     mesh_axes: int
     run: Callable
-    volume: Callable[[AttentionShape], CommVolume]
+    statement: Callable[[AttentionShape], Statement]
     feasible: Callable[[AttentionShape], str | None]
-    overlaps: bool = False
     order: int = 0
-    work: Callable[[AttentionShape], Work] = gathered_work
-    memory: Callable[[AttentionShape], int] | None = None
-    steps: Callable[[AttentionShape], int] = lambda shape: 1  # computes once
     automatic: bool = True
     inner: InnerAxis | None = None
-    rotation: Callable[[AttentionShape], np.ndarray] | None = None
+
+    def volume(self, shape: AttentionShape) -> CommVolume:
+        """Its per-device :class:`CommVolume` for ``shape``, forward and backward."""
+        return self.statement(shape).volume(self.name)
+
+    def work(self, shape: AttentionShape) -> Work:
+        """The :class:`~cptransform.analysis.block_work.Work` of its local steps (executed
+        FLOPs of the slowest device after block skipping, load balance)."""
+        return self.statement(shape).work(shape)
 
     def peak_memory(self, shape: AttentionShape) -> int:
-        """Peak bytes per device of the local step (see ``memory``)."""
-        if self.memory is not None:
-            return self.memory(shape)
-        return (shard_bytes(shape) + self.volume(shape).forward_total
-                + query_state_bytes(shape, shape.q_padded // shape.cp, shape.heads))
+        """Peak bytes per device of its local step."""
+        return self.statement(shape).memory(shape)
+
+    def overlaps(self, shape: AttentionShape) -> bool:
+        """Its transfers overlap the compute (``Transfer.overlapped``); the planner prefers
+        it between schedules predicted within 1% of each other."""
+        return self.statement(shape).overlaps()
 
     def predict(self, shape: AttentionShape, hardware: Hardware,
                 spans: tuple[int, ...] | None = None) -> Prediction:
@@ -126,8 +122,9 @@ class Schedule:
         of consecutive devices, the ring across them)."""
         if spans is None:
             spans = (shape.ulysses, shape.cp) if self.inner is not None else (shape.cp,)
-        return predict(self.name, self.volume(shape), self.work(shape),
-                       self.peak_memory(shape), self.steps(shape), shape.q_padded,
+        said = self.statement(shape)
+        return predict(self.name, said.volume(self.name), said.work(shape),
+                       said.memory(shape), said.steps(), shape.q_padded,
                        shape.dtype_bytes, hardware, spans)
 
 
@@ -149,17 +146,6 @@ def schedules() -> dict[str, Schedule]:
         if not module.ispkg:
             importlib.import_module(f"{package.__name__}.{module.name}")
     return dict(sorted(SCHEDULES.items(), key=lambda item: (item[1].order, item[0])))
-
-
-def rotated_work(rotation: Callable[[AttentionShape], np.ndarray]) -> Callable:
-    """The ``work`` of a schedule that states its ``rotation``: shard ``s``'s queries
-    against the KV block of shard ``rotation[s, t]`` at each step ``t``, one kernel call
-    each, over all query heads."""
-    def work(shape: AttentionShape) -> Work:
-        ranks = rank_positions(shape)
-        return work_of(shape, [[(ranks[s], ranks[t]) for t in row]
-                               for s, row in enumerate(rotation(shape))], shape.heads)
-    return work
 
 
 def any_length(shape: AttentionShape) -> str | None:

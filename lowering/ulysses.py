@@ -26,16 +26,16 @@ never the probabilities.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import partial
 
 import jax.numpy as jnp
 from jax import lax
 
 from cptransform.analysis.attention_shape import AttentionShape
-from cptransform.analysis.block_work import Work, rank_positions, work_of
-from cptransform.analysis.cost_model import CommVolume, Transfer, kv_elements, metadata
-from cptransform.analysis.local_memory import kv_bytes, query_state_bytes, shard_bytes, \
-    tile_bytes
+from cptransform.analysis.block_work import rank_positions
+from cptransform.analysis.cost_model import Transfer, metadata, operands
+from cptransform.analysis.schedule_statement import Calls, LocalStep, Statement, shard_grid
 from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import Schedule, differentiable, finished, \
     register_schedule
@@ -147,42 +147,33 @@ def ulysses(block: Block, *, spec, axes, kernel):
     return ulysses_around(partial(local_attention, kernel), block, spec=spec, axis=axes[0])
 
 
-def ulysses_volume(shape: AttentionShape) -> CommVolume:
+def ulysses_transfers(shape: AttentionShape) -> tuple[Transfer, ...]:
     """Ulysses over ``shape.cp`` devices: all-to-alls of q, k, v, o (K/V with their heads
     repeated, see :func:`kv_head_repeats`) and all-gathers of positions / segment ids
     forward; the transposed all-to-alls of dq, dk, dv, do backward."""
     cp = shape.cp
-    kv = kv_elements(shape, shape.kv_heads * kv_head_repeats(shape.kv_heads, cp))
-
-    def a2a(length, elements):
-        return shape.batch * length // cp * elements * shape.dtype_bytes * (cp - 1) // cp
-
-    q_len, kv_len = shape.q_padded, shape.kv_padded
-    payload = [("q", a2a(q_len, shape.heads * shape.head_dim)), ("k", a2a(kv_len, kv["k"])),
-               ("v", a2a(kv_len, kv["v"])), ("o", a2a(q_len, shape.heads * shape.dv))]
-    transfers = [Transfer(name, "all_to_all", b) for name, b in payload]
-    transfers += [Transfer(name, "all_gather", b * (cp - 1), payload=False)
-                  for name, b in metadata(shape, ("q", "kv"))]
-    transfers += [Transfer("d" + name, "all_to_all", b, backward=True) for name, b in payload]
-    return CommVolume("ulysses", tuple(transfers))
+    kv = shape.kv_heads * kv_head_repeats(shape.kv_heads, cp)
+    a2a = dict(kind="all_to_all", group=cp, kv_heads=kv)
+    q_rows, kv_rows = (shape.batch * n // cp for n in (shape.q_padded, shape.kv_padded))
+    forward = (operands(shape, ("q",), rows=q_rows, **a2a)
+               + operands(shape, ("k", "v"), rows=kv_rows, **a2a)
+               + operands(shape, ("o",), rows=q_rows, **a2a))
+    gathered = metadata(shape, ("q", "kv"), "all_gather", group=cp)
+    return tuple(forward + gathered
+                 + [replace(t, name="d" + t.name, backward=True) for t in forward])
 
 
-def ulysses_work(shape: AttentionShape) -> Work:
-    """Every device: the whole sequence in layout order against itself, ``H/cp`` heads."""
-    everything = rank_positions(shape).reshape(-1)
-    return work_of(shape, [[(everything, everything)]], shape.heads // shape.cp)
-
-
-def ulysses_memory(shape: AttentionShape) -> int:
-    """Its shards, the head-sharded q, k, v, o (K/V heads repeated), their float32 state
-    and gradients, and one score tile over ``H/cp`` heads."""
+def ulysses_statement(shape: AttentionShape) -> Statement:
+    """Its all-to-alls (:func:`ulysses_transfers`); every device: the whole sequence in
+    layout order against itself, ``H/cp`` heads (K/V heads repeated), in one call."""
     n = shape.cp
-    heads, kv = shape.heads // n, shape.kv_heads * kv_head_repeats(shape.kv_heads, n) // n
-    s = shape.q_padded
-    gathered = shape.batch * s * heads * (shape.head_dim + shape.dv) * shape.dtype_bytes
-    return (shard_bytes(shape) + gathered + kv_bytes(shape, s, kv, shape.dtype_bytes)
-            + query_state_bytes(shape, s, heads) + kv_bytes(shape, s, kv, shape.grad_bytes)
-            + tile_bytes(shape, heads, s, s))
+    heads = shape.heads // n
+    grid = shard_grid(f"ulysses over {n} devices, {{layout}} layout: every device runs this "
+                      f"grid for its {heads} of {shape.heads} heads (equal work)",
+                      "query shard", rank_positions(shape), Calls.WHOLE_GRID, heads)
+    kv_heads = shape.kv_heads * kv_head_repeats(shape.kv_heads, n) // n
+    return Statement(ulysses_transfers(shape), (grid,),
+                     LocalStep(shape.q_padded, shape.kv_padded, heads, kv_heads))
 
 
 def ulysses_feasible(shape: AttentionShape) -> str | None:
@@ -192,5 +183,5 @@ def ulysses_feasible(shape: AttentionShape) -> str | None:
 
 
 ULYSSES = register_schedule(Schedule("ulysses", mesh_axes=1, run=ulysses,
-                                     volume=ulysses_volume, feasible=ulysses_feasible,
-                                     order=1, work=ulysses_work, memory=ulysses_memory))
+                                     statement=ulysses_statement, feasible=ulysses_feasible,
+                                     order=1))

@@ -392,8 +392,9 @@ class PlanContextParallel(Pass):
                             + "; ".join(skipped)
                             + ("; raise memory_limit or cp" if too_big else ""))
         best = ok[0]
-        tied = [p for p in ok if p.time_s <= TIE * best.time_s and candidates[p.schedule].overlaps]
-        if tied and not candidates[best.schedule].overlaps:
+        tied = [p for p in ok if p.time_s <= TIE * best.time_s
+                and candidates[p.schedule].overlaps(shape)]
+        if tied and not candidates[best.schedule].overlaps(shape):
             best = tied[0]
         runner_up = next((p for p in ok if p is not best), None)
         reason = (f"least predicted time on {hardware.name}: {best.time_s * 1e3:.3g} ms "

@@ -14,10 +14,10 @@ from schedule_cases import make_case, relative_error
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import get_kernel
 from cptransform.analysis.block_work import chunk_size
-from cptransform.lowering.kernels.chunked import EMPTY, FULL, PARTIAL, ChunkedKernel, \
-    chunk_kinds, executed_fraction
+from cptransform.lowering.kernels.chunked import ChunkedKernel, chunk_kinds, executed_fraction
 from cptransform.op.attention_reference import attend, attention_reference, split_operands
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.op.mask_terms import BlockKind
 
 BTHD = Layout.parse("BTHD")
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
@@ -152,9 +152,10 @@ def test_causal_classification_counts(nb):
     spec = AttentionSpec(q=BTHD, k=BTHD, v=BTHD, scale=1.0, mask=MaskSpec(causal=True))
     kinds = np.asarray(chunk_kinds(block, spec, 4))
     assert kinds.shape == (nb, nb)
-    assert np.sum(kinds != EMPTY) == nb * (nb + 1) // 2
-    assert np.sum(kinds == PARTIAL) == nb and np.all(np.diag(kinds) == PARTIAL)
-    assert np.all(kinds[np.tril_indices(nb, -1)] == FULL)
+    assert np.sum(kinds != BlockKind.SKIP) == nb * (nb + 1) // 2
+    assert np.sum(kinds == BlockKind.PARTIAL) == nb
+    assert np.all(np.diag(kinds) == BlockKind.PARTIAL)
+    assert np.all(kinds[np.tril_indices(nb, -1)] == BlockKind.FULL)
     assert float(executed_fraction(block, spec, 4)) == pytest.approx((nb + 1) / (2 * nb))
 
 
@@ -173,8 +174,9 @@ def test_classification_of_other_masks():
                                                  [0, 0, 0, 1]])
     dense = jnp.zeros((1, 1, 8, 8), bool).at[:, :, :2, :2].set(True).at[0, 0, 7, 0].set(True)
     kinds = chunk_kinds(Block(z, z, z, pos, pos, mask=dense), spec(dense=True), 2)
-    assert np.asarray(kinds)[0, 0] == FULL and np.asarray(kinds)[3, 0] == PARTIAL
-    assert np.sum(np.asarray(kinds) != EMPTY) == 2
+    assert np.asarray(kinds)[0, 0] == BlockKind.FULL
+    assert np.asarray(kinds)[3, 0] == BlockKind.PARTIAL
+    assert np.sum(np.asarray(kinds) != BlockKind.SKIP) == 2
     z7 = jnp.zeros((1, 7, 1, 2))
     padded = chunk_kinds(Block(z7, z7, z7, pos[:, :7], pos[:, :7]), spec(), 4)
     assert np.array_equal(np.asarray(padded), [[1, 2], [1, 2]])

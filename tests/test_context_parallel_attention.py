@@ -84,7 +84,7 @@ def test_schedule_contract(rng, monkeypatch):
         o = fill_empty_rows_sharded(spec, o, lse, gathered, (), gathered.k.shape[1])
         return o.astype(block.q.dtype)
 
-    record = Schedule("gather_all", mesh_axes=1, run=gather_all, volume=None,
+    record = Schedule("gather_all", mesh_axes=1, run=gather_all, statement=None,
                       feasible=lambda shape: None)
     monkeypatch.setitem(schedule_module.SCHEDULES, "gather_all", record)
     case = make_case(rng, "dense_causal", "gqa", seq=24, batch=2, empty_rows="uniform")

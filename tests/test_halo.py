@@ -233,7 +233,7 @@ def test_volume_proportional_to_window():
 @pytest.mark.parametrize("layout,window", [("contiguous", (3, 2)), ("zigzag", (3, 0))])
 def test_permutes_move_only_halos(layout, window):
     """The lowered program's collective-permutes carry ``[B, halo, Hkv, D + Dv]`` K/V and
-    ``[1, halo]`` positions, nothing sequence-sized; bytes match :func:`halo_volume`."""
+    ``[1, halo]`` positions, nothing sequence-sized; bytes match :func:`halo_statement`."""
     cp, batch, d, dv = 4, 2, 8, 12
     left, right = window
     case = windowed(make_case(np.random.default_rng(0), "none", "gqa", seq=64, d=d, dv=dv,

@@ -116,8 +116,8 @@ def _dense_kind(mask, q_pos, k_pos):
     seen = mask_terms.visible(mask.terms(), mask_terms.Tile(q_pos[:, None], k_pos[None, :]))
     seen = np.broadcast_to(seen, (q_pos.size, k_pos.size))
     if not seen.any():
-        return plan_chart.SKIP
-    return plan_chart.FULL if seen.all() else plan_chart.PARTIAL
+        return mask_terms.BlockKind.SKIP
+    return mask_terms.BlockKind.FULL if seen.all() else mask_terms.BlockKind.PARTIAL
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])

@@ -12,10 +12,11 @@ import pytest
 from cptransform import context_parallel
 from cptransform.op.attention_reference import attend
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.op.mask_terms import BlockKind
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import get_kernel
 from cptransform.lowering.kernels import pallas_gpu, pallas_tpu
-from cptransform.lowering.kernels.block_table import FULL, PARTIAL, SKIP, block_table, fetch_order
+from cptransform.lowering.kernels.block_table import block_table, fetch_order
 from cptransform.lowering.kernels.pallas import PallasKernel
 from cptransform.lowering.kernels.pallas_operands import prepare
 
@@ -119,33 +120,34 @@ def test_block_table_causal_is_exact():
     pos = jnp.arange(nb * blk, dtype=jnp.int32)[None]
     table = np.asarray(block_table(MaskSpec(causal=True), pos, pos, None, None, None, blk, blk))
     assert table.shape == (1, 1, nb, nb)
-    assert (table != SKIP).sum() == nb * (nb + 1) // 2
-    assert (table == PARTIAL).sum() == nb
-    np.testing.assert_array_equal(np.diag(table[0, 0]), PARTIAL)
-    assert (table[0, 0][np.tril_indices(nb, -1)] == FULL).all()
+    assert (table != BlockKind.SKIP).sum() == nb * (nb + 1) // 2
+    assert (table == BlockKind.PARTIAL).sum() == nb
+    np.testing.assert_array_equal(np.diag(table[0, 0]), BlockKind.PARTIAL)
+    assert (table[0, 0][np.tril_indices(nb, -1)] == BlockKind.FULL).all()
 
 
 @pytest.mark.slow
 def test_block_table_segments_dense_window_and_padding():
+    S, F, P = BlockKind.SKIP, BlockKind.FULL, BlockKind.PARTIAL  # one letter per table entry
     pos = jnp.arange(8, dtype=jnp.int32)[None]
     seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1]], jnp.int32)
     table = block_table(MaskSpec(segments=True), pos, pos, seg, seg, None, 4, 4)
-    np.testing.assert_array_equal(table[0, 0], [[FULL, SKIP], [SKIP, FULL]])
+    np.testing.assert_array_equal(table[0, 0], [[F, S], [S, F]])
     # Window (2, 2): blocks 2 apart never meet; neighbours are partial.
     pos12 = jnp.arange(12, dtype=jnp.int32)[None]
     table = block_table(MaskSpec(window=(2, 2)), pos12, pos12, None, None, None, 4, 4)
-    np.testing.assert_array_equal(table[0, 0], [[PARTIAL, PARTIAL, SKIP],
-                                                [PARTIAL, PARTIAL, PARTIAL],
-                                                [SKIP, PARTIAL, PARTIAL]])
+    np.testing.assert_array_equal(table[0, 0], [[P, P, S],
+                                                [P, P, P],
+                                                [S, P, P]])
     # Dense tiles: all False → skip, all True → full, per head; padding is never full.
     dense = jnp.zeros((1, 2, 8, 6), bool).at[:, 0, :4, :4].set(True).at[:, 1, 4:, :].set(True)
     table = block_table(MaskSpec(dense=True), pos, pos[:, :6], None, None, dense, 4, 4)
-    np.testing.assert_array_equal(table[0], [[[FULL, SKIP], [SKIP, SKIP]],
-                                             [[SKIP, SKIP], [FULL, PARTIAL]]])
+    np.testing.assert_array_equal(table[0], [[[F, S], [S, S]],
+                                             [[S, S], [F, P]]])
     full = block_table(MaskSpec(), pos, pos[:, :6], None, None, None, 4, 4)
-    np.testing.assert_array_equal(full[0, 0], [[FULL, PARTIAL], [FULL, PARTIAL]])
+    np.testing.assert_array_equal(full[0, 0], [[F, P], [F, P]])
     ragged_q = block_table(MaskSpec(), pos[:, :6], pos, None, None, None, 4, 4)
-    np.testing.assert_array_equal(ragged_q[0, 0], [[FULL, FULL], [PARTIAL, PARTIAL]])
+    np.testing.assert_array_equal(ragged_q[0, 0], [[F, F], [P, P]])
 
 
 def test_auto_is_xla_on_cpu_and_pallas_is_registered():
@@ -197,7 +199,7 @@ def test_skipped_tpu_steps_fetch_the_block_already_held(rng):
         fetched = pallas_tpu.fetched_tile(table.shape)
         for b, h, i in np.ndindex(*table.shape[:3]):
             row = table[b, h, i]
-            visited = np.flatnonzero(row != SKIP)
+            visited = np.flatnonzero(row != BlockKind.SKIP)
             steps = [int(fetched(b, h, i, j, None, fetch.reshape(-1)))
                      for j in range(row.size)]
             for j, step in enumerate(steps):
@@ -206,7 +208,7 @@ def test_skipped_tpu_steps_fetch_the_block_already_held(rng):
                 assert step == want, (b, h, i, j, steps, row)
             changes = 1 + sum(a != c for a, c in zip(steps, steps[1:]))
             assert changes == visited.size
-        assert (table == SKIP).any()
+        assert (table == BlockKind.SKIP).any()
 
 
 def test_kv_major_table_is_the_forward_table_transposed(rng):

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from cptransform import attention, context_parallel
-from cptransform.api.plan_chart import FULL, PARTIAL, SKIP, UNKNOWN, balance_table, block_kind, \
-    charts_for, device_work, render_png, render_text
+from cptransform.api.plan_chart import balance_table, block_kind, charts_for, device_work, \
+    render_png, render_text
 from cptransform.ir.errors import PlotError
 from cptransform.op.attention_spec import MaskSpec
+from cptransform.op.mask_terms import BlockKind
 from cptransform.op.layouts import SequenceLayout
 
 CONTIGUOUS = SequenceLayout("contiguous", 64, 4)
@@ -148,10 +149,10 @@ SEGMENTS = np.array([[1] * 5 + [2] * 3 + [3] * 8, [1] * 8 + [2] * 8])
 def test_segment_blocks_are_classified_for_the_data():
     mask = MaskSpec(causal=True, segments=True)
     first, second = SequenceLayout("contiguous", S, CP).all_positions()
-    assert block_kind(mask, second, first) == UNKNOWN  # no data: cannot tell
-    assert block_kind(mask, second, first, SEGMENTS) == SKIP  # no document crosses shards
-    assert block_kind(mask, first, first, SEGMENTS) == PARTIAL
-    assert block_kind(MaskSpec(segments=True), first, first, SEGMENTS[1:]) == FULL
+    assert block_kind(mask, second, first) == BlockKind.UNKNOWN  # no data: cannot tell
+    assert block_kind(mask, second, first, SEGMENTS) == BlockKind.SKIP  # no document crosses shards
+    assert block_kind(mask, first, first, SEGMENTS) == BlockKind.PARTIAL
+    assert block_kind(MaskSpec(segments=True), first, first, SEGMENTS[1:]) == BlockKind.FULL
 
 
 def test_device_work_counts_visible_pairs_of_the_batch():

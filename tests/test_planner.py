@@ -270,19 +270,25 @@ def test_a_layout_that_cannot_cut_the_length_is_priced_padded(rng):
     assert_matches_one_device(one_attention, cp_fn, q, k, v)
 
 
-def test_a_record_with_only_volume_and_feasible_is_priced():
-    """A schedule module that gives no work / memory / steps (written before them) is
-    priced with the defaults: all keys in one call, its received bytes held, one step."""
-    allgather = schedules()["allgather"]
-    bare = Schedule("bare", mesh_axes=1, run=allgather.run, volume=allgather.volume,
+def test_memory_is_read_off_the_statement():
+    """A record priced from its statement alone: all-gather's memory is its shards, the K
+    and V its all-gathers deliver (the whole sequence), the float32 query state of its
+    local queries, float32 dK/dV of every key and one score tile; the ring's holds two
+    blocks (the one computed on and the one arriving) and two travelling accumulators."""
+    allgather, ring = schedules()["allgather"], schedules()["ring"]
+    bare = Schedule("bare", mesh_axes=1, run=allgather.run, statement=allgather.statement,
                     feasible=allgather.feasible)
     shape = AttentionShape(seq_len=4096, heads=8, kv_heads=2, head_dim=64, cp=8,
                            band=(None, 0), layout="zigzag")
-    bare_p, allgather_p = bare.predict(shape, H100), allgather.predict(shape, H100)
-    assert (bare_p.time_s, bare_p.flops, bare_p.bytes) == \
-        (allgather_p.time_s, allgather_p.flops, allgather_p.bytes)
-    assert bare_p.memory_bytes == (shard_bytes(shape) + allgather.volume(shape).forward_total
-                                   + query_state_bytes(shape, 512, 8))
+    kv = 4096 * 2 * (64 + 64) * 2  # K and V of every key: one batch row, 2 KV heads, bf16
+    tile = 2 * 8 * 128 * 128 * 4  # float32 scores and probabilities of one 128 x 128 tile
+    assert bare.predict(shape, H100) == replace(allgather.predict(shape, H100), schedule="bare")
+    assert bare.peak_memory(shape) == (shard_bytes(shape) + kv + query_state_bytes(shape, 512, 8)
+                                       + 2 * kv + tile)
+    block = kv // 8
+    assert ring.peak_memory(shape) == (shard_bytes(shape) + 2 * block
+                                       + query_state_bytes(shape, 512, 8) + 2 * 2 * block
+                                       + 2 * 8 * 128 * 128 * 4)
 
 
 def test_each_kernel_call_costs_the_rows_call_s():

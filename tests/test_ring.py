@@ -12,10 +12,11 @@ from schedule_cases import POSITION_MASKS, Case, check_schedule, make_case, fast
 
 from cptransform.op.attention_reference import attention_reference
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.op.mask_terms import BlockKind
 from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.lowering import kernels as kernels_module
 from cptransform.lowering.block import Block
-from cptransform.lowering.kernels.chunked import EMPTY, ChunkedKernel, chunk_kinds
+from cptransform.lowering.kernels.chunked import ChunkedKernel, chunk_kinds
 from cptransform.lowering.schedule import schedules
 from cptransform.lowering.collectives import lower_and_count
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
@@ -135,7 +136,7 @@ class _CountingKernel(ChunkedKernel):
         return id(self)
 
     def forward(self, block, spec):
-        computed = jnp.sum(chunk_kinds(block, spec, self.chunk) != EMPTY)
+        computed = jnp.sum(chunk_kinds(block, spec, self.chunk) != BlockKind.SKIP)
         jax.debug.callback(lambda r, n: self.calls.update({int(r): int(n)}),
                            jax.lax.axis_index(self.axes), computed)
         return super().forward(block, spec)

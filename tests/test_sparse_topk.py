@@ -19,9 +19,10 @@ from conftest import make_mesh
 from cptransform import attention, context_parallel
 from cptransform.lowering.block import Block
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
-from cptransform.lowering.kernels.chunked import EMPTY, ChunkedKernel, chunk_kinds
+from cptransform.lowering.kernels.chunked import ChunkedKernel, chunk_kinds
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_reference import attend
+from cptransform.op.mask_terms import BlockKind
 from test_match_support import assert_close, randn, rewrite, specs
 
 B, S, H, D, HI, DI, K = 1, 64, 8, 8, 2, 8, 8
@@ -192,7 +193,7 @@ def test_chunked_kernel_skips_chunks_no_index_falls_in(rng):
     spec = jax.make_jaxpr(lambda *a: attention(*a, topk_indices=idx[None, None]))(
         q, k, v).eqns[-1].params["spec"].replace(positions=True)
     kinds = np.asarray(chunk_kinds(block, spec, target=8))
-    empty = kinds == EMPTY
+    empty = kinds == BlockKind.SKIP
     assert empty.sum() == 9  # of 4×4 chunks only column 0 and the diagonal are needed
     assert not empty[:, 0].any() and not np.diag(empty).any()
     o, lse = ChunkedKernel(chunk=8).forward(block, spec)
@@ -256,7 +257,6 @@ def test_pallas_table_skips_tiles_no_index_reaches(rng):
     """The Pallas kernels' block table of a top-k mask (with causal, odd lengths, 4 × 4
     tiles): key blocks no index reaches are skipped, and the selection the kernels read is
     the reference's. (The numbers through the kernels: the schedule matrix above.)"""
-    from cptransform.lowering.kernels.block_table import SKIP
     from cptransform.lowering.kernels.pallas_operands import prepare
     from cptransform.op.attention_reference import selected
 
@@ -270,7 +270,7 @@ def test_pallas_table_skips_tiles_no_index_reaches(rng):
     ops = prepare(block, spec, 4, 4)
     table = np.asarray(ops.table)
     # Key blocks 1 and 2 hold no index but the 5 of query block 0's second row.
-    assert table.shape == (1, 1, 4, 3) and (table[0, 0, :, 1:] == SKIP).sum() == 7
-    assert not (table[0, 0, :, 0] == SKIP).any()
+    assert table.shape == (1, 1, 4, 3) and (table[0, 0, :, 1:] == BlockKind.SKIP).sum() == 7
+    assert not (table[0, 0, :, 0] == BlockKind.SKIP).any()
     np.testing.assert_array_equal(np.asarray(ops.picked[..., :13, :11]) != 0,
                                   np.asarray(selected(idx, kv_pos)))

@@ -132,11 +132,3 @@ def work_of(shape: AttentionShape, calls, heads: int) -> Work:
                 backward_flops(slowest, shape.head_dim, shape.dv),
                 slowest / mean if mean else 1.0, max(len(device) for device in calls),
                 tuple(both))
-
-
-def gathered_work(shape: AttentionShape) -> Work:
-    """Each device's local queries against all keys in layout order, one kernel call (the
-    all-gather schedule; the default for a schedule that gives no ``work``)."""
-    ranks = rank_positions(shape)
-    everything = ranks.reshape(-1)
-    return work_of(shape, [[(q, everything)] for q in ranks], shape.heads)

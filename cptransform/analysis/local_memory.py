@@ -1,4 +1,5 @@
-"""Per-device memory of the local step: the building blocks of each schedule's ``memory``.
+"""Per-device memory of the local step: the building blocks of a schedule statement's
+``memory`` (:mod:`cptransform.analysis.schedule_statement`).
 
 The chunked kernel holds one (query chunk, key chunk) tile of float32 scores and
 probabilities plus O(T) state (float32 output accumulator, log-sum-exp), so everything

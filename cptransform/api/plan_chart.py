@@ -1,33 +1,41 @@
 """Pictures of a plan: each attention's chosen schedule as a grid of blocks, and the work per
 rank under every candidate layout.
 
-A schedule's picture is one or more :class:`Chart` grids, each cell one (query shard, key
-shard) block classified skip / partial / full by the mask's terms of positions (``?`` where
-segment ids, a dense mask or top-k indices decide): a schedule that states its rotation
-(``Schedule.rotation``: the ring, the double ring) is devices × steps, drawn from that
-statement; all-gather devices × key shards (one kernel call); Ulysses the query shards ×
-key shards every device runs for its ``H/cp`` heads; the hybrid both levels (ring groups ×
-steps, then the shards inside a group). A schedule with neither a rotation nor an entry in
-:data:`CHARTS` gets a line saying so, never another schedule's picture. :func:`render_text` draws a chart as text, :func:`render_png` all of
-them with matplotlib (the ``plot`` extra).
+A schedule's picture is one :class:`Chart` per grid of its statement
+(:class:`~cptransform.analysis.schedule_statement.Grid`), each cell one (query positions,
+key positions) block of a :class:`~cptransform.op.mask_terms.BlockKind`: skipped, partial
+or full by the mask's terms of positions (unknown where segment ids, a dense mask or top-k
+indices decide): the ring and the double
+ring devices × steps (their rotations), all-gather devices × key shards (one kernel call),
+Ulysses the query shards × key shards every device runs for its ``H/cp`` heads, the hybrid
+both levels (ring groups × steps, then the shards inside a group), halo devices × the key
+pieces of their one call. A name with no schedule gets a line saying so.
+:func:`render_text` draws a chart as text, :func:`render_png` all of them with matplotlib
+(the ``plot`` extra).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
+from cptransform.analysis.schedule_statement import Calls
 from cptransform.ir.errors import PlotError
-from cptransform.lowering.halo import key_pieces
+from cptransform.lowering.ring import ring_rotation
 from cptransform.lowering.schedule import schedules
 from cptransform.op import mask_terms
+from cptransform.op.mask_terms import BlockKind
 from cptransform.op.attention_reference import visible
 from cptransform.op.attention_spec import MaskSpec
 from cptransform.op.layouts import SequenceLayout
 
-FULL, PARTIAL, SKIP, UNKNOWN = "#", "+", ".", "?"
-LEGEND = f"({FULL} full, {PARTIAL} partial, {SKIP} skipped, {UNKNOWN} data-dependent)"
+#: How each block kind is drawn: its character in the text chart, its name, its colour in
+#: the PNG; the legend lists them in this order.
+DRAWN = {BlockKind.FULL: ("#", "full", "#264653"),
+         BlockKind.PARTIAL: ("+", "partial", "#f4a261"),
+         BlockKind.SKIP: (".", "skipped", "#eeeeee"),
+         BlockKind.UNKNOWN: ("?", "data-dependent", "#bbbbff")}
+LEGEND = "(" + ", ".join(f"{c} {name}" for c, name, _ in DRAWN.values()) + ")"
 
 
 #: At most this many pieces per side classify a block: a side whose positions form more
@@ -49,13 +57,13 @@ def _pieces(positions: np.ndarray) -> mask_terms.Ranges:
 
 
 def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
-               segment_ids: np.ndarray | None = None) -> str:
+               segment_ids: np.ndarray | None = None) -> BlockKind:
     """Classify one (query shard, key shard) block by the mask's terms of positions.
 
     The terms classify the runs of consecutive positions of each side from their ranges
     (:func:`~cptransform.op.mask_terms.meet`), never a dense visibility, so a chart at
     a million tokens costs a few arrays of ``MAX_PIECES²``. Segment ids, dense masks and
-    top-k indices depend on data: such blocks are ``?`` unless the positions already hide
+    top-k indices depend on data: such blocks are ``UNKNOWN`` unless the positions already hide
     them entirely — or, for segments, unless ``segment_ids`` (``[B, S]`` in natural order,
     an example-sized batch) gives the data: then the block is classified for that batch
     element by element."""
@@ -63,19 +71,19 @@ def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
     positional = tuple(t for t in terms if t.key_hull is not None)
     may, full = mask_terms.meet(positional, mask_terms.Blocks(_pieces(q_pos), _pieces(kv_pos)))
     if not np.any(may):
-        return SKIP
+        return BlockKind.SKIP
     if mask.segments and segment_ids is not None:
         seg = np.asarray(segment_ids)
         known = mask.replace(dense=False, bias=False, topk=False)
         seen = np.asarray(visible(known, q_pos[None], kv_pos[None], seg[:, q_pos],
                                   seg[:, kv_pos]))
         if not seen.any():
-            return SKIP
+            return BlockKind.SKIP
         if not (mask.dense or mask.topk):
-            return FULL if seen.all() else PARTIAL
+            return BlockKind.FULL if seen.all() else BlockKind.PARTIAL
     if len(positional) < len(terms):
-        return UNKNOWN
-    return FULL if np.all(full) else PARTIAL
+        return BlockKind.UNKNOWN
+    return BlockKind.FULL if np.all(full) else BlockKind.PARTIAL
 
 
 def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
@@ -102,13 +110,13 @@ def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
 
 @dataclass(frozen=True)
 class Chart:
-    """One grid: its title, what rows and columns are, the cells (one character each) and
+    """One grid: its title, what rows and columns are, the cells (one block kind each) and
     optionally each row's work relative to the mean (``work``)."""
 
     title: str
     row_label: str
     column_label: str
-    cells: tuple[tuple[str, ...], ...]
+    cells: tuple[tuple[BlockKind, ...], ...]
     work: tuple[float, ...] = ()
 
 
@@ -127,84 +135,21 @@ def _relative(device_flops: tuple[int, ...], count: int) -> tuple[float, ...]:
     return tuple(work / work.mean()) if work.mean() > 0 else ()
 
 
-def allgather_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
-    """Devices × key shards: each device's queries against every gathered key shard, in
-    one kernel call."""
-    cp, pos = layout.cp, layout.all_positions()
-    work = schedules()["allgather"].work(plan.shape).device_flops
-    return (Chart(f"allgather over {cp} devices, {layout.name} layout (one kernel call "
-                  "per device)", "device", "key shard", _grid(plan.mask, pos, lambda r: pos),
-                  _relative(work, cp)),)
-
-
-def ulysses_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
-    """Query shards × key shards: after the all-to-alls every device holds the whole
-    sequence for ``H/cp`` heads and runs this whole grid, so all devices do equal work."""
-    cp, pos = layout.cp, layout.all_positions()
-    heads = plan.shape.heads // cp
-    return (Chart(f"ulysses over {cp} devices, {layout.name} layout: every device runs this "
-                  f"grid for its {heads} of {plan.shape.heads} heads (equal work)",
-                  "query shard", "key shard", _grid(plan.mask, pos, lambda r: pos)),)
-
-
-def hybrid_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
-    """Ring level: groups of ``U`` consecutive layout ranks × ring steps; Ulysses level:
-    the shards inside a group (every device of group ``g`` runs row block ``g`` of the
-    shard grid for its ``H/U`` heads)."""
-    u, cp = plan.shape.ulysses, layout.cp
-    ring = cp // u
-    pos = layout.all_positions()
-    groups = pos.reshape(ring, -1)
-    work = schedules()["hybrid"].work(plan.shape).device_flops
-    outer = Chart(f"hybrid ring level: {ring} groups of {u} devices, {layout.name} layout",
-                  "group", "step",
-                  _grid(plan.mask, groups, lambda g: [groups[(g - i) % ring]
-                                                      for i in range(ring)]),
-                  _relative(work, ring))
-    inner = Chart(f"hybrid Ulysses level: group g's {u} devices each run rows "
-                  f"[g·{u}, (g+1)·{u}) for {plan.shape.heads // u} of {plan.shape.heads} heads",
-                  "query shard", "key shard", _grid(plan.mask, pos, lambda r: pos))
-    return outer, inner
-
-
-def halo_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
-    """Devices × the pieces of keys of their one kernel call (halos from the neighbours and
-    the local chunks, in position order; a missing neighbour's halo is skipped)."""
-    cp, pos = layout.cp, layout.all_positions()
-    work = schedules()["halo"].work(plan.shape).device_flops
-    return (Chart(f"halo over {cp} devices, {layout.name} layout (one kernel call per device: "
-                  "neighbours' halos and local keys)", "device", "key piece",
-                  _grid(plan.mask, pos, lambda r: key_pieces(plan.shape)[r]),
-                  _relative(work, cp)),)
-
-
-#: Schedule name → its picture, for the schedules that state no rotation.
-CHARTS: dict[str, Callable] = {"allgather": allgather_charts,
-                               "ulysses": ulysses_charts, "hybrid": hybrid_charts,
-                               "halo": halo_charts}
-
-
 def charts_for(plan, layout: SequenceLayout) -> tuple[Chart, ...] | str:
-    """The charts of ``plan``'s chosen schedule, or a line saying it has none."""
-    draw = CHARTS.get(plan.schedule)
+    """The charts of ``plan``'s chosen schedule, drawn from its statement's grids
+    (:class:`~cptransform.analysis.schedule_statement.Grid`; ``layout`` names the layout in
+    their titles), or a line saying it has none. The grids whose rows make kernel calls
+    show each row's work relative to the mean."""
     record = schedules().get(plan.schedule)
-    if draw is None and record is not None and record.rotation is not None:
-        return rotation_charts(plan, layout)
-    if draw is None:
+    if record is None:
         return f"no chart for schedule {plan.schedule!r}"
-    return draw(plan, layout)
-
-
-def rotation_charts(plan, layout: SequenceLayout) -> tuple[Chart, ...]:
-    """Devices × steps of a schedule that states its rotation (``Schedule.rotation``):
-    step ``t`` on the device of shard ``s`` holds the KV block of shard
-    ``rotation[s, t]``."""
-    record = schedules()[plan.schedule]
-    pos, sources = layout.all_positions(), record.rotation(plan.shape)
-    work = record.work(plan.shape).device_flops
-    return (Chart(f"{plan.schedule} over {layout.cp} devices, {layout.name} layout",
-                  "device", "step", _grid(plan.mask, pos, lambda s: pos[sources[s]]),
-                  _relative(work, layout.cp)),)
+    said = record.statement(plan.shape)
+    work = said.work(plan.shape).device_flops
+    return tuple(Chart(grid.title.format(layout=layout.name), grid.rows, grid.columns,
+                       _grid(plan.mask, grid.queries, lambda r, grid=grid: grid.keys[r]),
+                       _relative(work, len(grid.queries))
+                       if grid.calls in (Calls.EACH_BLOCK, Calls.EACH_ROW) else ())
+                 for grid in said.grids)
 
 
 def render_text(chart: Chart) -> str:
@@ -214,7 +159,7 @@ def render_text(chart: Chart) -> str:
     lines = [f"{chart.title} {LEGEND}",
              f"{chart.column_label:>{width - 1}} "
              + " ".join(f"{i:>2}" for i in range(len(chart.cells[0])))]
-    lines += [f"{chart.row_label} {r:>2} " + " ".join(f"{c:>2}" for c in row)
+    lines += [f"{chart.row_label} {r:>2} " + " ".join(f"{DRAWN[c][0]:>2}" for c in row)
               for r, row in enumerate(chart.cells)]
     if chart.work:
         lines.append(f"{'work/mean':<{width}} " + " ".join(f"{w:.2f}" for w in chart.work))
@@ -232,8 +177,7 @@ def ring_chart(mask: MaskSpec, layout: SequenceLayout,
     relative = () if work is None or work.mean() <= 0 else tuple(work / work.mean())
     return render_text(Chart(
         f"ring over {cp} devices, {layout.name} layout", "device", "step",
-        _grid(mask, pos, lambda r: [pos[(r - i) % cp] for i in range(cp)], segment_ids),
-        relative))
+        _grid(mask, pos, lambda r: pos[ring_rotation(cp)[r]], segment_ids), relative))
 
 
 def balance_table(balances) -> str:
@@ -249,8 +193,6 @@ def balance_table(balances) -> str:
     return "\n".join(lines)
 
 
-_KIND_VALUES = {SKIP: 0, PARTIAL: 1, FULL: 2, UNKNOWN: 3}
-
 #: How to install matplotlib, in a source checkout (its virtualenv) or as the package extra.
 INSTALL_MATPLOTLIB = ".venv/bin/pip install matplotlib (or pip install -e '.[plot]' in a " \
                      "source checkout; pip install 'cptransform[plot]' for an installed package)"
@@ -262,11 +204,6 @@ def require_matplotlib() -> None:
     import importlib.util
     if importlib.util.find_spec("matplotlib") is None:
         raise PlotError(f"--png needs matplotlib: {INSTALL_MATPLOTLIB}")
-
-
-#: Colour of each block kind in the PNG, in the order of :data:`_KIND_VALUES`.
-_KIND_COLOURS = ("#eeeeee", "#f4a261", "#264653", "#bbbbff")
-_KIND_NAMES = ("skipped", "partial", "full", "data-dependent")
 
 
 def render_png(path: str, charts: list[tuple[str, Chart]], balances) -> None:
@@ -285,10 +222,11 @@ def render_png(path: str, charts: list[tuple[str, Chart]], balances) -> None:
 
     panels = len(charts) + bool(balances)
     fig, axes = plt.subplots(panels, 1, figsize=(7.5, 3.4 * max(panels, 1)), squeeze=False)
-    colours = ListedColormap(list(_KIND_COLOURS))
+    kinds = sorted(BlockKind)
+    colours = ListedColormap([DRAWN[k][2] for k in kinds])
     for ax, (heading, chart) in zip(axes[:, 0], charts):
-        grid = np.array([[_KIND_VALUES[c] for c in row] for row in chart.cells])
-        ax.imshow(grid, cmap=colours, vmin=0, vmax=3)
+        grid = np.array([[int(c) for c in row] for row in chart.cells])
+        ax.imshow(grid, cmap=colours, vmin=0, vmax=len(kinds) - 1)
         ax.set_xticks(range(grid.shape[1]))
         ax.set_yticks(range(grid.shape[0]))
         ax.set_title(textwrap.fill(f"{heading}: {chart.title}", 70), fontsize=8)
@@ -297,9 +235,9 @@ def render_png(path: str, charts: list[tuple[str, Chart]], balances) -> None:
         for row, work in enumerate(chart.work):
             ax.text(grid.shape[1] - 0.3, row, f" work {work:.2f}x mean", va="center",
                     fontsize=7)
-        kinds = sorted({_KIND_VALUES[c] for row in chart.cells for c in row})
-        ax.legend(handles=[Patch(facecolor=_KIND_COLOURS[k], edgecolor="#999999",
-                                 label=_KIND_NAMES[k]) for k in kinds],
+        seen = [k for k in DRAWN if any(k in row for row in chart.cells)]
+        ax.legend(handles=[Patch(facecolor=DRAWN[k][2], edgecolor="#999999",
+                                 label=DRAWN[k][1]) for k in seen],
                   fontsize=7, loc="lower left", bbox_to_anchor=(1.45, 0.0), frameon=False)
     if balances:
         ax = axes[-1, 0]

@@ -25,15 +25,38 @@ NumPy arrays (planner, chart) and traced JAX arrays (kernels) go through the sam
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-#: Block kinds (also the ``lax.switch`` branch indices of the chunked kernel and the entries
-#: of the Pallas block table): no pair visible, every pair visible, some pairs visible.
-SKIP, FULL, PARTIAL = 0, 1, 2
+class BlockKind(enum.IntEnum):
+    """What a block of (query, key) pairs is under a mask. The values are the entries of the
+    chunked kernel's and the Pallas kernels' block tables and the branch indices of a
+    ``lax.switch`` on them (:meth:`branches`)."""
+
+    #: No pair visible: the kernels compute nothing.
+    SKIP = 0
+    #: Every pair visible: no mask is computed.
+    FULL = 1
+    #: Some pairs visible: the element mask is computed.
+    PARTIAL = 2
+    #: Decided by data the classification does not have (segment ids, a dense mask, top-k
+    #: indices): only the plan chart, which classifies before the data exist, says it.
+    UNKNOWN = 3
+
+    @classmethod
+    def of(cls, may, full):
+        """Int32 kinds of blocks from :func:`meet`'s ``(may, full)`` (any broadcastable
+        shapes; traced or NumPy)."""
+        return jnp.where(may, jnp.where(full, cls.FULL, cls.PARTIAL), cls.SKIP).astype(jnp.int32)
+
+    @staticmethod
+    def branches(*, skip, full, partial) -> tuple:
+        """The branches of a ``lax.switch`` on a kernel's block kind, in value order."""
+        return skip, full, partial
 
 
 @dataclass(frozen=True)

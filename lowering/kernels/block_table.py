@@ -12,16 +12,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from cptransform.op import mask_terms
+from cptransform.op.mask_terms import BlockKind
 from cptransform.op.attention_spec import MaskSpec
-
-#: Table entries: no pair visible (the kernel does nothing), every pair visible (no mask is
-#: computed), some pairs visible (the kernel computes the element mask).
-SKIP, FULL, PARTIAL = mask_terms.SKIP, mask_terms.FULL, mask_terms.PARTIAL
-
 
 def block_table(mask: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, dense, block_q: int,
                 block_kv: int, topk=None):
-    """int32 ``[Bt, Ht, nq, nk]`` of :data:`SKIP` / :data:`FULL` / :data:`PARTIAL`.
+    """int32 ``[Bt, Ht, nq, nk]`` of :class:`~cptransform.op.mask_terms.BlockKind`
+    (``SKIP`` / ``FULL`` / ``PARTIAL``).
 
     Arguments as in :func:`~cptransform.op.attention_reference.visible` (positions and
     segment ids ``[B|1, T]``, ``dense`` bool ``[B|1, H|1, Tq, Tkv]`` or ``None``, ``topk``
@@ -41,21 +38,21 @@ def block_table(mask: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, dense, block_q: in
     ragged_kv = (jnp.arange(nk) == nk - 1) & (tkv % block_kv != 0)
     grid = jnp.ones((1, 1, nq, nk), bool)
     full = full & ~(ragged_q[:, None] | ragged_kv[None, :])
-    return jnp.where(grid & may, jnp.where(full, FULL, PARTIAL), SKIP).astype(jnp.int32)
+    return BlockKind.of(grid & may, full)
 
 
 def fetch_order(table):
     """Int32 like ``table``: the tile whose operands each grid step fetches, along the last
     axis (the reduction the TPU grid walks innermost).
 
-    A visited tile fetches itself; a :data:`SKIP` tile names the last visited tile before it
+    A visited tile fetches itself; a ``SKIP`` tile names the last visited tile before it
     in its row, or else the first one after it (0 in a row with none). The Pallas TPU
     pipeline issues a DMA only when a block index changes from one grid step to the next,
     so a skipped step then costs no K/V transfer — splash attention's ``data_next``.
     """
     n = table.shape[-1]
     at = jnp.arange(n, dtype=jnp.int32)
-    visited = table != SKIP
+    visited = table != BlockKind.SKIP
     before = lax.cummax(jnp.where(visited, at, -1), axis=table.ndim - 1)
     after = lax.cummin(jnp.where(visited, at, n), axis=table.ndim - 1, reverse=True)
     return jnp.where(before >= 0, before, jnp.where(after < n, after, 0)).astype(jnp.int32)

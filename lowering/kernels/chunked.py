@@ -5,7 +5,7 @@ chunk, key chunk) pair is classified once per call (:func:`chunk_kinds`) by the 
 (:mod:`cptransform.op.mask_terms`: position and segment-id ranges per chunk, ``any``/``all``
 of dense tiles, whether an index of the query chunk falls in the key chunk's positions):
 
-* ``EMPTY`` pairs are skipped (``lax.switch`` runs a branch with no matmul: it only adds
+* ``SKIP`` pairs are skipped (``lax.switch`` runs a branch with no matmul: it only adds
   the ``0·V`` a dense softmax would, so a NaN or Inf in V still reaches every row, see
   :mod:`cptransform.lowering.kernels`);
 * ``FULL`` pairs compute without building a mask;
@@ -43,11 +43,10 @@ from cptransform.lowering.kernels import register_kernel, row_delta, sum_to, zer
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.lowering.kernels.capabilities import Capabilities
 from cptransform.op import mask_terms
+from cptransform.op.mask_terms import BlockKind
 from cptransform.op.attention_reference import capped_logits, visible
 from cptransform.op.attention_spec import AttentionSpec
 
-#: Pair kinds of :func:`chunk_kinds` (also the ``lax.switch`` branch indices).
-EMPTY, FULL, PARTIAL = mask_terms.SKIP, mask_terms.FULL, mask_terms.PARTIAL
 
 
 def _pad(x, axis: int, to: int, value=None):
@@ -69,10 +68,11 @@ def _grid(block: Block, target: int):
 
 
 def chunk_kinds(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
-    """Int32 ``[nq, nk]``: ``EMPTY``, ``FULL`` or ``PARTIAL`` for each (query chunk, key
-    chunk) pair of ``block`` cut as the kernel with chunk ``target`` cuts it.
+    """Int32 ``[nq, nk]``: the :class:`~cptransform.op.mask_terms.BlockKind` (``SKIP``,
+    ``FULL`` or ``PARTIAL``) of each (query chunk, key chunk) pair of ``block`` cut as the
+    kernel with chunk ``target`` cuts it.
 
-    ``EMPTY`` is a proof that no query of the chunk sees a key of the chunk in any batch
+    ``SKIP`` is a proof that no query of the chunk sees a key of the chunk in any batch
     row and head; ``FULL`` that every query sees every key; the mask's terms decide both
     from ranges (:func:`~cptransform.op.mask_terms.meet`), so both are conservative (e.g.
     segment ranges that overlap without a common id are ``PARTIAL``).
@@ -86,14 +86,14 @@ def chunk_kinds(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
     grid = jnp.ones((1, 1, -(-block.q.shape[1] // cq), nk), bool)
     may = jnp.any(grid & may, axis=(0, 1))
     full = jnp.all(grid & full, axis=(0, 1)) & complete
-    return jnp.where(may, jnp.where(full, FULL, PARTIAL), EMPTY).astype(jnp.int32)
+    return BlockKind.of(may, full)
 
 
 def executed_fraction(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
     """Scalar: the fraction of the ``Tq × Tkv`` score matrix the kernel computes (pairs
-    that are not ``EMPTY``, padding included)."""
+    that are not ``SKIP``, padding included)."""
     (cq, _), (ck, _) = _grid(block, target)
-    computed = jnp.sum(chunk_kinds(block, spec, target) != EMPTY)
+    computed = jnp.sum(chunk_kinds(block, spec, target) != BlockKind.SKIP)
     return computed * (cq * ck) / (block.q.shape[1] * block.k.shape[1])
 
 
@@ -344,7 +344,8 @@ class ChunkedKernel:
                 return m, l, acc + jnp.sum(zero_times(vc), axis=2, keepdims=True), seen
 
             def step(j, state):
-                return lax.switch(pb.kinds[i, j], (skip, full, partial), j, state)
+                branches = BlockKind.branches(skip=skip, full=full, partial=partial)
+                return lax.switch(pb.kinds[i, j], branches, j, state)
 
             m, l, acc, seen = lax.fori_loop(0, pb.nk, step, state)
             # An empty row keeps acc = Σ 0·V (0, or NaN where V holds NaN/Inf).
@@ -387,9 +388,9 @@ class ChunkedKernel:
                                    keepdims=True)
                 return g_q, g_k, g_v, zb
 
-            branches = (skip,
-                        lambda i: _pair_gradients(pb, rows, spec, i, j, kc, vc, False),
-                        lambda i: _pair_gradients(pb, rows, spec, i, j, kc, vc, True))
+            branches = BlockKind.branches(
+                skip=skip, full=lambda i: _pair_gradients(pb, rows, spec, i, j, kc, vc, False),
+                partial=lambda i: _pair_gradients(pb, rows, spec, i, j, kc, vc, True))
 
             def step(i, state):
                 dq, dk, dv, dbias_col = state

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from cptransform.op.attention_spec import AttentionSpec
-from cptransform.lowering.kernels.block_table import FULL, SKIP
+from cptransform.op.mask_terms import BlockKind
 from cptransform.lowering.kernels.pallas_operands import Operands, head_index, out_struct
 from cptransform.lowering.kernels.pallas_tiles import (
     F32, TileSides, as_column, as_row, dot_nn, dot_nt, finish_softmax, grad_logits,
@@ -109,8 +109,8 @@ def _sides(spec, refs, ops, q_start, kv_start, kv_major, head=0):
 
 def _by_kind(kind, skip, full, partial, carry):
     """Run ``skip``, ``full`` or ``partial`` on ``carry`` by the table entry ``kind``."""
-    return lax.cond(kind == SKIP, skip,
-                    lambda c: lax.cond(kind == FULL, full, partial, c), carry)
+    return lax.cond(kind == BlockKind.SKIP, skip,
+                    lambda c: lax.cond(kind == BlockKind.FULL, full, partial, c), carry)
 
 
 def _call(kernel, names, arrays, in_specs, out_shape, out_specs, grid, name, interpret):

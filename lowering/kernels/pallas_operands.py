@@ -4,7 +4,7 @@ the heads-major, padded layout the kernels tile, and back.
 Heads-major (``[B, H, T, D]``) because Mosaic tiles the last two dims of every block: a
 ``(block, D)`` slab of one head is legal there, a ``(1, D)`` slice of ``[B, T, H, D]`` is not.
 Lengths are padded up to a multiple of the block; padded rows and columns are excluded by
-the kernels' index check (tiles holding them are never :data:`FULL`), so padding needs no
+the kernels' index check (tiles holding them are never ``BlockKind.FULL``), so padding needs no
 special positions and works for every mask, the unmasked one included.
 
 A top-k mask reaches the kernels as its selection on this call's keys (``picked``, int8

@@ -3,7 +3,7 @@ docs/contract.md ("NaN and Inf").
 
 A dense softmax multiplies every masked probability (an exact 0) with V, so a NaN or ±Inf
 anywhere in V reaches every query row of its head, and the backward likewise carries ``0·K``,
-``0·Q`` and ``0·dO`` (NaN rows: NaN) into dQ, dK and dV. The kernels skip :data:`SKIP` tiles
+``0·Q`` and ``0·dO`` (NaN rows: NaN) into dQ, dK and dV. The kernels skip ``SKIP`` tiles
 without loading them; these functions add their terms afterwards from per-tile column sums,
 in plain JAX on ``[B, H, n_tiles, D]`` arrays — no matmul, and exact zeros when everything is
 finite. Both variants use them (the GPU variant may also mask such a tile in the kernel:
@@ -14,8 +14,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from cptransform.lowering.kernels import zero_times
-from cptransform.lowering.kernels.block_table import SKIP
 from cptransform.lowering.kernels.pallas_operands import Operands
+from cptransform.op.mask_terms import BlockKind
 
 
 def _tile_sums(x, size: int):
@@ -56,14 +56,14 @@ def _along_queries(skip, per_query_tile):
 def skipped_forward(ops: Operands):
     """Float32 ``[B, H, Tqp, Dv]`` to add to the kernel's ``o``: ``Σ 0·V`` over skipped tiles."""
     v_tiles = _query_heads(_tile_sums(ops.v, ops.bk), ops.groups)
-    return _to_rows(_along_keys(ops.table == SKIP, v_tiles), ops.bq)
+    return _to_rows(_along_keys(ops.table == BlockKind.SKIP, v_tiles), ops.bq)
 
 
 def skipped_backward(ops: Operands, do, lse):
     """Float32 ``(dq [B, H, Tqp, D], dk [B, Hkv, Tkvp, D], dv [B, Hkv, Tkvp, Dv])`` to add to the
     kernel's gradients: ``Σ 0·K``, ``Σ 0·Q`` and ``Σ (0·dO + NaN rows)`` over skipped tiles.
     ``do`` heads-major padded, ``lse`` ``[B, H, Tqp]`` as the kernels receive them."""
-    skip = ops.table == SKIP
+    skip = ops.table == BlockKind.SKIP
     k_tiles = _query_heads(_tile_sums(ops.k, ops.bk), ops.groups)
     dq = _to_rows(_along_keys(skip, k_tiles), ops.bq)
     q_tiles = _tile_sums(ops.q, ops.bq)

@@ -29,7 +29,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from cptransform.op.attention_spec import AttentionSpec
-from cptransform.lowering.kernels.block_table import FULL, PARTIAL, SKIP, fetch_order
+from cptransform.op.mask_terms import BlockKind
+from cptransform.lowering.kernels.block_table import fetch_order
 from cptransform.lowering.kernels.pallas_operands import Operands, head_index, out_struct
 from cptransform.lowering.kernels.pallas_tiles import (
     F32, TileSides, as_column, as_row, dot_nn, dot_nt, finish_softmax, grad_logits,
@@ -186,8 +187,8 @@ def forward(ops: Operands, spec: AttentionSpec, interpret):
                 ref[...] = x
 
         kind = table[_table_index(tshape, bi, hi, i, j)]
-        pl.when(kind == FULL)(lambda: step(False))
-        pl.when(kind == PARTIAL)(lambda: step(True))
+        pl.when(kind == BlockKind.FULL)(lambda: step(False))
+        pl.when(kind == BlockKind.PARTIAL)(lambda: step(True))
 
         @pl.when(j == nk - 1)
         def _():
@@ -250,10 +251,10 @@ def backward_dq(ops: Operands, spec: AttentionSpec, do, lse, delta, interpret):
                 outs[1][...] = dbias
 
         kind = table[_table_index(tshape, bi, hi, i, j)]
-        pl.when(kind == FULL)(lambda: step(False))
-        pl.when(kind == PARTIAL)(lambda: step(True))
+        pl.when(kind == BlockKind.FULL)(lambda: step(False))
+        pl.when(kind == BlockKind.PARTIAL)(lambda: step(True))
         if has_bias:
-            @pl.when(kind == SKIP)
+            @pl.when(kind == BlockKind.SKIP)
             def _():
                 outs[1][...] = jnp.zeros_like(outs[1])
 
@@ -315,8 +316,8 @@ def backward_dkv(ops: Operands, spec: AttentionSpec, do, lse, delta, interpret):
             dk_acc[...] += dot_nn(ds_t.astype(q.dtype), q)
 
         kind = table[_table_index(tshape, bi, hk, j, r)]
-        pl.when(kind == FULL)(lambda: step(False))
-        pl.when(kind == PARTIAL)(lambda: step(True))
+        pl.when(kind == BlockKind.FULL)(lambda: step(False))
+        pl.when(kind == BlockKind.PARTIAL)(lambda: step(True))
 
         @pl.when(r == g * nq - 1)
         def _():
