@@ -848,12 +848,7 @@ def beyond_float32_noise(case: FuzzCase, got, ref, diff: str) -> str | None:
         return jax.jit(jax.value_and_grad(loss))(jax.tree_util.tree_map(wide, params),
                                                  jax.tree_util.tree_map(wide, inputs))
 
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        truth = jax.block_until_ready(in_float64(case))
-    finally:
-        jax.config.update("jax_enable_x64", previous)
+    truth = jax.block_until_ready(_with_x64(in_float64, case))
     for g, r, t in zip(*(jax.tree_util.tree_leaves(x) for x in (got, ref, truth))):
         g, r, t = (np.asarray(x, np.float64) for x in (g, r, t))
         finite = np.isfinite(t)
@@ -960,7 +955,8 @@ def _refusals(message: str) -> str:
 # The calls around the transform
 # ----------------------------------------------------------------------------------------
 
-def _with_x64(run: Callable[[FuzzCase], Outcome], case: FuzzCase) -> Outcome:
+def _with_x64(run: Callable[[FuzzCase], Any], case: FuzzCase) -> Any:
+    """``run(case)`` with 64-bit types enabled (restored afterwards)."""
     previous = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)
     try:

@@ -125,4 +125,3 @@ def fill_added(steps: Sequence[Step], preds: Sequence[Pred]) -> bool:
         return False
     raise NotAttention("a finite fill added to the scores by some masks and selected by "
                        "others: a fully masked row's gradient would reach only some keys")
-
