@@ -108,13 +108,18 @@ def _rows(x, g: int):
 
 @dataclass(frozen=True)
 class _Problem:
-    """One kernel call's operands padded to the chunk grid, heads folded into rows."""
+    """One kernel call's operands padded to the chunk grid, in the caller's layout.
+
+    The operands are never transposed or folded whole: each step slices its chunk out of
+    ``[B, T, H, D]`` and reshapes it into tile rows (:meth:`rows`), and the results are
+    written back into ``[B, T, H, …]`` buffers in place (:meth:`put_rows`), so a call holds
+    no copy of the local shards beyond its outputs."""
 
     block: Block          # q_pos/kv_pos/seg/mask/bias padded to the grid
     spec: AttentionSpec
-    q: object             # [B, Hkv, G, Tq', D]
-    k: object             # [B, Hkv, Tkv', D]
-    v: object             # [B, Hkv, Tkv', Dv]
+    q: object             # [B, Tq', H, D]
+    k: object             # [B, Tkv', Hkv, D]
+    v: object             # [B, Tkv', Hkv, Dv]
     cq: int
     nq: int
     ck: int
@@ -126,12 +131,7 @@ class _Problem:
     def build(cls, block: Block, spec: AttentionSpec, target: int) -> "_Problem":
         (cq, nq), (ck, nk) = _grid(block, target)
         kinds = chunk_kinds(block, spec, target)
-        b, tq, h, d = block.q.shape
-        hkv = block.k.shape[2]
         tqp, tkp = cq * nq, ck * nk
-        q = _pad(block.q, 1, tqp, 0).reshape(b, tqp, hkv, h // hkv, d).transpose(0, 2, 3, 1, 4)
-        k = _pad(block.k, 1, tkp, 0).transpose(0, 2, 1, 3)
-        v = _pad(block.v, 1, tkp, 0).transpose(0, 2, 1, 3)
         pad_rows = lambda x: _pad(_pad(x, 2, tqp), 3, tkp)  # noqa: E731
         padded = block.replace(
             q_pos=_pad(block.q_pos, 1, tqp), kv_pos=_pad(block.kv_pos, 1, tkp),
@@ -139,7 +139,8 @@ class _Problem:
             mask=None if block.mask is None else pad_rows(block.mask),
             bias=None if block.bias is None else pad_rows(block.bias),
             topk=_pad(block.topk, 2, tqp))
-        return cls(padded, spec, q, k, v, cq, nq, ck, nk, block.k.shape[1], kinds)
+        return cls(padded, spec, _pad(block.q, 1, tqp, 0), _pad(block.k, 1, tkp, 0),
+                   _pad(block.v, 1, tkp, 0), cq, nq, ck, nk, block.k.shape[1], kinds)
 
     @property
     def acc(self):
@@ -147,19 +148,55 @@ class _Problem:
         return accumulator_dtype(self.q.dtype)
 
     @property
+    def hkv(self) -> int:
+        return self.k.shape[2]
+
+    @property
     def groups(self) -> int:
-        return self.q.shape[2]
+        return self.q.shape[2] // self.hkv
+
+    def rows(self, x, i):
+        """Query chunk ``i`` of ``x [B, Tq', H, …]`` as tile rows ``[B, Hkv, G·cq, …]``
+        (query head ``hkv·G + g`` is row block ``g`` of KV head ``hkv``)."""
+        b, _, h = x.shape[:3]
+        rest = x.shape[3:]
+        c = lax.dynamic_slice_in_dim(x, i * self.cq, self.cq, axis=1)
+        c = c.reshape(b, self.cq, self.hkv, self.groups, *rest)
+        return jnp.moveaxis(c, 1, 3).reshape(b, self.hkv, self.groups * self.cq, *rest)
+
+    def put_rows(self, buf, x, i):
+        """``buf [B, Tq', H, …]`` with query chunk ``i`` replaced by the tile rows ``x``
+        (the inverse of :meth:`rows`)."""
+        b, _, h = buf.shape[:3]
+        rest = buf.shape[3:]
+        x = jnp.moveaxis(x.reshape(b, self.hkv, self.groups, self.cq, *rest), 3, 1)
+        return lax.dynamic_update_slice_in_dim(buf, x.reshape(b, self.cq, h, *rest).astype(
+            buf.dtype), i * self.cq, axis=1)
 
     def q_rows(self, i):
         """Query chunk ``i`` as ``[B, Hkv, G·cq, D]``."""
-        b, hkv, g, _, d = self.q.shape
-        return lax.dynamic_slice_in_dim(self.q, i * self.cq, self.cq, axis=3).reshape(
-            b, hkv, g * self.cq, d)
+        return self.rows(self.q, i)
 
     def kv(self, j):
         """Key chunk ``j``: ``(k [B, Hkv, ck, D], v [B, Hkv, ck, Dv])``."""
-        cut = lambda x: lax.dynamic_slice_in_dim(x, j * self.ck, self.ck, axis=2)  # noqa: E731
+        cut = lambda x: jnp.swapaxes(  # noqa: E731
+            lax.dynamic_slice_in_dim(x, j * self.ck, self.ck, axis=1), 1, 2)
         return cut(self.k), cut(self.v)
+
+    def put_keys(self, buf, x, j):
+        """``buf [B, Tkv', Hkv, …]`` with key chunk ``j`` replaced by ``x [B, Hkv, ck, …]``."""
+        return lax.dynamic_update_slice_in_dim(buf, jnp.swapaxes(x, 1, 2).astype(buf.dtype),
+                                               j * self.ck, axis=1)
+
+    def head_rows(self, x, i):
+        """Query chunk ``i`` of a per-row ``x [B, H, Tq']`` as ``[B, Hkv, G·cq]``."""
+        c = lax.dynamic_slice_in_dim(x, i * self.cq, self.cq, axis=2)
+        return c.reshape(x.shape[0], self.hkv, self.groups * self.cq)
+
+    def put_head_rows(self, buf, x, i):
+        """``buf [B, H, Tq']`` with query chunk ``i`` replaced by ``x [B, Hkv, G·cq]``."""
+        x = x.reshape(buf.shape[0], buf.shape[1], self.cq).astype(buf.dtype)
+        return lax.dynamic_update_slice_in_dim(buf, x, i * self.cq, axis=2)
 
     def _tile(self, x, i, j):
         bx, hx = x.shape[:2]
@@ -195,30 +232,12 @@ class _Problem:
             ok = ok & (j * ck + jnp.arange(ck) < self.tkv)
         return ok
 
-    def unfold(self, x):
-        """Stacked per-query-chunk rows ``[nq, B, Hkv, G·cq, …]`` → ``[B, Tq', H, …]``."""
-        nq, b, hkv = x.shape[:3]
-        rest = x.shape[4:]
-        g = self.groups
-        x = x.reshape(nq, b, hkv, g, self.cq, *rest)
-        x = jnp.moveaxis(x, (1, 0, 4), (0, 1, 2))  # [B, nq, cq, Hkv, G, …]
-        return x.reshape(b, nq * self.cq, hkv * g, *rest)
-
-    def fold(self, x):
-        """``[B, Tq, H, …]`` (padded with zeros) → per chunk rows ``[nq, B, Hkv, G·cq, …]``."""
-        b, _, h = x.shape[:3]
-        rest = x.shape[3:]
-        hkv = self.q.shape[1]
-        x = _pad(x, 1, self.cq * self.nq, 0).reshape(b, self.nq, self.cq, hkv, h // hkv, *rest)
-        x = jnp.moveaxis(x, (0, 1, 2), (1, 0, 4))  # [nq, B, Hkv, G, cq, …]
-        return x.reshape(self.nq, b, hkv, h // hkv * self.cq, *rest)
-
 
 @dataclass(frozen=True)
 class _BackwardRows:
-    """What the backward reads per query chunk, folded into chunk rows
-    (:meth:`_Problem.fold`): ``lse``, ``delta``, ``nan`` (NaN for NaN rows, else 0) and
-    ``do``."""
+    """What the backward reads per query chunk, padded to the grid: ``lse``, ``delta`` and
+    ``nan`` (NaN for NaN rows, else 0) ``[B, H, Tq']``, and ``do [B, Tq', H, Dv]`` in its
+    own dtype (each chunk is cast as it is read)."""
 
     lse: jax.Array
     delta: jax.Array
@@ -228,13 +247,17 @@ class _BackwardRows:
     @classmethod
     def build(cls, pb: _Problem, lse, delta, do) -> "_BackwardRows":
         accum = pb.acc
+        tqp = pb.cq * pb.nq
         # Padded query rows: lse = +inf makes their probabilities 0, do = 0 their dV terms.
-        lse_rows = pb.fold(_pad(jnp.swapaxes(lse.astype(accum), 1, 2), 1, pb.cq * pb.nq,
-                                jnp.inf)[..., None])[..., 0]
-        delta_rows = pb.fold(jnp.swapaxes(delta, 1, 2)[..., None])[..., 0]
-        nan_rows = jnp.where(jnp.isnan(lse_rows), jnp.nan, 0.0).astype(accum)
-        do_rows = pb.fold(do.astype(accum))
-        return cls(lse_rows, delta_rows, nan_rows, do_rows)
+        lse = _pad(lse.astype(accum), 2, tqp, jnp.inf)
+        nan = jnp.where(jnp.isnan(lse), jnp.nan, 0.0).astype(accum)
+        return cls(lse, _pad(delta.astype(accum), 2, tqp, 0), nan, _pad(do, 1, tqp, 0))
+
+    def at(self, pb: _Problem, i):
+        """Query chunk ``i``'s ``(lse, delta, nan)`` as ``[B, Hkv, G·cq]`` and ``do`` as
+        ``[B, Hkv, G·cq, Dv]`` (accumulation dtype)."""
+        return (pb.head_rows(self.lse, i), pb.head_rows(self.delta, i),
+                pb.head_rows(self.nan, i), pb.rows(self.do, i).astype(pb.acc))
 
 
 def _pair_gradients(pb: _Problem, rows: _BackwardRows, spec: AttentionSpec, i, j, kc, vc,
@@ -242,28 +265,28 @@ def _pair_gradients(pb: _Problem, rows: _BackwardRows, spec: AttentionSpec, i, j
     """``(g_q, g_k, g_v, g_b)`` of query chunk ``i`` against key chunk ``j`` (``kc``,
     ``vc``), the mask applied when ``masked`` (a partial pair)."""
     accum = pb.acc
-    b, hkv, g = pb.q.shape[:3]
+    b = pb.q.shape[0]
     bias = pb.block.bias
     scale = accum.type(spec.scale)
     qc = pb.q_rows(i)
+    lse_i, delta_i, nan_i, do_i = rows.at(pb, i)
     s, tanh = pb.logits(qc, kc, i, j)
     # A NaN row has NaN probabilities at masked keys too (as a dense softmax).
     # s ≤ lse; a recomputed logit can still round a few ulps above it at huge
     # magnitudes, where exp would overflow (minimum keeps NaN).
-    p = jnp.exp(jnp.minimum(s - rows.lse[i][..., None], 0.0))
+    p = jnp.exp(jnp.minimum(s - lse_i[..., None], 0.0))
     if masked:
         ok = pb.visible(i, j)
         p = jnp.where(ok, p, 0.0)
-    p = p + rows.nan[i][..., None]
-    do_i = rows.do[i]
+    p = p + nan_i[..., None]
     g_v = jnp.einsum("bhqk,bhqd->bhkd", p, do_i, preferred_element_type=accum)
     dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, vc.astype(accum), preferred_element_type=accum)
-    ds = p * (dp - rows.delta[i][..., None])
+    ds = p * (dp - delta_i[..., None])
     if masked:  # a masked logit's gradient is an exact 0
         ds = jnp.where(ok, ds, 0.0)
     g_b = None
     if bias is not None:
-        g_b = sum_to(ds.reshape(b, hkv * g, pb.cq, pb.ck),
+        g_b = sum_to(ds.reshape(b, pb.hkv * pb.groups, pb.cq, pb.ck),
                       (*bias.shape[:2], pb.cq, pb.ck))
     if tanh is not None:
         ds = ds * (1.0 - tanh * tanh)
@@ -273,23 +296,13 @@ def _pair_gradients(pb: _Problem, rows: _BackwardRows, spec: AttentionSpec, i, j
     return g_q, g_k, g_v, g_b
 
 
-def _gradients_unfolded(pb: _Problem, block: Block, dq, dk, dv, dbias):
-    """The chunked gradients (``dq [nq, …]``, ``dk``/``dv [nk, …]``, ``dbias [nk, nq, …]``)
-    as ``[B, Tq, H, D]``, ``[B, Tkv, Hkv, D|Dv]`` and ``[Bb, Hb, Tq, Tkv]``."""
-    b, hkv = pb.q.shape[:2]
-    bias = pb.block.bias
-    tq, tkv = block.q.shape[1], block.k.shape[1]
-    dq = pb.unfold(dq)[:, :tq]
-    # [nk, B, Hkv, ck, D] → [B, Tkv, Hkv, D]
-    keys = lambda x: jnp.moveaxis(x, (0, 3), (1, 2)).reshape(  # noqa: E731
-        b, pb.nk * pb.ck, hkv, x.shape[-1])[:, :tkv]
-    dk, dv = keys(dk), keys(dv)
-    if bias is not None:
-        # [nk, nq, Bb, Hb, cq, ck] → [Bb, Hb, Tq, Tkv]
-        bb, hb = bias.shape[:2]
-        dbias = jnp.transpose(dbias, (2, 3, 1, 4, 0, 5)).reshape(
-            bb, hb, pb.nq * pb.cq, pb.nk * pb.ck)[:, :, :tq, :tkv]
-    return dq, dk, dv, dbias
+def _dbias_unfolded(pb: _Problem, block: Block, dbias):
+    """The chunked bias gradient ``[nk, nq, Bb, Hb, cq, ck]`` as ``[Bb, Hb, Tq, Tkv]``."""
+    if dbias is None:
+        return None
+    bb, hb = pb.block.bias.shape[:2]
+    return jnp.transpose(dbias, (2, 3, 1, 4, 0, 5)).reshape(
+        bb, hb, pb.nq * pb.cq, pb.nk * pb.ck)[:, :, :block.q.shape[1], :block.k.shape[1]]
 
 
 @dataclass(frozen=True)
@@ -305,13 +318,13 @@ class ChunkedKernel:
     def forward(self, block: Block, spec: AttentionSpec):
         """``(o, lse)`` of the queries of ``block`` against its keys (kernel contract)."""
         pb = _Problem.build(block, spec, self.chunk)
-        b, hkv, g, _, _ = pb.q.shape
+        b, tqp, h, _ = pb.q.shape
         dv = pb.v.shape[-1]
         accum = pb.acc
 
-        def q_chunk(_, i):
+        def q_chunk(i, out):
             qc = pb.q_rows(i)
-            m0 = jnp.full_like(qc, -jnp.inf, dtype=accum, shape=(b, hkv, g * pb.cq))
+            m0 = jnp.full_like(qc, -jnp.inf, dtype=accum, shape=qc.shape[:3])
             state = (m0, jnp.zeros_like(m0), jnp.zeros_like(m0, shape=(*m0.shape, dv)),
                      jnp.zeros_like(m0, dtype=bool))
 
@@ -351,13 +364,14 @@ class ChunkedKernel:
             # An empty row keeps acc = Σ 0·V (0, or NaN where V holds NaN/Inf).
             o = acc / jnp.where(l == 0, 1.0, l)[..., None]
             lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-            return None, (o, lse)
+            return pb.put_rows(out[0], o, i), pb.put_head_rows(out[1], lse, i)
 
-        _, (o, lse) = lax.scan(q_chunk, None, jnp.arange(pb.nq))
+        # zeros_like, not zeros: the buffers vary over the mesh axes as the queries do.
+        out = (jnp.zeros_like(pb.q, accum, (b, tqp, h, dv)),
+               jnp.zeros_like(pb.q, accum, (b, h, tqp)))
+        o, lse = lax.fori_loop(0, pb.nq, q_chunk, out)
         tq = block.q.shape[1]
-        o = pb.unfold(o)[:, :tq]
-        lse = jnp.swapaxes(pb.unfold(lse[..., None])[:, :tq, :, 0], 1, 2)
-        return o, lse
+        return o[:, :tq], lse[:, :, :tq]
 
     def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None):
         """``(dq, dk, dv, dbias)`` (kernel contract). ``delta``, when given, is
@@ -367,25 +381,26 @@ class ChunkedKernel:
         if delta is None:
             delta = row_delta(o, do, dlse)
         rows = _BackwardRows.build(pb, lse, delta, do)
-        b, hkv, g, _, d = pb.q.shape
         bias = pb.block.bias
 
-        def k_chunk(dq, j):
+        def k_chunk(state, j):
+            dq, dk, dv = state
             kc, vc = pb.kv(j)
-            zq = jnp.zeros_like(dq[0])
+            zq = jnp.zeros_like(kc, dtype=accum, shape=(*kc.shape[:2], pb.groups * pb.cq,
+                                                         pb.q.shape[-1]))
             zk = jnp.zeros_like(kc, dtype=accum)
             zv = jnp.zeros_like(vc, dtype=accum)
             zb = None if bias is None else jnp.zeros_like(
                 bias, dtype=accum, shape=(*bias.shape[:2], pb.cq, pb.ck))
             dbias_col = None if bias is None else jnp.zeros_like(zb, shape=(pb.nq, *zb.shape))
+
             def skip(i):
                 # What the pair gives with zero probabilities and zero logit gradients: only
                 # 0·K, 0·Q and 0·dO (NaN rows: NaN) sums, no matmul.
-                qc = pb.q_rows(i)
+                _, _, nan_i, do_i = rows.at(pb, i)
                 g_q = zq + jnp.sum(zero_times(kc), axis=2, keepdims=True)
-                g_k = zk + jnp.sum(zero_times(qc), axis=2, keepdims=True)
-                g_v = zv + jnp.sum(rows.nan[i][..., None] + zero_times(rows.do[i]), axis=2,
-                                   keepdims=True)
+                g_k = zk + jnp.sum(zero_times(pb.q_rows(i)), axis=2, keepdims=True)
+                g_v = zv + jnp.sum(nan_i[..., None] + zero_times(do_i), axis=2, keepdims=True)
                 return g_q, g_k, g_v, zb
 
             branches = BlockKind.branches(
@@ -393,19 +408,20 @@ class ChunkedKernel:
                 partial=lambda i: _pair_gradients(pb, rows, spec, i, j, kc, vc, True))
 
             def step(i, state):
-                dq, dk, dv, dbias_col = state
+                dq, dk_j, dv_j, dbias_col = state
                 g_q, g_k, g_v, g_b = lax.switch(pb.kinds[i, j], branches, i)
-                dq = lax.dynamic_update_index_in_dim(dq, dq[i] + g_q, i, axis=0)
+                dq = pb.put_rows(dq, pb.rows(dq, i) + g_q, i)
                 if dbias_col is not None:
                     dbias_col = lax.dynamic_update_index_in_dim(dbias_col, g_b, i, axis=0)
-                return dq, dk + g_k, dv + g_v, dbias_col
+                return dq, dk_j + g_k, dv_j + g_v, dbias_col
 
-            dq, dk, dv, dbias_col = lax.fori_loop(0, pb.nq, step, (dq, zk, zv, dbias_col))
-            return dq, (dk, dv, dbias_col)
+            dq, dk_j, dv_j, dbias_col = lax.fori_loop(0, pb.nq, step, (dq, zk, zv, dbias_col))
+            return (dq, pb.put_keys(dk, dk_j, j), pb.put_keys(dv, dv_j, j)), dbias_col
 
-        dq0 = jnp.zeros_like(rows.do, dtype=accum, shape=(pb.nq, b, hkv, g * pb.cq, d))
-        dq, (dk, dv, dbias) = lax.scan(k_chunk, dq0, jnp.arange(pb.nk))
-        return _gradients_unfolded(pb, block, dq, dk, dv, dbias)
+        zeros = tuple(jnp.zeros_like(x, accum) for x in (pb.q, pb.k, pb.v))
+        (dq, dk, dv), dbias = lax.scan(k_chunk, zeros, jnp.arange(pb.nk))
+        tq, tkv = block.q.shape[1], block.k.shape[1]
+        return dq[:, :tq], dk[:, :tkv], dv[:, :tkv], _dbias_unfolded(pb, block, dbias)
 
 
 register_kernel(ChunkedKernel())
