@@ -65,6 +65,7 @@ PROGRAM_CLASSES = (
     "vmap_batch",       # a per-example block under jax.vmap over the batch
     "nan_weight",       # a NaN in the output projection: the loss must be NaN too
     "masked_rows",      # fully masked query rows (left padding + causal), -inf or added fill
+    "row_test",         # keras-hub Gemma: output rows zeroed by a row test on the int mask
     "windows",          # a windowed op along the tokens before and after the block
 )
 #: The calls around the transform: state across steps, static arguments, dtypes.
@@ -102,6 +103,13 @@ WINDOW_VARIANTS = tuple(f"{kind}_{width}" for kind in WINDOW_KINDS for width in 
 #: masks (with Keras' post-softmax zeroing), a padding mask spelled ``data > 0``.
 MASK_BUILDERS = ("hf_slice", "hf_dynamic_slice", "neo_xor", "mistral_triu",
                  "tril_difference", "keras_minimum", "keras_softmax_zero", "data_padding")
+#: The ``row_test`` class's row tests (keras-hub Gemma zeroes the attention's output rows
+#: that see no key): over the attention's own int mask, spelled ``all(mask == 0)``,
+#: ``~any(mask != 0)`` or ``all(~(mask > .5))``; over it while the attention also applies a
+#: sliding window and Keras' post-softmax zeroing (``window_zeroed``, Gemma's local layer);
+#: over a different mask (strictly causal: one more empty row) or along the query axis.
+ROW_TESTS = ("same_all_eq", "same_not_any", "same_all_not", "window_zeroed", "different",
+             "other_axis")
 #: Llama-4 chunked attention's public spellings (the ``mask_chunked`` class draws one; the
 #: chunk is ``FuzzCase.window``): ``(qi // C == ki // C) & (ki <= qi)``; transformers' Llama-4
 #: ``_create_chunked_attention_mask`` (``|ki // C - qi // C| == 0`` and ``ki - qi <= 0``);
@@ -131,6 +139,7 @@ class FuzzCase:
     v_head_dim: int
     model_dim: int
     mask: str            # none causal window two_sided segments key_padding dense bias chunked
+                         # builder row_test
     causal: bool         # combined with segments / key_padding / dense / bias
     window: int          # for window / two_sided; the chunk C for chunked
     spelling: str        # jnn einsum matmul
@@ -174,10 +183,12 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
             "mask_bias": "bias", "mask_builders": "builder", "mask_chunked": "chunked"}.get(cls)
     if cls == "masked_rows":
         mask = "key_padding"
+    elif cls == "row_test":
+        mask = "row_test"
     elif mask is None:
         mask = choose("mask", ("none", "causal", "causal", "window"))
     spelling = choose("spelling", SPELLINGS)
-    if cls in ("masked_rows", "mask_builders") and spelling == "jnn":
+    if cls in ("masked_rows", "mask_builders", "row_test") and spelling == "jnn":
         spelling = "einsum"   # the -inf fill is a hand-written where-mask
     if cls in ("dtype_f64", "dtype_fp16") and spelling == "jnn":
         # jax.nn.dot_product_attention's softmax is float32 even for f64, and its float16
@@ -190,9 +201,10 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
     load_balance = choose("load_balance", LOAD_BALANCES)
     causal = mask in ("causal", "window", "chunked") or (
         mask in ("segments", "key_padding", "dense", "bias") and choose("causal", (False, True)))
-    if cls == "masked_rows":
+    if cls in ("masked_rows", "row_test"):
         causal = True
-    window = choose("window", (1, 3, 5, 8, 17)) if mask in ("window", "two_sided", "builder") \
+    window = choose("window", (1, 3, 5, 8, 17)) \
+        if mask in ("window", "two_sided", "builder", "row_test") \
         else choose("chunk", (3, 4, 8, 16)) if mask == "chunked" else 0
     fill = choose("fill", ("neg_inf", "finfo_min_added") if cls == "masked_rows" else FILLS)
     variants = {
@@ -206,6 +218,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "scan_layers": ("plain", "remat"),
         "nan_weight": ("wo", "wq"),
         "masked_rows": ("where_out", "plain"),
+        "row_test": ROW_TESTS,
         "windows": WINDOW_VARIANTS,
         "static_equal_hash": ((1, True, 1.0, 1), (True, 1, 1.0), (1.0, True, 1)),
         "mask_builders": MASK_BUILDERS,
@@ -378,10 +391,17 @@ def _built_mask(case: FuzzCase, inputs: dict):
 
 def _attend_built(case: FuzzCase, q, k, v, inputs):
     """Attention under a library-built mask (``mask_builders``), einsum or matmul."""
+    return _masked_attention(case, q, k, v, _built_mask(case, inputs) > 0,
+                             case.variant == "keras_softmax_zero")
+
+
+def _masked_attention(case: FuzzCase, q, k, v, visible, zero_hidden: bool):
+    """Attention (einsum or matmul, KV heads repeated) whose logits are filled where
+    ``visible`` is False, and (``zero_hidden``, Keras' ``Softmax(mask=...)``) whose
+    probabilities are zeroed there after the softmax."""
     h, kh = q.shape[2], k.shape[2]
     if kh != h:
         k, v = jnp.repeat(k, h // kh, axis=2), jnp.repeat(v, h // kh, axis=2)
-    visible = _built_mask(case, inputs) > 0
     if case.spelling == "einsum":
         s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
     else:
@@ -389,7 +409,7 @@ def _attend_built(case: FuzzCase, q, k, v, inputs):
     s = _masked(case, s.astype(softmax_dtype(s.dtype)) / math.sqrt(q.shape[-1]), visible,
                 _fill_value(case.fill, softmax_dtype(s.dtype)))
     p = jax.nn.softmax(s, axis=-1)
-    if case.variant == "keras_softmax_zero":
+    if zero_hidden:
         p = jnp.where(visible, p, 0.0)
     p = p.astype(v.dtype)
     if case.spelling == "einsum":
@@ -397,10 +417,36 @@ def _attend_built(case: FuzzCase, q, k, v, inputs):
     return (p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
 
 
+def _row_tested(case: FuzzCase, q, k, v, inputs):
+    """keras-hub Gemma's attention (``row_test``): causal and left padding merged into an int
+    mask by ``minimum``, ``where(mask > .5, s, fill)``, then the output rows the drawn row
+    test (:data:`ROW_TESTS`) finds without a visible key set to zero."""
+    n = case.seq
+    pos = jnp.arange(n, dtype="float32")
+    padding = inputs["key_valid"][:, None, :].astype("int32")
+    mask = jnp.minimum(padding, (pos[:, None] >= pos[None, :])[None].astype("int32"))
+    visible = mask[:, None] > 0.5
+    if case.variant == "window_zeroed":
+        ones = jnp.ones((n, n), bool)
+        sliding = jnp.triu(ones, 1 - case.window) * jnp.tril(ones, case.window - 1)
+        visible = jnp.logical_and(mask, sliding[None])[:, None]
+    o = _masked_attention(case, q, k, v, visible, case.variant == "window_zeroed")
+    strict = jnp.minimum(padding, (pos[:, None] > pos[None, :])[None].astype("int32"))
+    empty = {"same_all_eq": lambda: jnp.all(mask == 0, axis=-1),
+             "same_not_any": lambda: ~jnp.any(mask != 0, axis=-1),
+             "same_all_not": lambda: jnp.all(~(mask > 0.5), axis=-1),
+             "window_zeroed": lambda: jnp.all(mask == 0, axis=-1),
+             "different": lambda: jnp.all(strict == 0, axis=-1),
+             "other_axis": lambda: jnp.all(mask == 0, axis=1)}[case.variant]()
+    return jnp.where(empty[:, :, None, None], jnp.zeros_like(o), o)
+
+
 def attend(case: FuzzCase, q, k, v, params, inputs):
     """q [B,S,H,D], k [B,S,K,D], v [B,S,K,Dv] -> [B,S,H,Dv] in the drawn spelling."""
     if case.mask == "builder":
         return _attend_built(case, q, k, v, inputs)
+    if case.mask == "row_test":
+        return _row_tested(case, q, k, v, inputs)
     h, kh = q.shape[2], k.shape[2]
     bias = _bias(case, params)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -539,6 +585,10 @@ def make_data(case: FuzzCase):
                 inp["lengths"] = lengths
             else:
                 inp["key_valid"] = np.arange(s)[None, :] < lengths[:, None]
+    if case.mask == "row_test":
+        # left padding: under causal, the first rows see no key
+        pads = rng.integers(1, s // 2, (b,))
+        inp["key_valid"] = np.arange(s)[None, :] >= pads[:, None]
     if case.mask == "builder":
         lengths = rng.integers(s // 2, s + 1, (b,))
         inp["key_valid"] = np.arange(s)[None, :] < lengths[:, None]

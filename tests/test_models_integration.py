@@ -40,10 +40,11 @@ CI_SAMPLE = {"llama": "ring_zigzag", "mistral": "auto", "gpt_neo": "allgather",
 #: layer compares key indices with query positions ``cumsum(input_mask) - 1`` (data), and
 #: no ``MaskSpec`` term holds a window over data positions.
 DENSE_MASKS = {"gemma": 1}
-#: Full-sequence all-gathers outside attention: keras-hub's Gemma zeroes the output rows that
-#: see no key with ``all(mask == 0, axis=-1)`` on the ``S×S`` mask outside the attention
-#: (one per layer); building that mask gathers the key positions.
-SEQUENCE_GATHERS = {"keras_gemma": 2}
+#: Full-sequence all-gathers outside attention, per family: none left (keras-hub's Gemma
+#: zeroes the output rows that see no key with ``all(mask == 0, axis=-1)`` on the ``S×S``
+#: mask after the attention; the matcher folds that row test into the attention's
+#: ``empty_rows="zero"``, ``passes/match_attention/row_test.py``).
+SEQUENCE_GATHERS: dict = {}
 
 
 def _case(family: str, schedule: str):

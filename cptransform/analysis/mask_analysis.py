@@ -39,7 +39,7 @@ from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.intervals import complement, normalize
 from cptransform.analysis.mask_values import (TOPK_DIM, AbsAffine, Affine, And, Band, Chunk,
                                               Const, Dense, DimMap, FloorDiv, Indicator, Opaque,
-                                              Pred, Scalar, Segments, TopK, conjuncts, p_and,
+                                              Pred, Scalar, Segments, TopK, is_known, p_and,
                                               p_not, p_or)
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
@@ -77,6 +77,28 @@ class MaskAnalyzer:
         """``atom`` (boolean or a 0/1 number) read as a predicate."""
         value = self.analyze(atom, dims)
         return self.as_pred(value, Opaque.of(atom, dims))
+
+    def complement(self, atom: Any, dims: DimMap) -> Pred:
+        """``not atom`` for a boolean ``atom``, keeping the structure that negating a
+        conjunction loses: through copies and boolean casts, a boolean ``not`` is its
+        operand's predicate, a compare of a two-valued mask with a constant takes the
+        negated outcome on each of the mask's two values (``mask == 0`` of a 0/1 mask is
+        the mask); anything else is the negation of its predicate."""
+        here = Opaque.of(atom, dims)
+        eqn = None if compat.is_literal(atom) else self.graph.producer(atom)
+        while eqn is not None and (eqn.primitive.name in _PASS_THROUGH or _bool_cast(eqn)) \
+                and not compat.is_literal(eqn.invars[0]):
+            eqn = self.graph.producer(eqn.invars[0])
+        if eqn is not None and eqn.primitive.name == "not" \
+                and compat.aval_of(eqn.invars[0]).dtype == np.bool_:
+            return self.predicate(eqn.invars[0], dims)
+        if eqn is not None and eqn.primitive.name in _NP_COMPARE:
+            outcome = _two_valued_compare(eqn.primitive.name,
+                                          *(self.analyze(x, dims) for x in eqn.invars))
+            if outcome is not None:
+                return self.as_pred(Indicator(outcome.pred, not outcome.on_true,
+                                              not outcome.on_false), here)
+        return p_not(self.predicate(atom, dims), here)
 
     @staticmethod
     def as_pred(value: Any, origin: Opaque) -> Pred:
@@ -237,7 +259,7 @@ class MaskAnalyzer:
             x, rx, y = (x, rx, y) if x else (y, ry, x)
         for on, region, off in ((x, rx, y), (y, ry, x)):
             pred = _union(region)
-            if _known(pred):
+            if is_known(pred):
                 return _read_from(pred if is_bool else Indicator(pred, on, off), atom, here)
             if is_bool:
                 break
@@ -382,11 +404,9 @@ class MaskAnalyzer:
                 return _abs_band(o, x.inner, c.const, here)
         if isinstance(a, Scalar) and isinstance(b, Scalar):
             return Const(value=bool(_NP_COMPARE[op](a.value, b.value)), origin=here)
-        for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
-            if isinstance(x, Indicator) and isinstance(y, Scalar):
-                t = bool(_NP_COMPARE[o](x.on_true, y.value))
-                f = bool(_NP_COMPARE[o](x.on_false, y.value))
-                return self.as_pred(Indicator(x.pred, t, f), here)
+        outcome = _two_valued_compare(op, a, b)
+        if outcome is not None:
+            return self.as_pred(outcome, here)
         if op == "eq" and isinstance(a, Opaque) and isinstance(b, Opaque):
             return Segments(a, b, origin=here)
         if op == "eq" and isinstance(a, FloorDiv) and isinstance(b, FloorDiv):
@@ -426,6 +446,23 @@ _COMBINE: dict[str, Callable] = {
     "xor": lambda x, y: x ^ y}
 
 
+def _bool_cast(eqn) -> bool:
+    """Whether ``eqn`` casts a boolean to a boolean (a weak-type change: the same value)."""
+    return eqn.primitive.name == "convert_element_type" \
+        and compat.aval_of(eqn.invars[0]).dtype == np.bool_ \
+        and compat.aval_of(eqn.outvars[0]).dtype == np.bool_
+
+
+def _two_valued_compare(op: str, a: Any, b: Any) -> Indicator | None:
+    """``a op b`` of a two-valued mask (an :class:`Indicator`) and a constant, as the
+    indicator of the outcomes on the mask's two values; None for other operands."""
+    for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
+        if isinstance(x, Indicator) and isinstance(y, Scalar):
+            return Indicator(x.pred, bool(_NP_COMPARE[o](x.on_true, y.value)),
+                             bool(_NP_COMPARE[o](x.on_false, y.value)))
+    return None
+
+
 def _cases(value: Any) -> list | None:
     """``value`` as ``(predicate, value there)`` cases covering every position, or None."""
     if isinstance(value, Scalar):
@@ -453,13 +490,6 @@ def _union(regions: list) -> Pred:
     for r in regions[1:]:
         out = p_or(out, r, None)
     return out
-
-
-def _known(p: Pred) -> bool:
-    """Whether every part of ``p`` says what it is (no :class:`Dense` without a source:
-    a union or negation of parts that is no analytic predicate and no value of the
-    program)."""
-    return all(not isinstance(t, Dense) or t.source is not None for t in conjuncts(p))
 
 
 def _read_from(value: Any, atom: Any, here: Opaque) -> Any:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from cptransform.analysis.intervals import complement, intersect, union
+from cptransform.analysis.intervals import complement, intersect, normalize, union
 
 DimMap = tuple  # per dim of a value: the top dim it indexes, or None (size-1, broadcast)
 
@@ -157,6 +157,34 @@ def conjuncts(p: Pred) -> list[Pred]:
     if isinstance(p, Const) and p.value:
         return []
     return [p]
+
+
+def is_known(p: Pred) -> bool:
+    """Whether every part of ``p`` says what it is (no :class:`Dense` without a source:
+    a union or negation of parts that is no analytic predicate and no value of the
+    program)."""
+    return all(not isinstance(t, Dense) or t.source is not None for t in conjuncts(p))
+
+
+def implies(a: Pred, b: Pred) -> bool:
+    """Whether ``a`` implies ``b``, proven term by term: every conjunct of ``b`` is a
+    conjunct of ``a``, or a band holding wherever ``a``'s bands on the same two dims all
+    hold. False when it cannot be proven (a part of unknown meaning proves nothing)."""
+    terms = conjuncts(a)
+    if any(isinstance(t, Const) and not t.value for t in terms):
+        return True
+    if not (is_known(a) and is_known(b)):
+        return False
+    bands: dict = {}
+    for t in terms:
+        if isinstance(t, Band):
+            bands[(t.a, t.b)] = intersect(bands.get((t.a, t.b), ((None, None),)), t.intervals)
+    for t in conjuncts(b):
+        inside = isinstance(t, Band) and (t.a, t.b) in bands \
+            and intersect(bands[(t.a, t.b)], t.intervals) == normalize(bands[(t.a, t.b)])
+        if t not in terms and not inside:
+            return False
+    return True
 
 
 def p_and(a: Pred, b: Pred, origin: Opaque | None = None) -> Pred:

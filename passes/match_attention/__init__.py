@@ -29,9 +29,10 @@ operand. Anything that does not fit is left alone and reported with its reason.
 The modules, in the order a match uses them: ``anchor`` (the softmax core), ``chain``
 (the logits chain, a table of readers keyed by primitive), ``qk_product``,
 ``value_product``, ``log_normalized`` (the log-sum-exp spellings), ``logits`` (visible
-form and empty rows), ``candidate`` (the frozen record of a match and its spec), ``emit``
-(the replacement), ``matcher`` (one jaxpr), ``stats`` (refusals and per-rule counts),
-``walk`` (use-def helpers).
+form and empty rows), ``candidate`` (the frozen record of a match and its spec),
+``row_test`` (a select after the attention that zeroes its empty rows, folded into
+``empty_rows="zero"``), ``emit`` (the replacement), ``matcher`` (one jaxpr), ``stats``
+(refusals and per-rule counts), ``walk`` (use-def helpers).
 """
 from __future__ import annotations
 

@@ -53,7 +53,8 @@ class Candidate:
     keys (an :class:`Opaque` whose ``k`` dim is labelled ``TOPK_DIM``) or None;
     ``added_fill``: the finite fill is added to the scores (``MaskSpec.added_fill``);
     ``mask_kinds``: the parts found, for reports; ``sink``: the array the sink logits come
-    from (None without a sink column).
+    from (None without a sink column); ``visible``: the visibility predicates of the
+    logits' masks (a pair is visible where all hold), as the mask analysis read them.
     """
 
     root: Any
@@ -83,6 +84,7 @@ class Candidate:
     sink: Operand | None = None
     topk: Any = None
     chunk: int | None = None
+    visible: tuple = ()
 
     @property
     def heads(self) -> tuple:
@@ -198,7 +200,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         biases=tuple(biases), empty_rows=rows, added_fill=added, band=parts.band,
         segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
         groups=hq // hk, mask_kinds=kinds, sink=sink,
-        topk=None if topk is None else topk.indices, chunk=parts.chunk)
+        topk=None if topk is None else topk.indices, chunk=parts.chunk, visible=tuple(preds))
 
 
 def _zeroed_rows(preds: list, zeroing: Sequence[Pred], column: SinkColumn | None) -> str:

@@ -6,12 +6,14 @@ from cptransform.analysis.match_report import MatchReport
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.ir.rewrite import Replacement
+from cptransform.op.attention_spec import EmptyRows
 from cptransform.passes.match_attention.anchor import Softmax, find_softmax, is_normalizer
 from cptransform.passes.match_attention.candidate import Candidate, build_candidate
 from cptransform.passes.match_attention.chain import ChainReader, side_dims
 from cptransform.passes.match_attention.emit import replacement
 from cptransform.passes.match_attention.log_normalized import log_normalized
 from cptransform.passes.match_attention.qk_product import read_qk_product
+from cptransform.passes.match_attention.row_test import find_row_test
 from cptransform.passes.match_attention.sink import split_sink
 from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
 from cptransform.passes.match_attention.value_product import deferred, normalized
@@ -48,11 +50,15 @@ class Matcher:
                 reports.append(report)
                 self.refusals.append((report, e.attention_like))
                 continue
-            spec = candidate.spec()
+            spec, kinds = candidate.spec(), candidate.kinds
+            row_test = find_row_test(self.g, self.chains.masks, candidate)
+            if row_test is not None:
+                spec = spec.replace(mask=spec.mask.replace(empty_rows=EmptyRows.ZERO.value))
+                kinds += ("row-test",)
+                reps.append(row_test.replacement())
             reps.append(replacement(candidate, spec))
-            reports.append(MatchReport(src, "rewritten", "", spec,
-                                       " ".join(candidate.kinds) or "full", rule.value,
-                                       self.depth))
+            reports.append(MatchReport(src, "rewritten", "", spec, " ".join(kinds) or "full",
+                                       rule.value, self.depth))
         return reps, reports
 
     def _attention(self, softmax: Softmax) -> tuple[Candidate, Rule]:

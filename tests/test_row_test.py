@@ -1,0 +1,181 @@
+"""Row tests after an attention (``passes/match_attention/row_test.py``): keras-hub Gemma's
+``where(all(mask == 0, axis=-1), 0, attention)`` on the ``[B, T, S]`` int mask becomes the
+attention's ``empty_rows="zero"`` where the row test's mask is proven to be the attention's
+own (or implied by it, for an attention already zeroing its empty rows), and the row test
+and its ``S×S`` mask disappear: no all-gather of the sequence is left. A row test over
+another mask, along another axis, or on a mask whose ``== 0`` and ``> .5`` are not
+complements stays as it is, exact.
+
+Left padding makes the first query rows of each sequence see no key under the causal mask.
+A negative case that would change the numbers if it were folded is checked to be exact.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from cptransform import context_parallel
+from cptransform.lowering.sharding_leaks import sequence_all_gathers
+from test_match_support import primitives, randn, rewrite, specs
+from test_nan_inf import assert_same
+
+B, T, H, D = 2, 32, 4, 8
+WINDOW = 5
+#: Left padding per sequence: rows ``q < PADS[b]`` see no key under the causal mask.
+PADS = (5, 11)
+#: A padded key inside sequence 0: no query sees it, yet its row sees earlier keys (a row
+#: test along the query axis zeroes that row).
+HOLE = 20
+
+
+def int_masks(valid):
+    """keras-hub's ``[B, T, S]`` int mask (padding and float-position causal merged with
+    ``minimum``) and the strictly causal one (row ``PADS[b]`` empty as well)."""
+    pos = jnp.arange(T, dtype="float32")
+    padding = valid[:, None, :].astype("int32")
+    causal = (pos[:, None] >= pos[None, :])[None].astype("int32")
+    strict = (pos[:, None] > pos[None, :])[None].astype("int32")
+    return jnp.minimum(padding, causal), jnp.minimum(padding, strict)
+
+
+def attention(q, k, v, visible, *, fill=-1e9, zeroing=False):
+    """Keras' ``Softmax(mask=...)`` attention: fill, softmax, and (``zeroing``) zero what
+    the mask hides after it."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+    p = jax.nn.softmax(jnp.where(visible, s, fill), axis=-1)
+    if zeroing:
+        p = jnp.where(visible, p, 0.0)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+def keras_gemma(q, k, v, valid, row_test="all_eq", *, fill=-1e9, scale_mask=1):
+    """The attention under the int mask read ``mask > .5``, then the output rows the row
+    test finds without a visible key zeroed (``jnp.where(empty, zeros_like(o), o)``)."""
+    mask, strict = int_masks(valid)
+    mask = mask * scale_mask
+    o = attention(q, k, v, mask[:, None] > 0.5, fill=fill)
+    empty = {"all_eq": lambda: jnp.all(mask == 0, axis=-1, keepdims=True)[..., None],
+             "not_any": lambda: ~jnp.any(mask != 0, axis=-1, keepdims=True)[..., None],
+             "all_not_bool": lambda: jnp.all(~(mask > 0.5), axis=-1)[:, :, None, None],
+             "different": lambda: jnp.all(strict == 0, axis=-1)[:, :, None, None],
+             "other_axis": lambda: jnp.all(mask == 0, axis=1)[:, :, None, None]}[row_test]()
+    return jnp.where(empty, jnp.zeros_like(o), o)
+
+
+def keras_gemma_nonempty(q, k, v, valid):
+    """The row test spelled the other way round: keep the rows that see a key."""
+    mask, _ = int_masks(valid)
+    o = attention(q, k, v, mask[:, None] > 0.5)
+    return jnp.where(jnp.any(mask > 0.5, axis=-1)[:, :, None, None], o, 0.0)
+
+
+def keras_gemma_local(q, k, v, valid):
+    """Gemma's sliding-window layer: the attention's mask is the int mask and a window
+    (``triu · tril`` of ones), zeroed after the softmax; the row test reads the int mask
+    alone, which the attention's implies."""
+    mask, _ = int_masks(valid)
+    ones = jnp.ones((T, T), bool)
+    sliding = jnp.triu(ones, 1 - WINDOW) * jnp.tril(ones, WINDOW - 1)
+    o = attention(q, k, v, jnp.logical_and(mask, sliding[None])[:, None], zeroing=True)
+    empty = jnp.all(mask == 0, axis=-1, keepdims=True)[..., None]
+    return jnp.where(empty, jnp.zeros_like(o), o)
+
+
+def keras_gemma_fractional(q, k, v, valid, weights):
+    """A float mask with values between 0 and 1 (``minimum`` of the causal mask and data):
+    ``mask == 0`` is not the complement of ``mask > .5``."""
+    mask, _ = int_masks(valid)
+    mask = jnp.minimum(mask.astype("float32"), weights)
+    o = attention(q, k, v, mask[:, None] > 0.5)
+    return jnp.where(jnp.all(mask == 0, axis=-1)[:, :, None, None], jnp.zeros_like(o), o)
+
+
+#: name -> (function, whether the row test is folded into the attention)
+PROGRAMS = {
+    "all_eq": (keras_gemma, True),
+    "not_any": (lambda q, k, v, m: keras_gemma(q, k, v, m, "not_any"), True),
+    "all_not_bool": (lambda q, k, v, m: keras_gemma(q, k, v, m, "all_not_bool"), True),
+    "nonempty": (keras_gemma_nonempty, True),
+    "local_zeroed": (keras_gemma_local, True),
+    "different": (lambda q, k, v, m: keras_gemma(q, k, v, m, "different"), False),
+    "other_axis": (lambda q, k, v, m: keras_gemma(q, k, v, m, "other_axis"), False),
+    "neg_inf_fill": (lambda q, k, v, m: keras_gemma(q, k, v, m, fill=-jnp.inf), False),
+    "two_valued": (lambda q, k, v, m: keras_gemma(q, k, v, m, scale_mask=3), True),
+}
+
+SCHEDULES = {"ring_zigzag": dict(schedule="ring", load_balance="zigzag"),
+             "ulysses": dict(schedule="ulysses", load_balance="none"),
+             "allgather": dict(schedule="allgather", load_balance="none"),
+             "auto": dict(schedule="auto", load_balance="auto")}
+
+
+def inputs(rng, *extra_shapes):
+    q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
+    valid = np.arange(T)[None, :] >= np.asarray(PADS)[:, None]
+    valid[0, HOLE] = False
+    return (q, k, v, jnp.asarray(valid)) + tuple(
+        jnp.asarray(rng.choice([0.0, 0.3, 1.0], shape), jnp.float32) for shape in extra_shapes)
+
+
+def check_schedule(fn, args, schedule):
+    """Loss and every float gradient under ``schedule`` as on one device (NaN included);
+    returns the sequence all-gathers left in the compiled program."""
+    floats = tuple(i for i, a in enumerate(args) if a.dtype == jnp.float32)
+    loss = lambda *a: jnp.sum(jnp.sin(fn(*a)) * jnp.cos(a[0]))  # noqa: E731
+    cp = context_parallel(loss, cp=4, **SCHEDULES[schedule])
+    compiled = jax.jit(jax.value_and_grad(cp, floats)).lower(*args).compile()
+    got = compiled(*args)
+    want = jax.jit(jax.value_and_grad(loss, floats))(*args)
+    jax.tree.map(lambda g, w: assert_same(g, w, 1e-5), got, want)
+    return sequence_all_gathers(compiled.as_text(), T)
+
+
+def assert_folded(fn, args, folded: bool):
+    """The matched attention's ``empty_rows`` and whether the row reduction is left."""
+    module = rewrite(fn, *args)
+    (spec,) = specs(module)
+    reductions = primitives(module) & {"reduce_and", "reduce_or"}
+    if folded:
+        assert spec.mask.empty_rows == "zero" and not reductions, (spec.mask, module)
+        assert any("row-test" in r.mask_kind for r in module.facts.matches)
+    else:
+        assert reductions, module
+        assert not any("row-test" in r.mask_kind for r in module.facts.matches)
+    return spec
+
+
+def test_keras_row_test_becomes_zero_rows(rng):
+    """The keras-hub spelling under ring + zigzag: the row test is the attention's
+    ``empty_rows="zero"``, exact, and nothing gathers the sequence."""
+    args = inputs(rng)
+    spec = assert_folded(keras_gemma, args, True)
+    assert spec.mask.segments and spec.mask.causal and not spec.mask.dense
+    assert check_schedule(keras_gemma, args, "ring_zigzag") == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("name", [n for n, (_, folded) in PROGRAMS.items() if folded])
+def test_folded_row_tests_are_exact_and_gather_nothing(rng, name, schedule):
+    fn, _ = PROGRAMS[name]
+    args = inputs(rng)
+    assert_folded(fn, args, True)
+    assert check_schedule(fn, args, schedule) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [n for n, (_, folded) in PROGRAMS.items() if not folded])
+def test_other_row_tests_are_left_and_exact(rng, name):
+    """A row test over another mask (one more empty row), along the query axis, or after
+    a ``-inf`` fill (NaN rows whose gradient reaches every V) is no zero-rows attention."""
+    fn, _ = PROGRAMS[name]
+    args = inputs(rng)
+    assert_folded(fn, args, False)
+    check_schedule(fn, args, "ring_zigzag")
+
+
+@pytest.mark.slow
+def test_fractional_mask_row_test_is_left_and_exact(rng):
+    args = inputs(rng, (B, 1, T))
+    assert_folded(keras_gemma_fractional, args, False)
+    check_schedule(keras_gemma_fractional, args, "allgather")
