@@ -95,12 +95,12 @@ def _backward(spec, axes, kernel, residuals, cotangents):
         def step(i, state, keys):
             dq, dkv, dbias = state
             source = _source(j, i, axes)
-            g_q, g_k, g_v, g_b = kernel.backward(arrived(block, keys, source, tkv, spec), o,
-                                                 lse, do, spec, delta=delta)
+            dq, g_k, g_v, g_b = kernel.backward(arrived(block, keys, source, tkv, spec), o,
+                                                lse, do, spec, delta=delta, dq=dq)
             if dbias is not None:
                 dbias = lax.dynamic_update_slice_in_dim(dbias, g_b, source * tkv, axis=3)
             dkv = jax.tree.map(jnp.add, dkv, packed(g_k, g_v))
-            return dq + g_q, rotate(dkv, (inner,), n_inner), dbias
+            return dq, rotate(dkv, (inner,), n_inner), dbias
 
         dq, dkv_out, dbias = state
         # The group's dK/dV of the kept block arrive here after U inner hops; they then

@@ -170,14 +170,15 @@ def _backward(spec, axes, kernel, residuals, cotangents):
     def step(i, state, keys):
         dq, dkv, dbias = state
         source = (rank - i) % cp
-        g_q, g_k, g_v, g_b = kernel.backward(arrived(block, keys, source, tkv, spec), o, lse,
-                                             do, spec, delta=delta)
+        # dq is the kernel's running sum: it accumulates into it, no second buffer.
+        dq, g_k, g_v, g_b = kernel.backward(arrived(block, keys, source, tkv, spec), o, lse,
+                                            do, spec, delta=delta, dq=dq)
         if dbias is not None:
             dbias = lax.dynamic_update_slice_in_dim(dbias, g_b, source * tkv, axis=3)
         # The float32 dK/dV accumulators travel (as one send) with their keys and arrive
         # home after the last step.
         dkv = jax.tree.map(jnp.add, dkv, packed(g_k, g_v))
-        return dq + g_q, rotate(dkv, axes, cp), dbias
+        return dq, rotate(dkv, axes, cp), dbias
 
     zeros = (accumulator_zeros(q, q.shape), packed(accumulator_zeros(q, k.shape), accumulator_zeros(q, v.shape)),
              None if bias is None else accumulator_zeros(q, bias.shape))

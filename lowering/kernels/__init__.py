@@ -6,7 +6,7 @@ methods (:class:`Kernel`); each module of this package registers its kernels wit
 is one new module here.
 
 * ``forward(block, spec) -> (o, lse)``
-* ``backward(block, o, lse, do, spec, dlse=None, delta=None) -> (dq, dk, dv, dbias)``
+* ``backward(block, o, lse, do, spec, dlse=None, delta=None, dq=None) -> (dq, dk, dv, dbias)``
 
 ``block`` is a :class:`~cptransform.lowering.block.Block` in the canonical per-device shapes
 with the mask and bias holding only this block's key columns. ``o`` is float32 and
@@ -15,7 +15,10 @@ no key in the block. In ``backward``, ``o``/``lse`` are the *merged* results ove
 blocks (so the probabilities of this block are ``exp(logits - lse)``) and ``dlse`` an
 optional cotangent of ``lse``; ``delta``, when given, is :func:`row_delta` of those (a schedule
 that calls the backward once per key block computes it once), and then ``o`` and ``dlse``
-are not read; all gradients are float32, ``dbias`` has the bias's shape
+are not read; ``dq``, when given, is a float32 running sum ``[B, Tq, H, D]`` that the
+block's query gradient is added to (the returned ``dq`` is the new sum: a schedule that sums
+over key blocks passes it, so a kernel can accumulate in place, see :func:`added_to`); all
+gradients are float32, ``dbias`` has the bias's shape
 (broadcast dims summed) and is ``None`` without a bias.
 
 Non-finite values (docs/contract.md, "NaN and Inf") follow the dense single-device
@@ -53,7 +56,8 @@ class Kernel(Protocol):
     def forward(self, block: Block, spec: AttentionSpec):
         ...
 
-    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None):
+    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None,
+                 dq=None):
         ...
 
 
@@ -73,9 +77,10 @@ class ProfiledKernel:
         with jax.named_scope(f"cptransform/kernel/{self.kernel.name}/forward"):
             return self.kernel.forward(block, spec)
 
-    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None):
+    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None,
+                 dq=None):
         with jax.named_scope(f"cptransform/kernel/{self.kernel.name}/backward"):
-            return self.kernel.backward(block, o, lse, do, spec, dlse, delta)
+            return self.kernel.backward(block, o, lse, do, spec, dlse, delta, dq)
 
 
 def row_delta(o, do, dlse=None):
@@ -83,6 +88,11 @@ def row_delta(o, do, dlse=None):
     acc = accumulator_dtype(o.dtype, do.dtype)
     delta = jnp.swapaxes(jnp.sum(do.astype(acc) * o.astype(acc), axis=-1), 1, 2)
     return delta if dlse is None else delta - dlse.astype(acc)
+
+
+def added_to(running, g):
+    """``g`` added to a kernel's ``dq`` running sum (``None``: no sum yet)."""
+    return g if running is None else running + g
 
 
 def zero_times(x):

@@ -373,9 +373,11 @@ class ChunkedKernel:
         tq = block.q.shape[1]
         return o[:, :tq], lse[:, :, :tq]
 
-    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None):
+    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None,
+                 dq=None):
         """``(dq, dk, dv, dbias)`` (kernel contract). ``delta``, when given, is
-        :func:`row_delta` of the merged output (then ``o`` and ``dlse`` are not read)."""
+        :func:`row_delta` of the merged output (then ``o`` and ``dlse`` are not read);
+        ``dq``, when given, is the running sum the loop starts from (no second buffer)."""
         pb = _Problem.build(block, spec, self.chunk)
         accum = pb.acc
         if delta is None:
@@ -418,8 +420,10 @@ class ChunkedKernel:
             dq, dk_j, dv_j, dbias_col = lax.fori_loop(0, pb.nq, step, (dq, zk, zv, dbias_col))
             return (dq, pb.put_keys(dk, dk_j, j), pb.put_keys(dv, dv_j, j)), dbias_col
 
-        zeros = tuple(jnp.zeros_like(x, accum) for x in (pb.q, pb.k, pb.v))
-        (dq, dk, dv), dbias = lax.scan(k_chunk, zeros, jnp.arange(pb.nk))
+        start = tuple(jnp.zeros_like(x, accum) for x in (pb.q, pb.k, pb.v))
+        if dq is not None:
+            start = (_pad(dq.astype(accum), 1, pb.cq * pb.nq, 0), *start[1:])
+        (dq, dk, dv), dbias = lax.scan(k_chunk, start, jnp.arange(pb.nk))
         tq, tkv = block.q.shape[1], block.k.shape[1]
         return dq[:, :tq], dk[:, :tkv], dv[:, :tkv], _dbias_unfolded(pb, block, dbias)
 

@@ -20,7 +20,7 @@ from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels.capabilities import ALL_TERMS, Capabilities
 from cptransform.lowering.kernels import pallas_gpu, pallas_tpu, register_kernel, row_delta, \
-    sum_to
+    added_to, sum_to
 from cptransform.lowering.kernels.pallas_operands import heads_major, prepare, tokens_major
 from cptransform.lowering.kernels.pallas_skipped import skipped_backward, skipped_forward
 
@@ -86,7 +86,8 @@ class PallasKernel:
         o = o + skipped_forward(ops)
         return tokens_major(o, ops.tq), lse[:, :, :ops.tq]
 
-    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None):
+    def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None,
+                 dq=None):
         """``(dq, dk, dv, dbias)`` float32 from the merged ``o``/``lse``; see the protocol
         (``delta``, when given, is :func:`row_delta` of them, computed once by the caller)."""
         variant, module, interpret = self._setup()
@@ -99,13 +100,13 @@ class PallasKernel:
         lse_p = jnp.pad(lse.astype(jnp.float32), pad)
         delta_p = jnp.pad(delta, pad)
         do_p = heads_major(do.astype(block.v.dtype), tqp)
-        dq, dbias = module.backward_dq(ops, spec, do_p, lse_p, delta_p, interpret)
+        g_q, dbias = module.backward_dq(ops, spec, do_p, lse_p, delta_p, interpret)
         dk, dv = module.backward_dkv(ops, spec, do_p, lse_p, delta_p, interpret)
         skipped = skipped_backward(ops, do_p, lse_p)
-        dq, dk, dv = dq + skipped[0], dk + skipped[1], dv + skipped[2]
+        g_q, dk, dv = g_q + skipped[0], dk + skipped[1], dv + skipped[2]
         if dbias is not None:
             dbias = sum_to(dbias[:, :, :ops.tq, :ops.tkv], block.bias.shape)
-        return (tokens_major(dq, ops.tq), tokens_major(dk, ops.tkv),
+        return (added_to(dq, tokens_major(g_q, ops.tq)), tokens_major(dk, ops.tkv),
                 tokens_major(dv, ops.tkv), dbias)
 
 
