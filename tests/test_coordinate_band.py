@@ -46,7 +46,9 @@ def gemma_attention(q, k, v, ids):
     positions = positions - (positions >= 1)
     causal = jnp.tril(jnp.ones((t, t), bool))
     mask = input_mask[:, None, :] & causal[None]
-    keys = jnp.arange(t)[None, None, :]
+    # As gemma reconstructs the cache's key positions: a cond on static lengths.
+    keys = jax.lax.cond(t <= t, lambda: jnp.arange(t), lambda: jnp.zeros(t, jnp.int32))
+    keys = keys[None, None, :]
     at = positions[:, :, None]
     mask = mask * ((keys > at - W) * (keys < at + W))
     s = jnp.einsum("bqhd,bkhd->bqhk", q, k) / np.sqrt(D)
