@@ -87,6 +87,22 @@ def test_gemma_mask_is_one_coordinate_band(rng):
     assert spec.mask.causal and spec.mask.segments and not spec.mask.dense, spec.mask
 
 
+@pytest.mark.slow
+def test_window_around_key_data_stays_dense(rng):
+    """The same window with the data on the key side (queries by index, keys at their data
+    positions) is no coordinate band of the queries: an exact dense part."""
+    def fn(q, k, v, ids):
+        positions = jnp.cumsum(ids != 0, axis=-1)
+        queries = jnp.arange(T)[None, :, None]
+        near = (queries > positions[:, None, :] - W) & (queries < positions[:, None, :] + W)
+        s = jnp.einsum("bqhd,bkhd->bqhk", q, k)
+        s = jnp.where(near[:, :, None, :], s, -1e30)
+        return jnp.einsum("bqhk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+    (spec,) = specs(check(fn, *inputs(rng), rtol=1e-5))
+    assert spec.mask.dense and spec.mask.coordinate_band is None, spec.mask
+
+
 SCHEDULES = {"ring_zigzag": dict(schedule="ring", load_balance="zigzag"),
              "ulysses": dict(schedule="ulysses", load_balance="none"),
              "allgather": dict(schedule="allgather", load_balance="none"),
