@@ -729,13 +729,15 @@ def _shifted(op: str, a: Any, b: Any, here: Opaque) -> Shifted | None:
     """``a op b`` as integer data plus a constant (``x ± c``, ``c + x``), or None."""
     if op == "mul" or not np.issubdtype(compat.aval_of(here.var).dtype, np.integer):
         return None
-    for x, y, sign in ((a, b, 1 if op == "add" else -1), (b, a, 1 if op == "add" else 0)):
-        if not sign or not isinstance(y, Scalar) or not _is_int(y.value):
+    # (data, constant, sign of the constant): ``c - x`` is no shift of ``x``.
+    pairs = [(a, b, 1), (b, a, 1)] if op == "add" else [(a, b, -1)]
+    for x, c, sign in pairs:
+        if not isinstance(c, Scalar) or not _is_int(c.value):
             continue
         if isinstance(x, Shifted):
-            return Shifted(x.source, x.offset + sign * int(y.value), here)
+            return Shifted(x.source, x.offset + sign * int(c.value), here)
         if _integer_data(x):
-            return Shifted(x, sign * int(y.value), here)
+            return Shifted(x, sign * int(c.value), here)
     return None
 
 

@@ -2,8 +2,8 @@
 
 A band on ``kv - q`` becomes causal/window bounds, one band of ``kv`` around integer data
 indexed by the query (``kv - coordinate[q]``) a coordinate band, one
-``q_ids[q] == kv_ids[kv]`` comparison becomes segment ids, one top-k scatter along the key dim becomes top-k indices,
-and everything else stays dense (data to be and-ed).
+``q_ids[q] == kv_ids[kv]`` comparison becomes segment ids, one top-k scatter along the key
+dim becomes top-k indices, and everything else stays dense (data to be and-ed).
 """
 from __future__ import annotations
 

@@ -63,7 +63,8 @@ def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
     The terms classify the runs of consecutive positions of each side from their ranges
     (:func:`~cptransform.op.mask_terms.meet`), never a dense visibility, so a chart at
     a million tokens costs a few arrays of ``MAX_PIECES²``. Segment ids, dense masks,
-    top-k indices and coordinate bands depend on data: such blocks are ``UNKNOWN`` unless the positions already hide
+    top-k indices and coordinate bands depend on data: such blocks are ``UNKNOWN`` unless
+    the positions already hide
     them entirely — or, for segments, unless ``segment_ids`` (``[B, S]`` in natural order,
     an example-sized batch) gives the data: then the block is classified for that batch
     element by element."""

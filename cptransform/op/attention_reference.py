@@ -100,7 +100,8 @@ def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
     """One block of attention in canonical layout; returns ``(o, lse)``.
 
     ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``, ``v [B,Tkv,Hkv,Dv]``; positions, segment ids
-    and query coordinates ``[B|1, T]``; ``mask``/``bias`` ``[B|1, H|1, Tq, Tkv]`` or ``None``; ``topk``
+    and query coordinates ``[B|1, T]``; ``mask``/``bias`` ``[B|1, H|1, Tq, Tkv]`` or
+    ``None``; ``topk``
     ``[B|1, H|1, Tq, k]`` selected key positions or ``None``. ``o`` is float32
     ``[B,Tq,H,Dv]`` normalised within this block; ``lse`` is float32 ``[B,H,Tq]``.
     ``spec.mask.empty_rows`` is not applied: that is a property of the whole row, see
