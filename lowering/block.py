@@ -19,6 +19,9 @@ Shapes (``B`` = all batch dims flattened, a heads dim always present):
 * ``topk`` int32 ``[B|1, H|1, Tq, k]`` or ``None``: the global key positions each query
   may see (a top-k sparse mask). It belongs to the queries: sharded with them, never
   sent with the keys and never narrowed, since it names positions, not columns.
+* ``q_coord`` int32 ``[B|1, Tq]`` or ``None``: the queries' data coordinates of a
+  coordinate band (``MaskSpec.coordinate_band``), compared with the keys' positions. It
+  belongs to the queries like ``q_seg``.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ KEY_FIELDS = ("k", "v", "kv_pos", "kv_seg")
 @dataclass(frozen=True)
 class Block:
     """Queries, keys, values, their positions and segment ids, a dense mask, a bias, the
-    sinks and top-k key positions."""
+    sinks, top-k key positions and the queries' coordinates."""
 
     q: Any = None
     k: Any = None
@@ -51,6 +54,7 @@ class Block:
     bias: Any = None
     sinks: Any = None
     topk: Any = None
+    q_coord: Any = None
 
     def replace(self, **fields) -> "Block":
         """This block with ``fields`` replaced."""

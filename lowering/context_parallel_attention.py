@@ -72,7 +72,8 @@ def permute_block(block: Block, q_layout: SequenceLayout, kv_layout: SequenceLay
                          v=side(block.v, kv_layout), q_pos=side(block.q_pos, q_layout),
                          kv_pos=side(block.kv_pos, kv_layout), q_seg=side(block.q_seg, q_layout),
                          kv_seg=side(block.kv_seg, kv_layout), mask=dense(block.mask),
-                         bias=dense(block.bias), topk=topk)
+                         bias=dense(block.bias), topk=topk,
+                         q_coord=side(block.q_coord, q_layout))
 
 
 def _checked_schedule(schedule: str, axes: tuple[str, ...], layout: str):
@@ -132,7 +133,9 @@ def _natural_block(a: dict, q, k, v, nb: int, batch_shape, q_layout: SequenceLay
                  q_seg=flat(a["q_segment_ids"]), kv_seg=flat(a["kv_segment_ids"]),
                  mask=flat(a["mask"]), bias=flat(a["bias"]), sinks=flat(a["sinks"]),
                  topk=None if a["topk_indices"] is None
-                 else flat(a["topk_indices"]).astype(jnp.int32))
+                 else flat(a["topk_indices"]).astype(jnp.int32),
+                 q_coord=None if a["q_coordinates"] is None
+                 else flat(a["q_coordinates"]).astype(jnp.int32))
 
 
 def _sharded(record, block: Block, spec: AttentionSpec, *, mesh, axes: tuple[str, ...],

@@ -12,8 +12,9 @@ so that the result, cut back to the real queries, is exactly the unpadded attent
   zero, so the ``"uniform"`` fill, which sums V and divides by ``spec.real_keys``, and the
   ``0·V`` an empty row adds, stay those of the real keys;
 * **pad queries see a real key** (key 0: the position ``kv_pos[0] - d`` with ``d`` inside
-  the mask's band, key 0's segment id, an all-True dense-mask row, key 0's position as
-  every top-k index), so no pad row is empty
+  the mask's band, the coordinate ``kv_pos[0] - d`` with ``d`` inside the coordinate
+  band, key 0's segment id, an all-True dense-mask row, key 0's position as every top-k
+  index), so no pad row is empty
   and none turns into NaN under ``empty_rows="nan"``; their outputs are dropped and their
   cotangents are zero, so they add nothing to any gradient.
 
@@ -54,9 +55,9 @@ def _pad_rows(x, tq: int, fill):
     return jnp.concatenate([x, tail.astype(x.dtype)], axis=2)
 
 
-def _inside_band(spec: AttentionSpec) -> int:
-    """A ``d = kv_pos - q_pos`` the mask's band lets through (0 when it can)."""
-    lo, hi = spec.mask.band()
+def _inside(lo: int | None, hi: int | None) -> int:
+    """A ``d`` in ``[lo, hi]`` (``None``: open), 0 when it can be: for the mask's band on
+    ``kv_pos - q_pos`` or its coordinate band on ``kv_pos - q_coord``."""
     d = 0 if lo is None else max(0, lo)
     return d if hi is None else min(d, hi)
 
@@ -95,12 +96,15 @@ def pad_block(block: Block, spec: AttentionSpec, tq: int, tkv: int) -> tuple[Blo
     last = kv_pos[:, -1:]
     padded = Block(
         q=_extend(block.q, tq, 0), k=_extend(block.k, tkv, 0), v=_extend(block.v, tkv, 0),
-        q_pos=_extend(q_pos, tq, kv_pos[:, :1] - _inside_band(spec)),
+        q_pos=_extend(q_pos, tq, kv_pos[:, :1] - _inside(*spec.mask.band())),
         # Pad keys continue after the last real one: position ranges (and so the kernels'
         # skipping of empty chunk pairs) stay as tight as the real keys allow.
         kv_pos=_extend(kv_pos, tkv,
                        last + 1 + jnp.arange(tkv - real_kv, dtype=last.dtype)[None, :]),
         q_seg=_extend(q_seg, tq, kv_seg[:, :1]), kv_seg=_extend(kv_seg, tkv, hidden),
         mask=_pad_dense(block.mask, tq, tkv, True), bias=_pad_dense(block.bias, tq, tkv, 0),
-        sinks=block.sinks, topk=_pad_rows(block.topk, tq, kv_pos[:, :1]))
+        sinks=block.sinks, topk=_pad_rows(block.topk, tq, kv_pos[:, :1]),
+        q_coord=None if block.q_coord is None else _extend(
+            jnp.broadcast_to(block.q_coord, (_batch_of(block.q_coord, kv_pos), real_q)), tq,
+            kv_pos[:, :1] - _inside(*spec.mask.coordinate_band)))
     return padded, spec.replace(mask=spec.mask.replace(segments=True), real_keys=real_kv)

@@ -92,11 +92,11 @@ def unpacked(kv, d: int):
 
 def travelling(spec, block: Block):
     """What moves around the ring: packed K/V, segment ids, and the kv positions only when
-    the mask reads them (causal, window or top-k) and they are the caller's; layout
+    the mask reads them (a term whose operands name them) and they are the caller's; layout
     positions are derived on arrival (:func:`_layout_positions`), others not sent are stood
     in for by the local ones (:meth:`Block.with_keys`). Top-k indices stay: they belong
     to the queries and are compared with the arriving keys' positions."""
-    reads_positions = spec.mask.band() != (None, None) or spec.mask.topk
+    reads_positions = any("kv_positions" in term.operands for term in spec.mask.terms())
     sent = reads_positions and spec.kv_positions_layout is None
     return (packed(block.k, block.v),
             Block(kv_pos=block.kv_pos if sent else None, kv_seg=block.kv_seg))

@@ -111,7 +111,7 @@ def ulysses_around(inner, block: Block, *, spec, axis: str):
         kv_pos=gather_sequence(block.kv_pos, axis), q_seg=gather_sequence(block.q_seg, axis),
         kv_seg=gather_sequence(block.kv_seg, axis), mask=dense_to_heads(block.mask, axis, n),
         bias=dense_to_heads(block.bias, axis, n), sinks=heads_of(block.sinks, axis, n),
-        topk=dense_to_heads(block.topk, axis, n))
+        topk=dense_to_heads(block.topk, axis, n), q_coord=gather_sequence(block.q_coord, axis))
     o = inner(heads_sharded, spec)
     return heads_to_sequence(o.astype(block.q.dtype), axis)
 

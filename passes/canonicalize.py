@@ -5,8 +5,10 @@ spelling differences that would hide them:
 
 * **Inlining.** ``jit``/``pjit`` and ``closed_call``/``core_call`` bodies are evaluated in
   place (options ``inline_jit``, ``inline_calls``), so a ``jnp.where`` or ``jnp.tril``
-  wrapped in its own ``jit`` sits in the same jaxpr as its neighbours. ``remat``, ``scan``,
-  ``while``, ``cond`` and ``custom_jvp``/``custom_vjp`` stay (they carry meaning: memory
+  wrapped in its own ``jit`` sits in the same jaxpr as its neighbours. A ``cond`` whose
+  branch index is a constant is the branch it takes (option ``fold_conds``: gemma picks
+  its key positions with ``lax.cond`` on static lengths). ``remat``, ``scan``, ``while``,
+  other ``cond``\ s and ``custom_jvp``/``custom_vjp`` stay (they carry meaning: memory
   policy, loops, control flow, custom derivatives); their bodies are canonicalized inside.
 * **Scale folding** (option ``fold_scales``). A chain of multiplications and divisions of
   one floating value by scalar constants (literals or 0-d constants, including constant
@@ -106,6 +108,9 @@ class _Canonicalizer:
 
     def __init__(self, p: "Canonicalize"):
         self.p = p
+        #: The walk the rules run in (set once it exists): a folded cond's branch is
+        #: evaluated by it, so its equations are canonicalized too.
+        self.rewriter: Rewriter | None = None
         self.chains: dict[int, _Chain] = {}
         # id(value) -> (value, base, perm) for values that are a transpose of ``base``
         self.transposes: dict[int, tuple] = {}
@@ -131,6 +136,8 @@ class _Canonicalizer:
             })
         rules["mul"] = self.mul
         rules["div"] = self.div
+        if self.p.fold_conds:
+            rules["cond"] = self.cond
         if self.p.static_scatters:
             rules["broadcast_in_dim"] = self.broadcast_in_dim
             rules["concatenate"] = self.concatenate
@@ -139,6 +146,18 @@ class _Canonicalizer:
         return rules
 
     # -- no-ops and constant scalars -------------------------------------------------------
+
+    def cond(self, eqn, invals):
+        """The branch a constant index takes, evaluated in place (XLA runs the last
+        branch for an index out of range)."""
+        index = _concrete_scalar(invals[0])
+        if index is None:
+            return None
+        branches = eqn.params["branches"]
+        taken = branches[int(index) if 0 <= int(index) < len(branches) else -1]
+        with compat.inlining(eqn):
+            return self.rewriter.eval(compat.open_jaxpr(taken), compat.consts_of(taken),
+                                      invals[1:])
 
     def constant_unary(self, fn):
         def rule(eqn, invals):
@@ -359,13 +378,14 @@ class Canonicalize(Pass):
 
     name = "canonicalize"
     summary = ("inline jit/closed_call bodies, fold scalar multiplies/divides, drop no-ops, "
-               "write static scatters as pad + select")
+               "write static scatters as pad + select, take the branch of a constant cond")
 
     inline_jit: bool = True
     inline_calls: bool = True
     fold_scales: str = "ulp"
     drop_noops: bool = True
     static_scatters: bool = True
+    fold_conds: bool = True
 
     def __post_init__(self):
         if self.fold_scales not in FOLD_MODES:
@@ -378,8 +398,11 @@ class Canonicalize(Pass):
             (self.inline_calls and name in CALL_PRIMITIVES)
 
     def run(self, module: Module) -> PassResult:
-        rules = _Canonicalizer(self).rules()
-        new = Rewriter(rules=rules, inline=self._inlines, inlinable=INLINABLE).run(module.jaxpr)
+        canonicalizer = _Canonicalizer(self)
+        rewriter = Rewriter(rules=canonicalizer.rules(), inline=self._inlines,
+                            inlinable=INLINABLE)
+        canonicalizer.rewriter = rewriter
+        new = rewriter.run(module.jaxpr)
         before = sum(1 for _ in iter_eqns(module.jaxpr))
         after = sum(1 for _ in iter_eqns(new))
         if after == before and str(new) == str(module.jaxpr):

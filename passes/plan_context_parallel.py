@@ -60,6 +60,7 @@ from cptransform.lowering.kernels import kernels
 from cptransform.lowering.kernels.capabilities import choose_kernel
 from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention import attention_p
+from cptransform.op import mask_terms
 from cptransform.op.attention_spec import MaskSpec
 from cptransform.op.layouts import LAYOUTS, LayoutName, SequenceLayout, layout_multiple
 
@@ -296,7 +297,7 @@ class PlanContextParallel(Pass):
         times = [next((x.time_s for x in p.predictions if x.schedule == p.schedule), None)
                  for p in plans]
         time_s = None if None in times else sum(times)
-        data = any(p.mask.segments or p.mask.dense or p.mask.topk for p in plans)
+        data = any(not mask_terms.positional(p.mask.terms()) for p in plans)
         balance = LayoutBalance(layout, tuple(p.schedule for p in plans),
                                 tuple(float(f) for f in flops), time_s, data)
         return LayoutPlan(balance, plans, mesh, axes, log)

@@ -46,7 +46,8 @@ from cptransform.ir.errors import CPTransformError
 
 #: One attention with a drawn mask, around projections (norm / RoPE / residual drawn).
 MASK_CLASSES = ("mask_none", "mask_causal", "mask_window", "mask_two_sided", "mask_segments",
-                "mask_key_padding", "mask_dense", "mask_bias", "mask_builders", "mask_chunked")
+                "mask_key_padding", "mask_dense", "mask_bias", "mask_builders", "mask_chunked",
+                "mask_data_window")
 #: The surrounding-program classes (mask drawn from the simple ones unless stated).
 PROGRAM_CLASSES = (
     "llama_block",      # RMSNorm, RoPE (positions from jnp.arange), GQA, SwiGLU, residuals
@@ -116,6 +117,13 @@ ROW_TESTS = ("same_all_eq", "same_not_any", "same_all_not", "window_zeroed", "di
 #: transformers' ``masking_utils`` (``and_masks(causal_mask_function,
 #: chunked_overlay(C))``: per-index functions vmapped over query and key indices).
 CHUNKED_SPELLINGS = ("floordiv", "llama4_abs", "hf_overlay")
+#: Windows over data positions (the ``mask_data_window`` class draws one; the window is
+#: ``FuzzCase.window``): keys ``kv`` around the query's position among the kept tokens,
+#: ``pos = cumsum(key_valid) - (cumsum >= 1)`` as gemma's ``build_positions_from_mask``
+#: computes it, with left padding or a padded stretch in the middle: gemma's
+#: ``(kv > pos - W) * (kv < pos + W)``, or the keys behind it, ``pos - W < kv <= pos``.
+DATA_WINDOWS = tuple(f"{spelling}_{padding}" for spelling in ("gemma", "behind")
+                     for padding in ("left", "middle"))
 
 SPELLINGS = ("jnn", "einsum", "matmul")
 SCHEDULES = ("ring", "ulysses", "allgather", "auto")
@@ -139,9 +147,9 @@ class FuzzCase:
     v_head_dim: int
     model_dim: int
     mask: str            # none causal window two_sided segments key_padding dense bias chunked
-                         # builder row_test
+                         # builder row_test data_window
     causal: bool         # combined with segments / key_padding / dense / bias
-    window: int          # for window / two_sided; the chunk C for chunked
+    window: int          # for window / two_sided / data_window; the chunk C for chunked
     spelling: str        # jnn einsum matmul
     gqa_style: str       # repeat reshape (hand-written spellings)
     fill: str            # where-mask fill: neg_big (-1e9), finfo_min, neg_inf
@@ -180,7 +188,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
     mask = {"mask_none": "none", "mask_causal": "causal", "mask_window": "window",
             "mask_two_sided": "two_sided", "mask_segments": "segments",
             "mask_key_padding": "key_padding", "mask_dense": "dense",
-            "mask_bias": "bias", "mask_builders": "builder", "mask_chunked": "chunked"}.get(cls)
+            "mask_bias": "bias", "mask_builders": "builder", "mask_chunked": "chunked",
+            "mask_data_window": "data_window"}.get(cls)
     if cls == "masked_rows":
         mask = "key_padding"
     elif cls == "row_test":
@@ -188,7 +197,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
     elif mask is None:
         mask = choose("mask", ("none", "causal", "causal", "window"))
     spelling = choose("spelling", SPELLINGS)
-    if cls in ("masked_rows", "mask_builders", "row_test") and spelling == "jnn":
+    if cls in ("masked_rows", "mask_builders", "row_test", "mask_data_window") \
+            and spelling == "jnn":
         spelling = "einsum"   # the -inf fill is a hand-written where-mask
     if cls in ("dtype_f64", "dtype_fp16") and spelling == "jnn":
         # jax.nn.dot_product_attention's softmax is float32 even for f64, and its float16
@@ -200,11 +210,12 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
     schedule = choose("schedule", schedules)
     load_balance = choose("load_balance", LOAD_BALANCES)
     causal = mask in ("causal", "window", "chunked") or (
-        mask in ("segments", "key_padding", "dense", "bias") and choose("causal", (False, True)))
+        mask in ("segments", "key_padding", "dense", "bias", "data_window")
+        and choose("causal", (False, True)))
     if cls in ("masked_rows", "row_test"):
         causal = True
     window = choose("window", (1, 3, 5, 8, 17)) \
-        if mask in ("window", "two_sided", "builder", "row_test") \
+        if mask in ("window", "two_sided", "builder", "row_test", "data_window") \
         else choose("chunk", (3, 4, 8, 16)) if mask == "chunked" else 0
     fill = choose("fill", ("neg_inf", "finfo_min_added") if cls == "masked_rows" else FILLS)
     variants = {
@@ -223,6 +234,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "static_equal_hash": ((1, True, 1.0, 1), (True, 1, 1.0), (1.0, True, 1)),
         "mask_builders": MASK_BUILDERS,
         "mask_chunked": CHUNKED_SPELLINGS,
+        "mask_data_window": DATA_WINDOWS,
         "merge_tokens": ("rows", "rows_heads", "rows_bf16"),
         "chunk_tokens": ("2", "4", "8"),
         "dense_head": ("",),
@@ -326,7 +338,21 @@ def _allowed(case: FuzzCase, inputs: dict, batched: bool = True):
         m = conj(m, valid[:, None, None, :])
     if case.mask == "dense":
         m = conj(m, inputs["dense_mask"])
+    if case.mask == "data_window":
+        m = conj(m, _data_window(case, inputs["key_valid"])[:, None])
     return m
+
+
+def _data_window(case: FuzzCase, valid):
+    """``[B, S, S]``: kept keys in the drawn window around the queries' data positions."""
+    pos = jnp.cumsum(valid, axis=-1)
+    at = (pos - (pos >= 1))[:, :, None]
+    kv, w = jnp.arange(case.seq)[None, None, :], case.window
+    if case.variant.startswith("behind"):
+        near = (kv <= at) & (kv > at - w)
+    else:
+        near = (kv > at - w) * (kv < at + w)
+    return near & valid[:, None, :]
 
 
 def _chunked(case: FuzzCase):
@@ -592,6 +618,12 @@ def make_data(case: FuzzCase):
     if case.mask == "builder":
         lengths = rng.integers(s // 2, s + 1, (b,))
         inp["key_valid"] = np.arange(s)[None, :] < lengths[:, None]
+    if case.mask == "data_window":
+        valid = np.ones((b, s), bool)
+        for r in range(b):
+            start = 0 if case.variant.endswith("left") else int(rng.integers(1, s // 2))
+            valid[r, start:start + int(rng.integers(1, s // 2))] = False
+        inp["key_valid"] = valid
     if case.mask == "dense":
         mb = b if case.variant == "batch" else 1
         m = rng.random((mb, 1, s, s)) < 0.6

@@ -163,6 +163,20 @@ def test_structured_control_flow_kept_and_canonicalized_inside():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_cond_on_a_constant_is_its_branch():
+    """A ``cond`` whose index is known while tracing (gemma's ``lax.cond`` on static
+    lengths) is the branch it takes, canonicalized."""
+    x = rand((4, 8))
+    for taken, want in ((True, jnp.cos(x) / 2.0), (False, jnp.sin(x))):
+        def f(a, taken=taken):
+            return lax.cond(taken, lambda b: jax.jit(jnp.cos)(b) / 2.0, jnp.sin, a)
+
+        _, result = canonicalize(f, x)
+        names = set(prims(result.module))
+        assert not names & {"cond", "jit", "div"}, names
+        np.testing.assert_allclose(result.module(x), want, rtol=1e-6)
+
+
 def test_while_body_canonicalized_inside():
     def f(x, n):
         return lax.fori_loop(0, n, lambda i, a: jax.jit(jnp.sin)(a) / 4.0, x)

@@ -25,6 +25,12 @@ def test_a_named_kernel_refuses_what_it_cannot_run():
     without_topk = Capabilities(mask_terms=ALL_TERMS - {mask_terms.TopK})
     assert "top-k" in without_topk.refusal(spec(causal=True, topk=True), jnp.float32, (8, 8),
                                            "cpu")
+    with pytest.raises(KernelError, match="coordinate_band"):
+        choose_kernel("pallas", spec(causal=True, coordinate_band=(-3, 3)), jnp.float32,
+                      (8, 8), kernels())
+    kernel, _ = choose_kernel("auto", spec(coordinate_band=(-3, 3)), jnp.float32, (8, 8),
+                              kernels(), backend="tpu")
+    assert kernel.name == "xla"
     with pytest.raises(KernelError, match="unknown kernel"):
         choose_kernel("triton", spec(), jnp.float32, (8, 8), kernels())
     kernel, why = choose_kernel("pallas", spec(chunk=4, causal=True), jnp.bfloat16, (8, 8),

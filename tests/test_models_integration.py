@@ -36,10 +36,9 @@ CI_SAMPLE = {"llama": "ring_zigzag", "mistral": "auto", "gpt_neo": "allgather",
              "keras_gemma": "auto"}
 
 #: What a family does not reach yet, asserted exactly as it stands (a fix fails the test
-#: until its entry goes). Attentions whose mask keeps a dense part: DeepMind gemma's local
-#: layer compares key indices with query positions ``cumsum(input_mask) - 1`` (data), and
-#: no ``MaskSpec`` term holds a window over data positions.
-DENSE_MASKS = {"gemma": 1}
+#: until its entry goes). Attentions whose mask keeps a dense part: none (DeepMind gemma's
+#: window over ``cumsum(input_mask) - 1`` is a coordinate band).
+DENSE_MASKS: dict[str, int] = {}
 #: Full-sequence all-gathers outside attention, per family: none left (keras-hub's Gemma
 #: zeroes the output rows that see no key with ``all(mask == 0, axis=-1)`` on the ``S×S``
 #: mask after the attention; the matcher folds that row test into the attention's

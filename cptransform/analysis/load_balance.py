@@ -19,8 +19,8 @@ from cptransform.analysis.block_work import Work
 from cptransform.op.layouts import LAYOUTS
 
 #: What the balance assumes about masks that depend on data.
-DATA_MASK_NOTE = ("segment ids / dense masks / top-k indices are data: their blocks count as "
-                  "visible, so "
+DATA_MASK_NOTE = ("segment ids / dense masks / top-k indices are data, as are coordinate "
+                  "bands: their blocks count as visible, so "
                   "the balance is that of the mask's band part")
 
 #: Predicted program times within this factor count as a tie, which goes to the layout with

@@ -38,9 +38,9 @@ import numpy as np
 from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.intervals import complement, normalize
 from cptransform.analysis.mask_values import (TOPK_DIM, AbsAffine, Affine, And, Band, Chunk,
-                                              Const, Dense, DimMap, FloorDiv, Indicator, Opaque,
-                                              Pred, Scalar, Segments, TopK, is_known, p_and,
-                                              p_not, p_or)
+                                              Const, CoordinateBand, Dense, DimMap, FloorDiv,
+                                              Indicator, Opaque, Pred, Scalar, Segments, Shifted,
+                                              TopK, is_known, p_and, p_not, p_or)
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
@@ -355,7 +355,7 @@ class MaskAnalyzer:
             return Indicator(value, 1, 0)
         if isinstance(value, Affine) and not np.issubdtype(np.dtype(dtype), np.number):
             return here
-        if isinstance(value, Opaque):
+        if isinstance(value, (Opaque, Shifted)):
             return here
         return value
 
@@ -368,6 +368,9 @@ class MaskAnalyzer:
             b = Indicator(b, 1, 0)
         if isinstance(a, Scalar) and isinstance(b, Scalar):
             return Scalar(fn(a.value, b.value))
+        shifted = _shifted(op, a, b, here)
+        if shifted is not None:
+            return shifted
         if op != "mul" and isinstance(b, Affine) and isinstance(a, Scalar) and _is_int(a.value):
             a = Affine((), int(a.value))
         if op != "mul" and isinstance(a, Affine) and isinstance(b, Scalar) and _is_int(b.value):
@@ -407,6 +410,11 @@ class MaskAnalyzer:
         outcome = _two_valued_compare(op, a, b)
         if outcome is not None:
             return self.as_pred(outcome, here)
+        for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
+            band = _coordinate_band(o, affine(x), y, here)
+            if band is not None:
+                return band
+        a, b = (x.value if isinstance(x, Shifted) else x for x in (a, b))
         if op == "eq" and isinstance(a, Opaque) and isinstance(b, Opaque):
             return Segments(a, b, origin=here)
         if op == "eq" and isinstance(a, FloorDiv) and isinstance(b, FloorDiv):
@@ -478,7 +486,7 @@ def _empty(p: Pred) -> bool:
     """Whether ``p`` provably holds nowhere."""
     if isinstance(p, Const):
         return not p.value
-    if isinstance(p, Band):
+    if isinstance(p, (Band, CoordinateBand)):
         return not p.intervals
     if isinstance(p, And):
         return any(_empty(t) for t in p.terms)
@@ -721,6 +729,11 @@ def _band(op: str, diff: Affine, origin: Opaque) -> Pred:
     r = -diff.const / cb
     if cb < 0:
         op = _FLIP[op]
+    return Band(a, b, _solutions(op, r), origin=origin)
+
+
+def _solutions(op: str, r: float) -> tuple:
+    """The integers ``t`` with ``t op r``, as normalised intervals."""
     if op == "ge":
         ivs = ((math.ceil(r), None),)
     elif op == "gt":
@@ -733,4 +746,43 @@ def _band(op: str, diff: Affine, origin: Opaque) -> Pred:
         ivs = ((int(r), int(r)),) if r == int(r) else ()
     else:
         ivs = complement(((int(r), int(r)),)) if r == int(r) else ((None, None),)
-    return Band(a, b, normalize(ivs), origin=origin)
+    return normalize(ivs)
+
+
+def _integer_data(value: Any) -> bool:
+    """An opaque value of an integer dtype (data a coordinate can be)."""
+    return isinstance(value, Opaque) \
+        and np.issubdtype(compat.aval_of(value.var).dtype, np.integer)
+
+
+def _shifted(op: str, a: Any, b: Any, here: Opaque) -> Shifted | None:
+    """``a op b`` as integer data plus a constant (``x ± c``, ``c + x``), or None."""
+    if op == "mul" or not np.issubdtype(compat.aval_of(here.var).dtype, np.integer):
+        return None
+    # (data, constant, sign of the constant): ``c - x`` is no shift of ``x``.
+    pairs = [(a, b, 1), (b, a, 1)] if op == "add" else [(a, b, -1)]
+    for x, c, sign in pairs:
+        if not isinstance(c, Scalar) or not _is_int(c.value):
+            continue
+        if isinstance(x, Shifted):
+            return Shifted(x.source, x.offset + sign * int(c.value), here)
+        if _integer_data(x):
+            return Shifted(x, sign * int(c.value), here)
+    return None
+
+
+def _coordinate_band(op: str, index: Affine | None, data: Any,
+                     origin: Opaque) -> CoordinateBand | None:
+    """``index op data`` of one index (coefficient 1, plus a constant) and integer data
+    plus a constant, as ``index - coordinate`` in intervals; None for anything else."""
+    if index is None or len(index.coeffs) != 1 or index.coeffs[0][1] != 1:
+        return None
+    if isinstance(data, Shifted):
+        source, offset = data.source, data.offset
+    elif _integer_data(data):
+        source, offset = data, 0
+    else:
+        return None
+    # index + c  op  x + offset   <=>   index - x  op  offset - c
+    return CoordinateBand(coordinate=source, key_dim=index.coeffs[0][0],
+                          intervals=_solutions(op, offset - index.const), origin=origin)

@@ -1,8 +1,9 @@
 """What a visibility predicate means for an attention: the parts of its ``MaskSpec``.
 
-A band on ``kv - q`` becomes causal/window bounds, one ``q_ids[q] == kv_ids[kv]``
-comparison becomes segment ids, one top-k scatter along the key dim becomes top-k indices,
-and everything else stays dense (data to be and-ed).
+A band on ``kv - q`` becomes causal/window bounds, one band of ``kv`` around integer data
+indexed by the query (``kv - coordinate[q]``) a coordinate band, one
+``q_ids[q] == kv_ids[kv]`` comparison becomes segment ids, one top-k scatter along the key
+dim becomes top-k indices, and everything else stays dense (data to be and-ed).
 """
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from cptransform.analysis.intervals import intersect, normalize
-from cptransform.analysis.mask_values import (TOPK_DIM, Band, Chunk, Const, Dense, Opaque,
-                                              Pred, Segments, TopK, as_dense, conjuncts)
+from cptransform.analysis.mask_values import (TOPK_DIM, Band, Chunk, Const, CoordinateBand,
+                                              Dense, Opaque, Pred, Segments, TopK, as_dense,
+                                              conjuncts)
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,9 @@ class MaskParts:
     ``(q_ids, kv_ids)`` opaque values; ``dense``: predicates kept as data (each
     :class:`Dense`, to be and-ed); ``topk``: the :class:`TopK` whose indices select the
     keys (or None); ``chunk``: the chunk size of a Llama-4 chunk predicate (or None);
-    ``kinds``: names of the parts found, for reports.
+    ``coordinates``: the query coordinates (an :class:`Opaque`) of a coordinate band and
+    its bounds ``(lo, hi)`` on ``kv - coordinate`` (or None); ``kinds``: names of the parts
+    found, for reports.
     """
 
     band: tuple | None
@@ -33,6 +37,7 @@ class MaskParts:
     kinds: tuple
     topk: TopK | None = None
     chunk: int | None = None
+    coordinates: tuple | None = None
 
 
 def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[[int], int],
@@ -49,6 +54,7 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
     segs: list[Segments] = []
     topks: list[TopK] = []
     chunks: list[Chunk] = []
+    coords: list[CoordinateBand] = []
     kinds: list[str] = []
     q_dim: int | None = None
     for term in conjuncts(pred):
@@ -79,6 +85,14 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
             if term.key_dim == kv_dim and kv_dim not in used and not topks \
                     and used <= set(batch_dims) | set(q_dims):
                 topks.append(term)
+            else:
+                dense.append(as_dense(term, term.origin))
+        elif isinstance(term, CoordinateBand):
+            qd = _coordinate_query_dim(term, q_dims, kv_dim, batch_dims)
+            if qd is not None and q_dim in (None, qd) and not coords \
+                    and len(term.intervals) == 1:
+                q_dim = qd
+                coords.append(term)
             else:
                 dense.append(as_dense(term, term.origin))
         elif isinstance(term, Segments):
@@ -115,6 +129,8 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
                     kinds.append(f"window({-lo})")
     if chunks:
         kinds.append(f"chunk({chunks[0].size})")
+    if coords:
+        kinds.append("coordinate_band({},{})".format(*coords[0].intervals[0]))
     if segs:
         kinds.append("segments")
     if topks:
@@ -123,7 +139,19 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
         kinds.append("dense")
     return MaskParts(band, q_dim, (segs[0].x, segs[0].y) if segs else None, tuple(dense),
                      tuple(kinds), topks[0] if topks else None,
-                     chunks[0].size if chunks else None)
+                     chunks[0].size if chunks else None,
+                     (coords[0].coordinate, coords[0].intervals[0]) if coords else None)
+
+
+def _coordinate_query_dim(term: CoordinateBand, q_dims, kv_dim, batch_dims):
+    """The query dim a coordinate band's coordinate is indexed by, when its key is the key
+    position and its coordinate varies along exactly one query dim (and batch dims), else
+    None: the dim map proves the data is per query, sizes never do."""
+    used = {d for d in term.coordinate.dims if d is not None}
+    qs = used & set(q_dims)
+    if term.key_dim != kv_dim or len(qs) != 1 or not used <= set(batch_dims) | qs:
+        return None
+    return next(iter(qs))
 
 
 def _segment_sides(term: Segments, q_dims, kv_dim, batch_dims, q_dim):

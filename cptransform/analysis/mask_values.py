@@ -7,6 +7,7 @@ mask applies to) by a :data:`DimMap`.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +65,17 @@ class FloorDiv:
 
 
 @dataclass(frozen=True)
+class Shifted:
+    """``source + offset`` of an integer data value ``source`` and a constant: a data
+    coordinate that a compare with a key index makes a :class:`CoordinateBand` (gemma's
+    ``positions - W``); ``value`` is the sum itself, what anything else reads."""
+
+    source: Opaque
+    offset: int
+    value: Opaque
+
+
+@dataclass(frozen=True)
 class Scalar:
     """A constant, the same everywhere."""
 
@@ -109,6 +121,26 @@ class Segments(Pred):
 
     x: Opaque | None = None
     y: Opaque | None = None
+
+
+@dataclass(frozen=True)
+class CoordinateBand(Pred):
+    """``index[key_dim] - coordinate`` lies in ``intervals``, ``coordinate`` an integer data
+    value (its dims map to top dims): a window around data positions."""
+
+    coordinate: Opaque | None = None
+    key_dim: int | None = None
+    intervals: tuple = ()
+
+
+def same_line(a: Pred, b: Pred) -> bool:
+    """Whether ``a`` and ``b`` are both interval predicates of one difference: bands over
+    the same pair of dims, or coordinate bands of one coordinate and key dim."""
+    if isinstance(a, Band) and isinstance(b, Band):
+        return (a.a, a.b) == (b.a, b.b)
+    if isinstance(a, CoordinateBand) and isinstance(b, CoordinateBand):
+        return (a.coordinate, a.key_dim) == (b.coordinate, b.key_dim)
+    return False
 
 
 @dataclass(frozen=True)
@@ -193,8 +225,9 @@ def p_and(a: Pred, b: Pred, origin: Opaque | None = None) -> Pred:
         return b if a.value else a
     if isinstance(b, Const):
         return a if b.value else b
-    if isinstance(a, Band) and isinstance(b, Band) and (a.a, a.b) == (b.a, b.b):
-        return Band(a.a, a.b, intersect(a.intervals, b.intervals), origin=origin)
+    if same_line(a, b):
+        return dataclasses.replace(a, intervals=intersect(a.intervals, b.intervals),
+                                   origin=origin)
     return And(tuple(conjuncts(a) + conjuncts(b)), origin=origin)
 
 
@@ -209,8 +242,9 @@ def p_or(a: Pred, b: Pred, origin: Opaque) -> Pred:
         return a if a.value else b
     if isinstance(b, Const):
         return b if b.value else a
-    if isinstance(a, Band) and isinstance(b, Band) and (a.a, a.b) == (b.a, b.b):
-        return Band(a.a, a.b, union(a.intervals, b.intervals), origin=origin)
+    if same_line(a, b):
+        return dataclasses.replace(a, intervals=union(a.intervals, b.intervals),
+                                   origin=origin)
     return Dense(source=origin, origin=origin)
 
 
@@ -218,8 +252,8 @@ def p_not(a: Pred, origin: Opaque) -> Pred:
     """``not a``."""
     if isinstance(a, Const):
         return Const(value=not a.value, origin=origin)
-    if isinstance(a, Band):
-        return Band(a.a, a.b, complement(a.intervals), origin=origin)
+    if isinstance(a, (Band, CoordinateBand)):
+        return dataclasses.replace(a, intervals=complement(a.intervals), origin=origin)
     if isinstance(a, Dense):
         return Dense(source=a.source, negated=not a.negated, origin=origin)
     return Dense(source=origin, origin=origin)

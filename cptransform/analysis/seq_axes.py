@@ -26,8 +26,8 @@ from cptransform.ir.errors import SeqAxisError
 
 def attention_sides(eqn) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
     """The ``(atom, dim)`` pairs of one attention equation that are its query sequence (q,
-    the output, q positions and segment ids, mask and bias rows) and its key sequence (k,
-    v, kv positions and segment ids, mask and bias columns). Top-k indices' rows are
+    the output, q positions, segment ids and coordinates, mask and bias rows) and its key
+    sequence (k, v, kv positions and segment ids, mask and bias columns). Top-k indices' rows are
     queries (their ``k`` dim is no sequence); the sinks (one logit per batch entry and
     head) have no sequence dim, and
     :func:`~cptransform.analysis.dim_rules.link_attention` links none of theirs."""
@@ -46,6 +46,8 @@ def attention_sides(eqn) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
             kv_side.append((operands[name], nd - 1))
     if "topk_indices" in operands:
         q_side.append((operands["topk_indices"], operands["topk_indices"].aval.ndim - 2))
+    if "q_coordinates" in operands:
+        q_side.append((operands["q_coordinates"], operands["q_coordinates"].aval.ndim - 1))
     keep = lambda seeds: [(a, d) for a, d in seeds  # noqa: E731
                           if not compat.is_literal(a) and a.aval.shape[d] != 1]
     return keep(q_side), keep(kv_side)

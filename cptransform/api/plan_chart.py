@@ -62,8 +62,9 @@ def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
 
     The terms classify the runs of consecutive positions of each side from their ranges
     (:func:`~cptransform.op.mask_terms.meet`), never a dense visibility, so a chart at
-    a million tokens costs a few arrays of ``MAX_PIECES²``. Segment ids, dense masks and
-    top-k indices depend on data: such blocks are ``UNKNOWN`` unless the positions already hide
+    a million tokens costs a few arrays of ``MAX_PIECES²``. Segment ids, dense masks,
+    top-k indices and coordinate bands depend on data: such blocks are ``UNKNOWN`` unless
+    the positions already hide
     them entirely — or, for segments, unless ``segment_ids`` (``[B, S]`` in natural order,
     an example-sized batch) gives the data: then the block is classified for that batch
     element by element."""
@@ -74,26 +75,34 @@ def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
         return BlockKind.SKIP
     if mask.segments and segment_ids is not None:
         seg = np.asarray(segment_ids)
-        known = mask.replace(dense=False, bias=False, topk=False)
+        known = mask.replace(dense=False, bias=False, topk=False, coordinate_band=None)
         seen = np.asarray(visible(known, q_pos[None], kv_pos[None], seg[:, q_pos],
                                   seg[:, kv_pos]))
         if not seen.any():
             return BlockKind.SKIP
-        if not (mask.dense or mask.topk):
+        if not _data_beside_segments(mask):
             return BlockKind.FULL if seen.all() else BlockKind.PARTIAL
     if len(positional) < len(terms):
         return BlockKind.UNKNOWN
     return BlockKind.FULL if np.all(full) else BlockKind.PARTIAL
 
 
+def _data_beside_segments(mask: MaskSpec) -> bool:
+    """Whether a term other than segments depends on data (a dense mask, top-k indices,
+    query coordinates): no example segment ids classify its blocks."""
+    return any(t.key_hull is None and not isinstance(t, mask_terms.Segments)
+               for t in mask.terms())
+
+
 def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
                 segment_ids: np.ndarray | None = None) -> np.ndarray | None:
     """Visible (query, key) pairs per device (rows of ``positions``); ``None`` when the mask
-    depends on data not given: a dense mask, top-k indices, or segment ids without ``segment_ids``
+    depends on data not given: a dense mask, top-k indices, a coordinate band, or segment
+    ids without ``segment_ids``
     (``[B, S]`` in natural order; the pairs are then summed over the batch, counted on a
     ``[B, S, S]`` array: for inspecting example-sized batches). Without data, each query's
     visible keys are the interval its terms' key hull gives."""
-    if mask.dense or mask.topk or (mask.segments and segment_ids is None):
+    if _data_beside_segments(mask) or (mask.segments and segment_ids is None):
         return None
     if mask.segments:
         seg = np.asarray(segment_ids)

@@ -62,7 +62,7 @@ def _check_shapes(spec: AttentionSpec, avals) -> None:
                 "(size-1 dims broadcast)")
 
     for name, t in (("q_positions", tq), ("kv_positions", tkv), ("q_segment_ids", tq),
-                    ("kv_segment_ids", tkv)):
+                    ("kv_segment_ids", tkv), ("q_coordinates", tq)):
         x = a[name]
         if x is not None and x.shape[-1] != t:
             raise AttentionShapeError(f"{name} has length {x.shape[-1]}, the sequence has {t}")
@@ -93,6 +93,9 @@ def _check_shapes(spec: AttentionSpec, avals) -> None:
         expect("topk_indices", "(*batch, heads|1, Tq, k)", (hq, tq, None))
         if not jnp.issubdtype(topk.dtype, jnp.integer):
             raise AttentionShapeError(f"topk_indices must be integer, got {topk.dtype}")
+    coords = a["q_coordinates"]
+    if coords is not None and not jnp.issubdtype(coords.dtype, jnp.integer):
+        raise AttentionShapeError(f"q_coordinates must be integer, got {coords.dtype}")
 
 
 def _abstract_eval(*avals, spec: AttentionSpec):

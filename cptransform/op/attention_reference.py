@@ -18,16 +18,18 @@ from cptransform.op.attention_spec import AttentionSpec, MaskSpec
 
 
 def visible(mask_spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, dense=None,
-            topk=None):
+            topk=None, q_coord=None):
     """Boolean ``[B|1, H|1, Tq, Tkv]``: which pairs the mask lets through.
 
-    ``q_pos``/``kv_pos`` are ``[B|1, T]`` global positions; segment ids likewise; ``dense``
+    ``q_pos``/``kv_pos`` are ``[B|1, T]`` global positions; segment ids and query
+    coordinates likewise; ``dense``
     is a boolean ``[B|1, H|1, Tq, Tkv]`` tile or ``None``; ``topk`` int ``[B|1, H|1, Tq, k]``
     selected key positions or ``None``.
     """
     side = lambda x, at: None if x is None else jnp.expand_dims(x, (1, at))  # noqa: E731
     tile = mask_terms.Tile(side(q_pos, 3), side(kv_pos, 2), side(q_seg, 3), side(kv_seg, 2),
-                           dense, None if topk is None else selected(topk, kv_pos))
+                           dense, None if topk is None else selected(topk, kv_pos),
+                           side(q_coord, 3))
     out = jnp.ones((1, 1, q_pos.shape[-1], kv_pos.shape[-1]), dtype=bool)
     return out & mask_terms.visible(mask_spec.terms(), tile)
 
@@ -94,11 +96,12 @@ def logits_and_tanh(spec: AttentionSpec, q, k, bias=None):
 
 
 def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
-           mask=None, bias=None, topk=None):
+           mask=None, bias=None, topk=None, q_coord=None):
     """One block of attention in canonical layout; returns ``(o, lse)``.
 
-    ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``, ``v [B,Tkv,Hkv,Dv]``; positions and segment ids
-    ``[B|1, T]``; ``mask``/``bias`` ``[B|1, H|1, Tq, Tkv]`` or ``None``; ``topk``
+    ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``, ``v [B,Tkv,Hkv,Dv]``; positions, segment ids
+    and query coordinates ``[B|1, T]``; ``mask``/``bias`` ``[B|1, H|1, Tq, Tkv]`` or
+    ``None``; ``topk``
     ``[B|1, H|1, Tq, k]`` selected key positions or ``None``. ``o`` is float32
     ``[B,Tq,H,Dv]`` normalised within this block; ``lse`` is float32 ``[B,H,Tq]``.
     ``spec.mask.empty_rows`` is not applied: that is a property of the whole row, see
@@ -114,7 +117,7 @@ def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
       key nobody sees) makes that (batch, head, feature) column of ``o`` NaN in every row.
     """
     s = logits(spec, q, k, bias)
-    ok = visible(spec.mask, q_pos, kv_pos, q_seg, kv_seg, mask, topk)
+    ok = visible(spec.mask, q_pos, kv_pos, q_seg, kv_seg, mask, topk, q_coord)
     s = jnp.where(ok, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     # Only the no-mass case (-inf) is shifted by 0; a NaN or +inf maximum stays and turns
@@ -256,7 +259,7 @@ def split_operands(spec: AttentionSpec, operands):
     named = dict(zip(spec.operand_names(), operands))
     return {name: named.get(name) for name in
             ("q", "k", "v", "q_positions", "kv_positions", "q_segment_ids",
-             "kv_segment_ids", "mask", "bias", "sinks", "topk_indices")}
+             "kv_segment_ids", "mask", "bias", "sinks", "topk_indices", "q_coordinates")}
 
 
 def flatten_batch(x, nb: int, batch_shape):
@@ -290,7 +293,7 @@ def attention_reference(*operands, spec: AttentionSpec):
     kv_pos = bcast(kv_pos) if kv_pos is not None else jnp.arange(tkv, dtype=jnp.int32)[None]
     o, lse = attend(spec, q, k, v, q_pos, kv_pos, bcast(a["q_segment_ids"]),
                     bcast(a["kv_segment_ids"]), bcast(a["mask"]), bcast(a["bias"]),
-                    bcast(a["topk_indices"]))
+                    bcast(a["topk_indices"]), bcast(a["q_coordinates"]))
     if spec.sinks:
         o, lse = merge_sinks(o, lse, bcast(a["sinks"]))
     v_mean = jnp.mean(v.astype(accumulator_dtype(q.dtype)), axis=1, keepdims=True)

@@ -91,7 +91,12 @@ class MaskSpec:
       position selects nothing. It is and-ed with the other predicates, so the keys a
       top-k picks among masked (``-inf``) scores stay hidden by the causal part;
     * ``chunk=C`` (Llama-4 chunked attention): ``q_pos // C == kv_pos // C``, each token
-      sees only its own fixed chunk of ``C`` positions (with ``causal``, its earlier ones).
+      sees only its own fixed chunk of ``C`` positions (with ``causal``, its earlier ones);
+    * ``coordinate_band=(lo, hi)``: ``lo <= kv_pos - q_coordinates[q] <= hi`` (``None``
+      leaves a side open) with an int operand ``q_coordinates[..., q]``: a window around a
+      per-query data coordinate instead of the query's position (DeepMind gemma's local
+      layer: ``cumsum(input_mask) - 1``). Coordinates and positions are int32 and
+      ``kv_pos - q_coordinates`` must not overflow (``|q_coordinates| < 2**30``).
 
     :meth:`terms` gives the predicate as :mod:`~cptransform.op.mask_terms` terms, which
     every kernel, the cost model and the plan chart read.
@@ -120,6 +125,7 @@ class MaskSpec:
     topk: bool = False
     chunk: int | None = None
     added_fill: bool = False
+    coordinate_band: tuple[int | None, int | None] | None = None
 
     def __post_init__(self):
         if self.empty_rows not in EmptyRows.spellings():
@@ -136,6 +142,12 @@ class MaskSpec:
                                      f"{self.window}")
         if self.chunk is not None and (not isinstance(self.chunk, int) or self.chunk < 1):
             raise ValueError(f"chunk must be a positive int or None, got {self.chunk!r}")
+        if self.coordinate_band is not None:
+            lo, hi = self.coordinate_band
+            if any(x is not None and not isinstance(x, int) for x in (lo, hi)) \
+                    or (lo is not None and hi is not None and lo > hi):
+                raise ValueError("coordinate_band must be (lo, hi) ints or None with lo <= hi, "
+                                 f"got {self.coordinate_band!r}")
 
     def terms(self) -> tuple:
         """The predicate as a tuple of :mod:`~cptransform.op.mask_terms` terms (their
@@ -152,6 +164,8 @@ class MaskSpec:
         out = [] if lo is None and hi is None else [mask_terms.Band(lo, hi)]
         if self.chunk is not None:
             out.append(mask_terms.Chunks(self.chunk))
+        if self.coordinate_band is not None:
+            out.append(mask_terms.CoordinateBand(*self.coordinate_band))
         if self.segments:
             out.append(mask_terms.Segments())
         if self.dense:
@@ -169,7 +183,8 @@ class MaskSpec:
     def is_trivial(self) -> bool:
         """True when every pair is visible and nothing is added to the logits."""
         return self.band() == (None, None) and not (self.segments or self.dense or self.bias
-                                                    or self.topk)
+                                                    or self.topk
+                                                    or self.coordinate_band is not None)
 
     def describe(self) -> str:
         parts = []
@@ -181,6 +196,10 @@ class MaskSpec:
                          f"{'inf' if right is None else right})")
         if self.chunk is not None:
             parts.append(f"chunk={self.chunk}")
+        if self.coordinate_band is not None:
+            lo, hi = self.coordinate_band
+            parts.append(f"coordinate_band=({'-inf' if lo is None else lo},"
+                         f"{'inf' if hi is None else hi})")
         if self.segments:
             parts.append("segments")
         if self.dense:
@@ -203,12 +222,12 @@ class AttentionSpec:
 
     Operands, in order: ``q, k, v``, then ``q_positions, kv_positions`` if ``positions``,
     ``q_segment_ids, kv_segment_ids`` if ``mask.segments``, ``mask`` if ``mask.dense``,
-    ``bias`` if ``mask.bias``, ``sinks`` if ``sinks``, ``topk_indices`` if ``mask.topk``.
-    The output has q's layout with v's feature size.
+    ``bias`` if ``mask.bias``, ``sinks`` if ``sinks``, ``topk_indices`` if ``mask.topk``,
+    ``q_coordinates`` if ``mask.coordinate_band``. The output has q's layout with v's feature size.
 
     Shapes of the optional operands, with ``nb = len(q.batch)`` leading batch dims that
     follow q's batch dims in order and may be 1 (broadcast):
-    positions and segment ids ``(*batch, T)`` (int); mask and bias
+    positions, segment ids and query coordinates ``(*batch, T)`` (int); mask and bias
     ``(*batch, heads|1, Tq, Tkv)``; sinks ``(*batch, heads)`` (float; ``heads`` is 1 for q
     without a heads dim); top-k indices ``(*batch, heads|1, Tq, k)`` (int32, key
     positions). Without ``positions`` they are ``arange(T)``.
@@ -269,6 +288,8 @@ class AttentionSpec:
             names.append("sinks")
         if self.mask.topk:
             names.append("topk_indices")
+        if self.mask.coordinate_band is not None:
+            names.append("q_coordinates")
         return tuple(names)
 
     def describe(self) -> str:

@@ -83,12 +83,15 @@ class Blocks:
     kv_seg: Ranges | None = None
     dense: object = None
     topk: object = None
+    q_coord: Ranges | None = None
 
     @classmethod
-    def cut(cls, q_pos, kv_pos, q_seg, kv_seg, dense, topk, bq: int, bk: int) -> "Blocks":
+    def cut(cls, q_pos, kv_pos, q_seg, kv_seg, dense, topk, bq: int, bk: int,
+            q_coord=None) -> "Blocks":
         """The blocks of ``bq`` queries × ``bk`` keys of one kernel call's operands
-        (positions and segment ids ``[B|1, T]``, ``dense`` ``[B|1, H|1, Tq, Tkv]``, ``topk``
-        ``[B|1, H|1, Tq, k]``; ``None`` when absent). The last blocks are padded by
+        (positions, segment ids and query coordinates ``[B|1, T]``, ``dense``
+        ``[B|1, H|1, Tq, Tkv]``, ``topk`` ``[B|1, H|1, Tq, k]``; ``None`` when absent).
+        The last blocks are padded by
         repeating the last entry, which leaves every range, ``any`` and ``all`` that of the
         real entries."""
         nq, nk = -(-q_pos.shape[-1] // bq), -(-kv_pos.shape[-1] // bk)
@@ -101,7 +104,7 @@ class Blocks:
             topk = _pad_edge(topk, 2, nq * bq)
             topk = topk.reshape(*topk.shape[:2], nq, bq * topk.shape[-1])
         return cls(q_ranges(q_pos), kv_ranges(kv_pos), q_ranges(q_seg), kv_ranges(kv_seg),
-                   dense, topk)
+                   dense, topk, q_ranges(q_coord))
 
 
 def _pad_edge(x, axis: int, to: int):
@@ -131,6 +134,7 @@ class Tile:
     kv_seg: object = None
     dense: object = None
     picked: object = None
+    q_coord: object = None
 
 
 def _query_side(x):
@@ -143,6 +147,30 @@ def _key_side(x):
     return x[:, None, None, :]
 
 
+def _inside(d, lo: int | None, hi: int | None):
+    """``lo ≤ d ≤ hi`` elementwise (``None``: that side open; ``True`` when both are)."""
+    ok = True
+    if lo is not None:
+        ok = ok & (d >= lo)
+    if hi is not None:
+        ok = ok & (d <= hi)
+    return ok
+
+
+def _spans_kind(keys: Ranges, queries: Ranges, lo: int | None, hi: int | None):
+    """``(may, full)`` of ``lo ≤ key - query ≤ hi`` over blocks whose key-side and
+    query-side values lie in the given ranges: ``d`` spans at most
+    ``[k_lo - q_hi, k_hi - q_lo]``."""
+    d_min = _key_side(keys.lo) - _query_side(queries.hi)
+    d_max = _key_side(keys.hi) - _query_side(queries.lo)
+    may = full = True
+    if lo is not None:
+        may, full = may & (d_max >= lo), full & (d_min >= lo)
+    if hi is not None:
+        may, full = may & (d_min <= hi), full & (d_max <= hi)
+    return may, full
+
+
 @dataclass(frozen=True)
 class Band:
     """``lo ≤ kv_pos - q_pos ≤ hi`` (``None``: that side open): causal (``hi`` = the offset),
@@ -153,25 +181,12 @@ class Band:
     operands = ("q_positions", "kv_positions")
 
     def visible(self, t: Tile):
-        d = t.kv_pos - t.q_pos
-        ok = True
-        if self.lo is not None:
-            ok = ok & (d >= self.lo)
-        if self.hi is not None:
-            ok = ok & (d <= self.hi)
-        return ok
+        return _inside(t.kv_pos - t.q_pos, self.lo, self.hi)
 
     def block_kind(self, b: Blocks):
         # d = kv - q over a block spans [kv_lo - q_hi, kv_hi - q_lo] (both attained when the
         # ranges are contiguous; otherwise the kinds are conservative).
-        d_min = _key_side(b.kv_pos.lo) - _query_side(b.q_pos.hi)
-        d_max = _key_side(b.kv_pos.hi) - _query_side(b.q_pos.lo)
-        may = full = True
-        if self.lo is not None:
-            may, full = may & (d_max >= self.lo), full & (d_min >= self.lo)
-        if self.hi is not None:
-            may, full = may & (d_min <= self.hi), full & (d_max <= self.hi)
-        return may, full
+        return _spans_kind(b.kv_pos, b.q_pos, self.lo, self.hi)
 
     def band(self):
         return self.lo, self.hi
@@ -239,6 +254,36 @@ class Segments:
 
     def describe(self) -> str:
         return "segments"
+
+
+@dataclass(frozen=True)
+class CoordinateBand:
+    """``lo ≤ kv_pos - q_coordinates[q] ≤ hi`` (``None``: that side open): a window around a
+    per-query data coordinate rather than the query's position, e.g. DeepMind gemma's local
+    layer, whose queries sit at ``cumsum(input_mask) - 1`` (padding is not counted).
+
+    The coordinate is data, so the band hull on ``kv_pos - q_pos`` is open: no halo, and
+    the cost model counts its blocks as data-decided, like segments."""
+
+    lo: int | None
+    hi: int | None
+    operands = ("q_coordinates", "kv_positions")
+
+    def visible(self, t: Tile):
+        return _inside(t.kv_pos - t.q_coord, self.lo, self.hi)
+
+    def block_kind(self, b: Blocks):
+        # Coordinates need not be contiguous in a block: the span of d is a hull, so the
+        # kinds are conservative.
+        return _spans_kind(b.kv_pos, b.q_coord, self.lo, self.hi)
+
+    def band(self):
+        return None, None
+
+    key_hull = None
+
+    def describe(self) -> str:
+        return f"coordinate_band[{self.lo}, {self.hi}]"
 
 
 @dataclass(frozen=True)

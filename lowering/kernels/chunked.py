@@ -79,7 +79,8 @@ def chunk_kinds(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
     """
     (cq, _), (ck, nk) = _grid(block, target)
     may, full = mask_terms.meet(spec.mask.terms(), mask_terms.Blocks.cut(
-        block.q_pos, block.kv_pos, block.q_seg, block.kv_seg, block.mask, block.topk, cq, ck))
+        block.q_pos, block.kv_pos, block.q_seg, block.kv_seg, block.mask, block.topk, cq, ck,
+        block.q_coord))
     # Padded keys must be masked, so the last key chunk is never FULL when it is padded.
     # (An iota, not a NumPy constant: a body that gains constants cannot stay under remat.)
     complete = jnp.arange(nk) * ck + ck <= block.k.shape[1]
@@ -138,7 +139,7 @@ class _Problem:
             q_seg=_pad(block.q_seg, 1, tqp), kv_seg=_pad(block.kv_seg, 1, tkp),
             mask=None if block.mask is None else pad_rows(block.mask),
             bias=None if block.bias is None else pad_rows(block.bias),
-            topk=_pad(block.topk, 2, tqp))
+            topk=_pad(block.topk, 2, tqp), q_coord=_pad(block.q_coord, 1, tqp))
         return cls(padded, spec, _pad(block.q, 1, tqp, 0), _pad(block.k, 1, tkp, 0),
                    _pad(block.v, 1, tkp, 0), cq, nq, ck, nk, block.k.shape[1], kinds)
 
@@ -226,7 +227,7 @@ class _Problem:
         topk = None if blk.topk is None else lax.dynamic_slice_in_dim(
             blk.topk, i * cq, cq, axis=2)
         ok = visible(self.spec.mask, qcut(blk.q_pos), kcut(blk.kv_pos), qcut(blk.q_seg),
-                     kcut(blk.kv_seg), dense, topk)
+                     kcut(blk.kv_seg), dense, topk, qcut(blk.q_coord))
         ok = _rows(ok, self.groups)
         if self.ck * self.nk != self.tkv:
             ok = ok & (j * ck + jnp.arange(ck) < self.tkv)

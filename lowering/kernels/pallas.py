@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
+from cptransform.op import mask_terms
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels.capabilities import ALL_TERMS, Capabilities
@@ -40,10 +41,11 @@ class PallasKernel:
     """
 
     name = "pallas"
-    #: Every mask term; never compiled on a GPU or TPU by the test suite, so ``auto`` takes
-    #: it there only after its on-device self-check.
+    #: Every mask term but coordinate bands (the tiles carry no query coordinates); never
+    #: compiled on a GPU or TPU by the test suite, so ``auto`` takes it there only after
+    #: its on-device self-check.
     capabilities = Capabilities(
-        mask_terms=ALL_TERMS,
+        mask_terms=ALL_TERMS - {mask_terms.CoordinateBand},
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         needs_check=frozenset({"gpu", "cuda", "rocm", "tpu"}))
 

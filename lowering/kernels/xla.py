@@ -32,7 +32,7 @@ class XlaKernel:
 
     def forward(self, block: Block, spec: AttentionSpec):
         return attend(spec, block.q, block.k, block.v, block.q_pos, block.kv_pos, block.q_seg,
-                      block.kv_seg, block.mask, block.bias)
+                      block.kv_seg, block.mask, block.bias, q_coord=block.q_coord)
 
     def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None):
         q, k, v, bias = block.q, block.k, block.v, block.bias
@@ -41,7 +41,7 @@ class XlaKernel:
         accum = accumulator_dtype(q.dtype)
         s, tanh = logits_and_tanh(spec, q, k, bias)
         ok = visible(spec.mask, block.q_pos, block.kv_pos, block.q_seg, block.kv_seg,
-                     block.mask)
+                     block.mask, q_coord=block.q_coord)
         # Empty rows (lse = -inf) get p = 0; a NaN row keeps its NaN lse, so its p is NaN
         # at every key, masked ones too, as exp(x - max(x)) is on one device.
         lse_safe = jnp.where(empty_rows_of(lse), 0.0, lse)[..., None]

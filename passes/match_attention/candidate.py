@@ -54,7 +54,9 @@ class Candidate:
     ``added_fill``: the finite fill is added to the scores (``MaskSpec.added_fill``);
     ``mask_kinds``: the parts found, for reports; ``sink``: the array the sink logits come
     from (None without a sink column); ``visible``: the visibility predicates of the
-    logits' masks (a pair is visible where all hold), as the mask analysis read them.
+    logits' masks (a pair is visible where all hold), as the mask analysis read them;
+    ``coordinates``: the query coordinates of a coordinate band (an :class:`Opaque`) and
+    ``coordinate_band`` its bounds (or None).
     """
 
     root: Any
@@ -85,6 +87,8 @@ class Candidate:
     topk: Any = None
     chunk: int | None = None
     visible: tuple = ()
+    coordinates: Any = None
+    coordinate_band: tuple | None = None
 
     @property
     def heads(self) -> tuple:
@@ -116,7 +120,8 @@ class Candidate:
             segments=bool(self.segments) or bool(self.q_pads or self.kv_pads),
             dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows,
             added_fill=self.added_fill,
-            topk=self.topk is not None, chunk=self.chunk)
+            topk=self.topk is not None, chunk=self.chunk,
+            coordinate_band=self.coordinate_band)
         return AttentionSpec(q=canonical, k=k_layout, v=k_layout, scale=float(self.scale),
                              softcap=self.softcap, groups=self.groups, mask=mask,
                              sinks=self.sink is not None)
@@ -150,7 +155,8 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
                            "those (select the fill with where(mask, x, fill) instead)")
     parts = _mask_parts(qk, preds, batch, stats)
     sides = [d.source for d in parts.dense] + [b for b, _ in biases] \
-        + list(parts.segments or ()) + ([parts.topk.indices] if parts.topk else [])
+        + list(parts.segments or ()) + ([parts.topk.indices] if parts.topk else []) \
+        + ([parts.coordinates[0]] if parts.coordinates else [])
     if any(set(side.dims) & set(qk.merged) for side in sides):
         raise NotAttention("a mask or bias varies along dims merged by a reshape of the logits")
     q_seq = parts.q_dim
@@ -200,7 +206,9 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         biases=tuple(biases), empty_rows=rows, added_fill=added, band=parts.band,
         segments=tuple(parts.segments or ()), q_pads=q_pads, kv_pads=kv_pads, dense=dense,
         groups=hq // hk, mask_kinds=kinds, sink=sink,
-        topk=None if topk is None else topk.indices, chunk=parts.chunk, visible=tuple(preds))
+        topk=None if topk is None else topk.indices, chunk=parts.chunk, visible=tuple(preds),
+        coordinates=parts.coordinates[0] if parts.coordinates else None,
+        coordinate_band=parts.coordinates[1] if parts.coordinates else None)
 
 
 def _zeroed_rows(preds: list, zeroing: Sequence[Pred], column: SinkColumn | None) -> str:

@@ -24,7 +24,7 @@ from cptransform.passes.match_attention.candidate import (K_FEATURE, Q_FEATURE, 
 def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     """The rewrite of ``c.root``: one ``attention_p`` with ``spec`` and the arranging around
     it. Its inputs are q, k, v, then the segment ids, the padding and dense mask parts, the
-    biases, the sink source and the top-k indices, in that order."""
+    biases, the sink source, the top-k indices and the query coordinates, in that order."""
     sizes, nbl = c.sizes, len(c.batch)
     batch, heads = list(c.batch), c.heads
     q_target = [*batch, c.q_seq, heads, Q_FEATURE]
@@ -77,6 +77,10 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
             operands.append(arrange(lax.convert_element_type(vals[0], jnp.int32), c.topk.dims,
                                     [*batch, heads, c.q_seq, TOPK_DIM],
                                     {**sizes, TOPK_DIM: k}, (c.q_seq, TOPK_DIM)))
+            vals = vals[1:]
+        if c.coordinates is not None:
+            operands.append(arrange(lax.convert_element_type(vals[0], jnp.int32),
+                                    c.coordinates.dims, q_seq_target, sizes, (c.q_seq,)))
         out = attention_p.bind(*operands, spec=spec)
         split = out.shape[:nbl + 1] + tuple(sizes[lab] for lab in heads) + out.shape[-1:]
         if split != out.shape:
@@ -91,6 +95,7 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     sides += [b.var for b, _ in c.biases]
     sides += [] if c.sink is None else [c.sink.atom]
     sides += [c.topk.var] if c.topk is not None else []
+    sides += [c.coordinates.var] if c.coordinates is not None else []
     return Replacement(c.root, (c.q.atom, c.k.atom, c.v.atom, *sides), build)
 
 
