@@ -8,7 +8,7 @@ spelling differences that would hide them:
   wrapped in its own ``jit`` sits in the same jaxpr as its neighbours. A ``cond`` whose
   branch index is a constant is the branch it takes (option ``fold_conds``: gemma picks
   its key positions with ``lax.cond`` on static lengths). ``remat``, ``scan``, ``while``,
-  other ``cond``\ s and ``custom_jvp``/``custom_vjp`` stay (they carry meaning: memory
+  other conds and ``custom_jvp``/``custom_vjp`` stay (they carry meaning: memory
   policy, loops, control flow, custom derivatives); their bodies are canonicalized inside.
 * **Scale folding** (option ``fold_scales``). A chain of multiplications and divisions of
   one floating value by scalar constants (literals or 0-d constants, including constant
