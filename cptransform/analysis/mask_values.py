@@ -133,14 +133,20 @@ class CoordinateBand(Pred):
     intervals: tuple = ()
 
 
+def _line(p: Pred) -> tuple | None:
+    """The difference an interval predicate bounds (a band's pair of dims, a coordinate
+    band's coordinate and key dim), or None for a predicate of no intervals."""
+    if isinstance(p, Band):
+        return Band, p.a, p.b
+    if isinstance(p, CoordinateBand):
+        return CoordinateBand, p.coordinate, p.key_dim
+    return None
+
+
 def same_line(a: Pred, b: Pred) -> bool:
     """Whether ``a`` and ``b`` are both interval predicates of one difference: bands over
     the same pair of dims, or coordinate bands of one coordinate and key dim."""
-    if isinstance(a, Band) and isinstance(b, Band):
-        return (a.a, a.b) == (b.a, b.b)
-    if isinstance(a, CoordinateBand) and isinstance(b, CoordinateBand):
-        return (a.coordinate, a.key_dim) == (b.coordinate, b.key_dim)
-    return False
+    return _line(a) is not None and _line(a) == _line(b)
 
 
 @dataclass(frozen=True)
@@ -200,20 +206,21 @@ def is_known(p: Pred) -> bool:
 
 def implies(a: Pred, b: Pred) -> bool:
     """Whether ``a`` implies ``b``, proven term by term: every conjunct of ``b`` is a
-    conjunct of ``a``, or a band holding wherever ``a``'s bands on the same two dims all
-    hold. False when it cannot be proven (a part of unknown meaning proves nothing)."""
+    conjunct of ``a``, or an interval predicate holding wherever ``a``'s on the same
+    difference (:func:`same_line`) all hold. False when it cannot be proven (a part of
+    unknown meaning proves nothing)."""
     terms = conjuncts(a)
     if any(isinstance(t, Const) and not t.value for t in terms):
         return True
     if not (is_known(a) and is_known(b)):
         return False
-    bands: dict = {}
+    lines: dict = {}
     for t in terms:
-        if isinstance(t, Band):
-            bands[(t.a, t.b)] = intersect(bands.get((t.a, t.b), ((None, None),)), t.intervals)
+        if _line(t) is not None:
+            lines[_line(t)] = intersect(lines.get(_line(t), ((None, None),)), t.intervals)
     for t in conjuncts(b):
-        inside = isinstance(t, Band) and (t.a, t.b) in bands \
-            and intersect(bands[(t.a, t.b)], t.intervals) == normalize(bands[(t.a, t.b)])
+        held = lines.get(_line(t)) if _line(t) is not None else None
+        inside = held is not None and intersect(held, t.intervals) == normalize(held)
         if t not in terms and not inside:
             return False
     return True
