@@ -39,11 +39,10 @@ from cptransform.analysis.cost_model import Transfer, metadata, operands
 from cptransform.analysis.schedule_statement import Statement, rotated
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import row_delta
-from cptransform.lowering.ring import accumulator_zeros, arrived, around_the_ring, packed, \
-    ring_step, rotate, travelling, unpacked
+from cptransform.lowering.ring import accumulator_zeros, arrived, around_the_ring, ring_step, \
+    rotate, travelling
 from cptransform.lowering.schedule import InnerAxis, Schedule, any_length, differentiable, \
     finished, register_schedule
-from cptransform.op.attention_reference import merge
 
 
 def source_shards(inner: int, outer: int) -> np.ndarray:
@@ -70,7 +69,7 @@ def _forward(block: Block, spec, axes, kernel):
     def outer_step(j, acc, kept):
         def step(i, acc, keys):
             keys_block = arrived(block, keys, _source(j, i, axes), tkv, spec)
-            return merge(*acc, *kernel.forward(keys_block, spec))
+            return kernel.forward(keys_block, spec, running=acc)
         return around_the_ring(step, acc, kept, (inner,), lax.axis_size(inner))
 
     empty = (accumulator_zeros(block.q, (b, tq, h, dv)),
@@ -87,20 +86,19 @@ def _backward(spec, axes, kernel, residuals, cotangents):
     inner, outer = axes
     n_inner = lax.axis_size(inner)
     q, k, v, bias = block.q, block.k, block.v, block.bias
-    tkv, d = k.shape[1], k.shape[3]
+    tkv = k.shape[1]
     delta = row_delta(o, do, dlse)
-    no_kv = packed(accumulator_zeros(q, k.shape), accumulator_zeros(q, v.shape))
+    no_kv = (accumulator_zeros(q, k.shape), accumulator_zeros(q, v.shape))
 
     def outer_step(j, state, kept):
         def step(i, state, keys):
-            dq, dkv, dbias = state
+            dq, (dk, dv), dbias = state
             source = _source(j, i, axes)
-            dq, g_k, g_v, g_b = kernel.backward(arrived(block, keys, source, tkv, spec), o,
-                                                lse, do, spec, delta=delta, dq=dq)
+            dq, dk, dv, g_b = kernel.backward(arrived(block, keys, source, tkv, spec), o,
+                                              lse, do, spec, delta=delta, dq=dq, dk=dk, dv=dv)
             if dbias is not None:
                 dbias = lax.dynamic_update_slice_in_dim(dbias, g_b, source * tkv, axis=3)
-            dkv = jax.tree.map(jnp.add, dkv, packed(g_k, g_v))
-            return dq, rotate(dkv, (inner,), n_inner), dbias
+            return dq, rotate((dk, dv), (inner,), n_inner), dbias
 
         dq, dkv_out, dbias = state
         # The group's dK/dV of the kept block arrive here after U inner hops; they then
@@ -112,9 +110,9 @@ def _backward(spec, axes, kernel, residuals, cotangents):
 
     zeros = (accumulator_zeros(q, q.shape), no_kv,
              None if bias is None else accumulator_zeros(q, bias.shape))
-    dq, dkv, dbias = around_the_ring(outer_step, zeros, travelling(spec, block), (outer,),
-                                     lax.axis_size(outer))
-    return (dq, *unpacked(dkv, d), dbias)
+    dq, (dk, dv), dbias = around_the_ring(outer_step, zeros, travelling(spec, block),
+                                          (outer,), lax.axis_size(outer))
+    return dq, dk, dv, dbias
 
 
 #: The double ring's attention, ``(block, spec, axes, kernel) -> (o, lse)`` like

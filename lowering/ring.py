@@ -10,7 +10,9 @@ over groups whose blocks are the ``U`` consecutive shards ``s·U … s·U+U-1``,
 slots with ``Tkv_loc`` the group's length, so the same formula holds. Each step attends the local queries to that block and
 merges the partial result exactly in float32 (:func:`attention_reference.merge`). The next
 block is sent (``ppermute`` to rank ``r + 1``) before the current block is computed so XLA
-can overlap the transfer with the compute. Steps ``0 … cp-2`` are one ``lax.scan``, so
+can overlap the transfer with the compute. The running ``(o, lse)`` and the dQ, dK, dV
+sums are handed to the kernel, which merges and accumulates into them in place (no
+per-step partial beside the sum). Steps ``0 … cp-2`` are one ``lax.scan``, so
 compile time does not grow with ``cp``; the last step sends nothing.
 
 Each step is one kernel call on the local queries against the arrived block. The kernel
@@ -34,8 +36,9 @@ Communication, per device (``Tkv_loc`` local keys, ``B`` batch, element sizes in
   positions also travel under a top-k mask), where
   ``B_pos``/``B_seg`` are 1 for positions / segment ids shared by the batch;
 * backward: the same ``cp - 1`` rotations of K, V, positions and segment ids, plus ``cp``
-  rotations of the float32 dK and dV accumulators (one send, concatenated), which travel
-  with their block and arrive at the owner after the last step
+  rotations of the float32 dK and dV accumulators (two sends: the kernel adds into them in
+  place, so they are never concatenated), which travel with their block and arrive at the
+  owner after the last step
   (``cp·B·Tkv_loc·Hkv·(D + Dv)·4`` bytes). dQ and dbias stay local; ``rowsum(dO∘O)`` is
   computed once, not per step.
 
@@ -60,7 +63,6 @@ from cptransform.lowering.schedule import Schedule, any_length, differentiable, 
     register_schedule
 from cptransform.lowering.kernels import row_delta
 from cptransform.op.accumulation import accumulator_dtype
-from cptransform.op.attention_reference import merge
 
 
 def rotate(tree, axes, cp: int):
@@ -147,9 +149,10 @@ def _forward(block: Block, spec, axes, kernel):
     tkv, dv = block.k.shape[1], block.v.shape[3]
 
     def step(i, acc, keys):
-        # The kernel classifies its chunk pairs, so the masked half of a step costs nothing.
-        o_s, lse_s = kernel.forward(arrived(block, keys, (rank - i) % cp, tkv, spec), spec)
-        return merge(*acc, o_s, lse_s)
+        # The kernel classifies its chunk pairs, so the masked half of a step costs nothing;
+        # it merges into the running (o, lse) in place.
+        return kernel.forward(arrived(block, keys, (rank - i) % cp, tkv, spec), spec,
+                              running=acc)
 
     empty = (accumulator_zeros(block.q, (b, tq, h, dv)), accumulator_zeros(block.q, (b, h, tq), -jnp.inf))
     o, lse = around_the_ring(step, empty, travelling(spec, block), axes, cp)
@@ -163,27 +166,26 @@ def _backward(spec, axes, kernel, residuals, cotangents):
     cp = lax.axis_size(axes)
     rank = lax.axis_index(axes)
     q, k, v, bias = block.q, block.k, block.v, block.bias
-    tkv, d = k.shape[1], k.shape[3]
+    tkv = k.shape[1]
     # rowsum(dO∘O) - dlse is the same for every key block: computed once, not per step.
     delta = row_delta(o, do, dlse)
 
     def step(i, state, keys):
-        dq, dkv, dbias = state
+        dq, (dk, dv), dbias = state
         source = (rank - i) % cp
-        # dq is the kernel's running sum: it accumulates into it, no second buffer.
-        dq, g_k, g_v, g_b = kernel.backward(arrived(block, keys, source, tkv, spec), o, lse,
-                                            do, spec, delta=delta, dq=dq)
+        # dQ, dK and dV are the kernel's running sums: it accumulates into them in place.
+        dq, dk, dv, g_b = kernel.backward(arrived(block, keys, source, tkv, spec), o, lse,
+                                          do, spec, delta=delta, dq=dq, dk=dk, dv=dv)
         if dbias is not None:
             dbias = lax.dynamic_update_slice_in_dim(dbias, g_b, source * tkv, axis=3)
-        # The float32 dK/dV accumulators travel (as one send) with their keys and arrive
-        # home after the last step.
-        dkv = jax.tree.map(jnp.add, dkv, packed(g_k, g_v))
-        return dq, rotate(dkv, axes, cp), dbias
+        # The float32 dK/dV accumulators travel with their keys and arrive home after the
+        # last step.
+        return dq, rotate((dk, dv), axes, cp), dbias
 
-    zeros = (accumulator_zeros(q, q.shape), packed(accumulator_zeros(q, k.shape), accumulator_zeros(q, v.shape)),
+    zeros = (accumulator_zeros(q, q.shape), (accumulator_zeros(q, k.shape), accumulator_zeros(q, v.shape)),
              None if bias is None else accumulator_zeros(q, bias.shape))
-    dq, dkv, dbias = around_the_ring(step, zeros, travelling(spec, block), axes, cp)
-    return (dq, *unpacked(dkv, d), dbias)
+    dq, (dk, dv), dbias = around_the_ring(step, zeros, travelling(spec, block), axes, cp)
+    return dq, dk, dv, dbias
 
 
 #: Ring attention of the local queries against all keys, ``(block, spec, axes, kernel) ->

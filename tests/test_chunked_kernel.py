@@ -15,7 +15,7 @@ from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import get_kernel
 from cptransform.analysis.block_work import chunk_size
 from cptransform.lowering.kernels.chunked import ChunkedKernel, chunk_kinds, executed_fraction
-from cptransform.op.attention_reference import attend, attention_reference, split_operands
+from cptransform.op.attention_reference import attend, attention_reference, merge, split_operands
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.op.mask_terms import BlockKind
 
@@ -186,3 +186,36 @@ def test_chunk_size():
     assert chunk_size(2048, 256) == 256 and chunk_size(256, 256) == 128
     assert chunk_size(24, 512) == 12 and chunk_size(31, 512) == 31
     assert chunk_size(31, 8) == 8 and chunk_size(12, 4) == 3 and chunk_size(1, 4) == 1
+
+
+@pytest.mark.parametrize("kind,heads", [("dense", "gqa"), pytest.param(
+    "everything", "mqa", marks=pytest.mark.slow)])
+def test_running_partials_are_merged_and_summed_in_place(rng, kind, heads):
+    """The kernel contract's running arguments: ``forward(..., running=(o, lse))`` equals
+    :func:`merge` of that partial with the block's own result (empty, NaN and finite running
+    rows, rows this block leaves empty), and ``backward(..., dq=, dk=, dv=)`` equals the
+    running sums plus the block's gradients."""
+    block, spec = problem(rng, kind, heads)
+    kernel = ChunkedKernel(chunk=4)
+    b, tq, h, dv = block.q.shape[0], block.q.shape[1], block.q.shape[2], block.v.shape[3]
+    lse0 = jnp.asarray(rng.normal(size=(b, h, tq)), jnp.float32)
+    lse0 = lse0.at[:, :, 0].set(-jnp.inf).at[0, 1, 4].set(jnp.nan)
+    o0 = jnp.asarray(rng.normal(size=(b, tq, h, dv)), jnp.float32).at[:, 0].set(0.0)
+    got = jax.jit(lambda blk, o, lse: kernel.forward(blk, spec, running=(o, lse)))(
+        block, o0, lse0)
+    want = merge(o0, lse0, *kernel.forward(block, spec))
+    for g, w in zip(got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        assert np.array_equal(np.isnan(g), np.isnan(w))
+        assert np.array_equal(np.isinf(g), np.isinf(w))
+        finite = np.isfinite(w)
+        np.testing.assert_allclose(g[finite], w[finite], rtol=1e-5, atol=1e-6)
+
+    o, lse = reference(block, spec)
+    do = jnp.asarray(rng.normal(size=o.shape), jnp.float32)
+    sums = [jnp.asarray(rng.normal(size=x.shape), jnp.float32) for x in (block.q, block.k, block.v)]
+    fresh = kernel.backward(block, o, lse, do, spec)
+    summed = jax.jit(lambda blk, o, lse, do, dq, dk, dv: kernel.backward(
+        blk, o, lse, do, spec, dq=dq, dk=dk, dv=dv))(block, o, lse, do, *sums)
+    for name, g, s, f in zip(("dq", "dk", "dv"), summed, sums, fresh):
+        assert relative_error(g, s + f) <= 1e-6, name

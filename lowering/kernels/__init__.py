@@ -5,19 +5,24 @@ methods (:class:`Kernel`); each module of this package registers its kernels wit
 :func:`register_kernel`, and :func:`get_kernel` imports them on first use, so a new kernel
 is one new module here.
 
-* ``forward(block, spec) -> (o, lse)``
-* ``backward(block, o, lse, do, spec, dlse=None, delta=None, dq=None) -> (dq, dk, dv, dbias)``
+* ``forward(block, spec, running=None) -> (o, lse)``
+* ``backward(block, o, lse, do, spec, dlse=None, delta=None, dq=None, dk=None, dv=None)
+  -> (dq, dk, dv, dbias)``
 
 ``block`` is a :class:`~cptransform.lowering.block.Block` in the canonical per-device shapes
 with the mask and bias holding only this block's key columns. ``o`` is float32 and
 normalised within the block, ``lse`` float32 ``[B, H, Tq]`` and ``-inf`` for rows that see
-no key in the block. In ``backward``, ``o``/``lse`` are the *merged* results over all key
+no key in the block; ``running``, when given, is a float32 partial ``(o, lse)`` of the same
+queries over other keys, and the result is their exact merge
+(:func:`~cptransform.op.attention_reference.merge`; a schedule that visits key blocks one
+after another passes it, so a kernel can merge in place, see :func:`merged_into`). In ``backward``, ``o``/``lse`` are the *merged* results over all key
 blocks (so the probabilities of this block are ``exp(logits - lse)``) and ``dlse`` an
 optional cotangent of ``lse``; ``delta``, when given, is :func:`row_delta` of those (a schedule
 that calls the backward once per key block computes it once), and then ``o`` and ``dlse``
-are not read; ``dq``, when given, is a float32 running sum ``[B, Tq, H, D]`` that the
-block's query gradient is added to (the returned ``dq`` is the new sum: a schedule that sums
-over key blocks passes it, so a kernel can accumulate in place, see :func:`added_to`); all
+are not read; ``dq``, ``dk`` and ``dv``, when given, are float32 running sums
+(``[B, Tq, H, D]``, ``[B, Tkv, Hkv, D]``, ``[B, Tkv, Hkv, Dv]``) that the block's gradients
+are added to (the returned ones are the new sums: a schedule that sums over key blocks
+passes them, so a kernel can accumulate in place, see :func:`added_to`); all
 gradients are float32, ``dbias`` has the bias's shape
 (broadcast dims summed) and is ``None`` without a bias.
 
@@ -42,6 +47,7 @@ import jax.numpy as jnp
 
 from cptransform.ir.errors import ContextParallelOptionError, unknown_name
 from cptransform.op.accumulation import accumulator_dtype
+from cptransform.op.attention_reference import merge
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 
@@ -53,11 +59,11 @@ class Kernel(Protocol):
     #: What it can run (:class:`~cptransform.lowering.kernels.capabilities.Capabilities`).
     capabilities: object
 
-    def forward(self, block: Block, spec: AttentionSpec):
+    def forward(self, block: Block, spec: AttentionSpec, running=None):
         ...
 
     def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None,
-                 dq=None):
+                 dq=None, dk=None, dv=None):
         ...
 
 
@@ -73,14 +79,14 @@ class ProfiledKernel:
     def name(self) -> str:
         return self.kernel.name
 
-    def forward(self, block: Block, spec: AttentionSpec):
+    def forward(self, block: Block, spec: AttentionSpec, running=None):
         with jax.named_scope(f"cptransform/kernel/{self.kernel.name}/forward"):
-            return self.kernel.forward(block, spec)
+            return self.kernel.forward(block, spec, running)
 
     def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None,
-                 dq=None):
+                 dq=None, dk=None, dv=None):
         with jax.named_scope(f"cptransform/kernel/{self.kernel.name}/backward"):
-            return self.kernel.backward(block, o, lse, do, spec, dlse, delta, dq)
+            return self.kernel.backward(block, o, lse, do, spec, dlse, delta, dq, dk, dv)
 
 
 def row_delta(o, do, dlse=None):
@@ -91,8 +97,13 @@ def row_delta(o, do, dlse=None):
 
 
 def added_to(running, g):
-    """``g`` added to a kernel's ``dq`` running sum (``None``: no sum yet)."""
+    """``g`` added to one of a kernel's gradient running sums (``None``: no sum yet)."""
     return g if running is None else running + g
+
+
+def merged_into(running, o, lse):
+    """A block's ``(o, lse)`` merged into a kernel's running partial (``None``: none yet)."""
+    return (o, lse) if running is None else merge(*running, o, lse)
 
 
 def zero_times(x):

@@ -44,7 +44,7 @@ from cptransform.op.accumulation import accumulator_dtype
 from cptransform.lowering.kernels.capabilities import Capabilities
 from cptransform.op import mask_terms
 from cptransform.op.mask_terms import BlockKind
-from cptransform.op.attention_reference import capped_logits, visible
+from cptransform.op.attention_reference import capped_logits, empty_rows_of, visible
 from cptransform.op.attention_spec import AttentionSpec
 
 
@@ -178,11 +178,13 @@ class _Problem:
         """Query chunk ``i`` as ``[B, Hkv, G·cq, D]``."""
         return self.rows(self.q, i)
 
+    def keys(self, x, j):
+        """Key chunk ``j`` of ``x [B, Tkv', Hkv, …]`` as ``[B, Hkv, ck, …]``."""
+        return jnp.swapaxes(lax.dynamic_slice_in_dim(x, j * self.ck, self.ck, axis=1), 1, 2)
+
     def kv(self, j):
         """Key chunk ``j``: ``(k [B, Hkv, ck, D], v [B, Hkv, ck, Dv])``."""
-        cut = lambda x: jnp.swapaxes(  # noqa: E731
-            lax.dynamic_slice_in_dim(x, j * self.ck, self.ck, axis=1), 1, 2)
-        return cut(self.k), cut(self.v)
+        return self.keys(self.k, j), self.keys(self.v, j)
 
     def put_keys(self, buf, x, j):
         """``buf [B, Tkv', Hkv, …]`` with key chunk ``j`` replaced by ``x [B, Hkv, ck, …]``."""
@@ -316,8 +318,11 @@ class ChunkedKernel:
     #: Every mask term, dtype, head dim and backend; plain JAX needs no self-check.
     capabilities = Capabilities()
 
-    def forward(self, block: Block, spec: AttentionSpec):
-        """``(o, lse)`` of the queries of ``block`` against its keys (kernel contract)."""
+    def forward(self, block: Block, spec: AttentionSpec, running=None):
+        """``(o, lse)`` of the queries of ``block`` against its keys (kernel contract).
+        ``running``, when given, is a partial ``(o, lse)`` over other keys: each row's
+        online softmax starts from it (``m = lse``, ``l = 1``, ``acc = o``), so the merged
+        result is written into its buffers in place."""
         pb = _Problem.build(block, spec, self.chunk)
         b, tqp, h, _ = pb.q.shape
         dv = pb.v.shape[-1]
@@ -325,9 +330,10 @@ class ChunkedKernel:
 
         def q_chunk(i, out):
             qc = pb.q_rows(i)
-            m0 = jnp.full_like(qc, -jnp.inf, dtype=accum, shape=qc.shape[:3])
-            state = (m0, jnp.zeros_like(m0), jnp.zeros_like(m0, shape=(*m0.shape, dv)),
-                     jnp.zeros_like(m0, dtype=bool))
+            # A fresh call starts from the empty partial (lse = -inf, o = 0).
+            m0 = pb.head_rows(out[1], i)
+            state = (m0, jnp.ones_like(m0), pb.rows(out[0], i),
+                     ~empty_rows_of(m0))
 
             def update(state, s, vc):
                 m, l, acc, seen = state
@@ -367,18 +373,23 @@ class ChunkedKernel:
             lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
             return pb.put_rows(out[0], o, i), pb.put_head_rows(out[1], lse, i)
 
-        # zeros_like, not zeros: the buffers vary over the mesh axes as the queries do.
-        out = (jnp.zeros_like(pb.q, accum, (b, tqp, h, dv)),
-               jnp.zeros_like(pb.q, accum, (b, h, tqp)))
+        if running is None:
+            # zeros_like, not zeros: the buffers vary over the mesh axes as the queries do.
+            out = (jnp.zeros_like(pb.q, accum, (b, tqp, h, dv)),
+                   jnp.full_like(pb.q, -jnp.inf, accum, (b, h, tqp)))
+        else:
+            out = (_pad(running[0].astype(accum), 1, tqp, 0),
+                   _pad(running[1].astype(accum), 2, tqp, -jnp.inf))
         o, lse = lax.fori_loop(0, pb.nq, q_chunk, out)
         tq = block.q.shape[1]
         return o[:, :tq], lse[:, :, :tq]
 
     def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None,
-                 dq=None):
+                 dq=None, dk=None, dv=None):
         """``(dq, dk, dv, dbias)`` (kernel contract). ``delta``, when given, is
         :func:`row_delta` of the merged output (then ``o`` and ``dlse`` are not read);
-        ``dq``, when given, is the running sum the loop starts from (no second buffer)."""
+        ``dq``, ``dk`` and ``dv``, when given, are the running sums the loops add to in
+        place (no second buffer)."""
         pb = _Problem.build(block, spec, self.chunk)
         accum = pb.acc
         if delta is None:
@@ -418,12 +429,14 @@ class ChunkedKernel:
                     dbias_col = lax.dynamic_update_index_in_dim(dbias_col, g_b, i, axis=0)
                 return dq, dk_j + g_k, dv_j + g_v, dbias_col
 
-            dq, dk_j, dv_j, dbias_col = lax.fori_loop(0, pb.nq, step, (dq, zk, zv, dbias_col))
+            dq, dk_j, dv_j, dbias_col = lax.fori_loop(0, pb.nq, step,
+                                                      (dq, pb.keys(dk, j), pb.keys(dv, j),
+                                                       dbias_col))
             return (dq, pb.put_keys(dk, dk_j, j), pb.put_keys(dv, dv_j, j)), dbias_col
 
-        start = tuple(jnp.zeros_like(x, accum) for x in (pb.q, pb.k, pb.v))
-        if dq is not None:
-            start = (_pad(dq.astype(accum), 1, pb.cq * pb.nq, 0), *start[1:])
+        start = tuple(jnp.zeros_like(x, accum) if running is None else
+                      _pad(running.astype(accum), 1, x.shape[1], 0)
+                      for x, running in ((pb.q, dq), (pb.k, dk), (pb.v, dv)))
         (dq, dk, dv), dbias = lax.scan(k_chunk, start, jnp.arange(pb.nk))
         tq, tkv = block.q.shape[1], block.k.shape[1]
         return dq[:, :tq], dk[:, :tkv], dv[:, :tkv], _dbias_unfolded(pb, block, dbias)

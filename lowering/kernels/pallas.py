@@ -21,7 +21,7 @@ from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels.capabilities import ALL_TERMS, Capabilities
 from cptransform.lowering.kernels import pallas_gpu, pallas_tpu, register_kernel, row_delta, \
-    added_to, sum_to
+    added_to, merged_into, sum_to
 from cptransform.lowering.kernels.pallas_operands import heads_major, prepare, tokens_major
 from cptransform.lowering.kernels.pallas_skipped import skipped_backward, skipped_forward
 
@@ -80,16 +80,16 @@ class PallasKernel:
         return prepare(block, spec, self._block(self.block_q, block.q.shape[1], variant),
                        self._block(self.block_kv, block.k.shape[1], variant))
 
-    def forward(self, block: Block, spec: AttentionSpec):
+    def forward(self, block: Block, spec: AttentionSpec, running=None):
         """``(o [B, Tq, H, Dv] f32, lse [B, H, Tq] f32)`` of ``block``; see the protocol."""
         variant, module, interpret = self._setup()
         ops = self._operands(block, spec, variant)
         o, lse = module.forward(ops, spec, interpret)
         o = o + skipped_forward(ops)
-        return tokens_major(o, ops.tq), lse[:, :, :ops.tq]
+        return merged_into(running, tokens_major(o, ops.tq), lse[:, :, :ops.tq])
 
     def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None, delta=None,
-                 dq=None):
+                 dq=None, dk=None, dv=None):
         """``(dq, dk, dv, dbias)`` float32 from the merged ``o``/``lse``; see the protocol
         (``delta``, when given, is :func:`row_delta` of them, computed once by the caller)."""
         variant, module, interpret = self._setup()
@@ -103,13 +103,14 @@ class PallasKernel:
         delta_p = jnp.pad(delta, pad)
         do_p = heads_major(do.astype(block.v.dtype), tqp)
         g_q, dbias = module.backward_dq(ops, spec, do_p, lse_p, delta_p, interpret)
-        dk, dv = module.backward_dkv(ops, spec, do_p, lse_p, delta_p, interpret)
+        g_k, g_v = module.backward_dkv(ops, spec, do_p, lse_p, delta_p, interpret)
         skipped = skipped_backward(ops, do_p, lse_p)
-        g_q, dk, dv = g_q + skipped[0], dk + skipped[1], dv + skipped[2]
+        g_q, g_k, g_v = g_q + skipped[0], g_k + skipped[1], g_v + skipped[2]
         if dbias is not None:
             dbias = sum_to(dbias[:, :, :ops.tq, :ops.tkv], block.bias.shape)
-        return (added_to(dq, tokens_major(g_q, ops.tq)), tokens_major(dk, ops.tkv),
-                tokens_major(dv, ops.tkv), dbias)
+        return (added_to(dq, tokens_major(g_q, ops.tq)),
+                added_to(dk, tokens_major(g_k, ops.tkv)),
+                added_to(dv, tokens_major(g_v, ops.tkv)), dbias)
 
 
 register_kernel(PallasKernel())
