@@ -51,11 +51,13 @@ def tree_error(got_tree, want_tree) -> TreeError:
 
 @dataclass(frozen=True)
 class Comparison:
-    """The transformed run against the single-device one."""
+    """The transformed run against the single-device one; ``temp_bytes`` is the compiled
+    temporary memory per device of each program (single device, context parallel)."""
 
     loss: float
     cp_loss: float
     grads: TreeError
+    temp_bytes: tuple[int, int]
     rtol: float = RTOL
 
     @property
@@ -64,17 +66,22 @@ class Comparison:
                 and self.grads.worst <= self.rtol)
 
     def __str__(self) -> str:
-        return (f"loss: single device {self.loss:.7f}, context parallel {self.cp_loss:.7f}\n"
+        one, many = self.temp_bytes
+        return (f"temporary memory per device: single device {one / 2**20:.1f} MiB, "
+                f"context parallel {many / 2**20:.1f} MiB ({many / max(one, 1):.2f}x)\n"
+                f"loss: single device {self.loss:.7f}, context parallel {self.cp_loss:.7f}\n"
                 f"gradients: {self.grads}\n"
                 + ("MATCH" if self.ok else f"MISMATCH (rtol {self.rtol:g})"))
 
 
 def compare_gradients(loss, cp_loss, *args) -> Comparison:
     """Loss and gradients (with respect to the first argument) of ``cp_loss`` against the
-    single-device ``loss``, each under ``jax.jit(jax.value_and_grad(...))``."""
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss))(*args)
-    got_loss, got_grads = jax.jit(jax.value_and_grad(cp_loss))(*args)
-    return Comparison(float(ref_loss), float(got_loss), tree_error(got_grads, ref_grads))
+    single-device ``loss``, each ``jax.jit(jax.value_and_grad(...))`` compiled once: the
+    same executable gives the numbers and the memory."""
+    ref, got = (jax.jit(jax.value_and_grad(f)).lower(*args).compile() for f in (loss, cp_loss))
+    (ref_loss, ref_grads), (got_loss, got_grads) = ref(*args), got(*args)
+    return Comparison(float(ref_loss), float(got_loss), tree_error(got_grads, ref_grads),
+                      tuple(c.memory_analysis().temp_size_in_bytes for c in (ref, got)))
 
 
 def report(cp_fn, *args, segment_ids=None) -> str:
@@ -93,12 +100,3 @@ def report(cp_fn, *args, segment_ids=None) -> str:
         lines += [f"\nattention #{step.index} and every ring with its mask "
                   f"({step.mask.describe()}):", ring_chart(step.mask, layout, segment_ids)]
     return "\n".join(lines)
-
-
-def temp_memory(loss, cp_loss, *args) -> str:
-    """Compiled temporary memory per device of ``value_and_grad``, one device vs CP."""
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), args)
-    one, many = (jax.jit(jax.value_and_grad(f)).lower(*abstract).compile().memory_analysis()
-                 .temp_size_in_bytes for f in (loss, cp_loss))
-    return (f"temporary memory per device: single device {one / 2**20:.1f} MiB, "
-            f"context parallel {many / 2**20:.1f} MiB ({many / one:.2f}x)")

@@ -22,7 +22,7 @@ from cptransform import context_parallel  # noqa: E402
 
 @pytest.mark.slow
 def test_llama():
-    assert llama.demo(seq=32, memory=False)
+    assert llama.demo(seq=32)
 
 
 @pytest.mark.slow
