@@ -1,22 +1,29 @@
-"""Our schedules against the ``ringattention`` package's pure-JAX ring, on the CPU.
+"""Our schedules against the JAX peers' rings on the CPU: the ``ringattention`` package's
+pure-JAX ring and ejkernel's XLA ring attention.
 
 One run, 8 simulated devices (cp=8), fp32, B=1, H=8, D=64; MHA (8 KV heads) and GQA
-(2 KV heads, repeated to 8 for the peers, which are MHA-only); causal and full masks, and
+(2 KV heads, repeated to 8 for the peers, whose cores are MHA-only); causal and full masks, and
 a causal sliding window of ``--window`` keys (``window``: our schedules only, halo included;
 the peers have no window).
 For each variant: time of the forward and of forward+backward (median of interleaved
 repetitions: every variant runs once per round), per-device temporary memory from XLA's
 memory analysis of the compiled program, and executed score entries of the slowest device
 over the ideal per-device share (counted from the chunk classification for our
-schedules, from the peer's chunk rule for ``ringattention``, everything for the dense
-all-gather baseline). Ratios are against ``ringattention``.
+schedules, from the peers' chunk rule for theirs, everything for the dense
+all-gather baseline). Ratios are against the best peer of each row (the faster one for
+time, the leaner one for memory).
 
     python bench/peers.py [--seqs 2048,4096] [--reps 3] [--heads mha,gqa]
                           [--masks causal,full,window] [--window 64] [--no-time]
+                          [--skip allgather-dense]
 
 Prints a table and writes ``bench/results/peers.json``. The ``ringattention`` package
 (``pip install --no-deps ringattention`` plus ``einops``) is imported with a stand-in for
 ``jax.lib.xla_bridge``, which its package init reads and current JAX no longer has.
+ejkernel (``pip install ejkernel``; 0.0.80 supports JAX 0.10) is called through its
+``_ring_attention`` with an explicit ``causal_block_size``: its public ``ring_attention``
+passes none, and its causal gradients are then wrong (dQ off by 4.2 on unit-normal
+inputs, forward exact).
 """
 from __future__ import annotations
 
@@ -48,6 +55,20 @@ def _import_ringattention():
     return ring_attention
 
 
+def _import_ejkernel():
+    """ejkernel's ``_ring_attention`` (the custom-VJP core), or ``None`` when not installed."""
+    try:
+        from ejkernel.kernels._xla.ring_attention._interface import _ring_attention
+    except ImportError as err:
+        print(f"ejkernel unavailable ({err})")
+        return None
+    return _ring_attention
+
+
+#: The peers' variant names; ratios are against the best of them per row.
+PEERS = ("ringattention", "ejkernel-ring")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="2048,4096")
@@ -56,6 +77,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-time", action="store_true", help="memory and FLOPs only")
+    parser.add_argument("--skip", default="", help="comma-separated variants not to run "
+                        "(allgather-dense holds S x S/cp scores: 32 GiB at 32K on 8 devices)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers.json"))
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
@@ -77,6 +100,7 @@ def main() -> None:
     from cptransform.op.layouts import SequenceLayout
 
     ring_attention = _import_ringattention()
+    ej_ring = _import_ejkernel()
     h, d, batch = 8, 64, 1
     auto = jax.sharding.AxisType.Auto
     mesh = jax.make_mesh((CP,), ("cp",), axis_types=(auto,))
@@ -114,6 +138,23 @@ def main() -> None:
         return jax.shard_map(local, mesh=mesh, in_specs=P(None, "cp"),
                              out_specs=P(None, "cp"), check_vma=False)(q, k, v)
 
+    def peer_ejkernel(q, k, v, mask):
+        chunk = min(512, q.shape[1] // CP)
+        causal = mask == "causal"
+
+        def local(q, k, v):
+            k, v = repeat_heads(k, v)   # the core is MHA-only (its public wrapper repeats)
+            # Positional arguments of _ring_attention: bias, segment ids, positions, sinks,
+            # axis, float32 logits, scale, chunks, causal block, deterministic, dropout
+            # rng/rate, dtype, remat policy, precision, prevent_cse, window, soft-cap,
+            # sink size, causal.
+            return ej_ring(q, k, v, None, None, None, None, None, None, "cp", True,
+                           1 / math.sqrt(d), chunk, chunk, chunk if causal else None, True,
+                           None, 0.0, jnp.float32, jax.checkpoint_policies.nothing_saveable,
+                           lax.Precision.DEFAULT, True, None, None, 0, causal)
+        return jax.shard_map(local, mesh=mesh, in_specs=P(None, "cp"),
+                             out_specs=P(None, "cp"), check_vma=False)(q, k, v)
+
     def dense_allgather(q, k, v, mask):
         causal = mask == "causal"
         def local(q, k, v):
@@ -137,10 +178,19 @@ def main() -> None:
                 "halo-zigzag": ours("halo", "zigzag")}
     if ring_attention is not None:
         variants["ringattention"] = peer_ring
-    # The peers have no sliding window; halo needs one.
-    unwindowed = ("allgather-dense", "ringattention")
+    if ej_ring is not None:
+        variants["ejkernel-ring"] = peer_ejkernel
+    # The peers are measured without a sliding window; halo needs one.
+    unwindowed = ("allgather-dense",) + PEERS
+
+    skipped = set(filter(None, args.skip.split(",")))
+    if skipped - set(variants):
+        parser.error(f"unknown variants {sorted(skipped - set(variants))}; known: "
+                     f"{', '.join(variants)}")
 
     def runs(name, mask):
+        if name in skipped:
+            return False
         return name not in unwindowed if mask == "window" else not name.startswith("halo")
 
     spec_of = lambda mask: AttentionSpec(q=bthd, k=bthd, v=bthd, scale=1.0,  # noqa: E731
@@ -164,7 +214,7 @@ def main() -> None:
         ideal = visible * h / CP
         if name == "allgather-dense":
             return s * s * h / CP / ideal
-        if name == "ringattention":
+        if name in PEERS:   # both skip whole chunks above the diagonal
             loc, c = s // CP, min(512, s // CP)
             rows = np.arange(s // c)
             grid = rows[:, None] >= rows[None, :] if causal else np.ones((s // c,) * 2, bool)
@@ -229,15 +279,22 @@ def main() -> None:
         for kind in ("fwd", "fwdbwd"):
             ts = timings.get((row["seq"], row["heads"], row["mask"], row["variant"], kind))
             row[f"{kind}_s"] = statistics.median(ts) if ts else None
-    peer = {(r["seq"], r["heads"], r["mask"]): r for r in rows
-            if r["variant"] == "ringattention"}
+    def best_peer(key, r):
+        """The best peer's ``key`` in ``r``'s row (seq, heads, mask), or ``None``."""
+        got = [p[key] for p in rows if p["variant"] in PEERS and p.get(key)
+               and (p["seq"], p["heads"], p["mask"]) == (r["seq"], r["heads"], r["mask"])]
+        return min(got) if got else None
+
+    for r in rows:
+        for key in ("fwd_s", "fwdbwd_s", "fwd_temp_mib", "fwdbwd_temp_mib"):
+            best = best_peer(key, r)
+            r[f"{key}_over_best_peer"] = r[key] / best if best and r.get(key) else None
     header = (f"{'S':>5} {'heads':5} {'mask':6} {'variant':16} {'fwd s':>7} {'f+b s':>7} "
               f"{'f+b/peer':>8} {'fwd MiB':>8} {'f+b MiB':>8} {'mem/peer':>8} {'FLOPs/ideal':>11}")
     print(header)
     for r in rows:
-        p = peer.get((r["seq"], r["heads"], r["mask"]))
-        ratio = lambda key: (f"{r[key] / p[key]:.2f}" if p and r.get(key) and p.get(key)  # noqa: E731
-                             else "-")
+        ratio = lambda key: ("-" if r[f"{key}_over_best_peer"] is None  # noqa: E731
+                             else f"{r[f'{key}_over_best_peer']:.2f}")
         fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
         print(f"{r['seq']:>5} {r['heads']:5} {r['mask']:6} {r['variant']:16} "
               f"{fmt(r['fwd_s']):>7} {fmt(r['fwdbwd_s']):>7} {ratio('fwdbwd_s'):>8} "
