@@ -301,6 +301,7 @@ def main() -> None:
               f"{r['fwd_temp_mib']:>8.1f} {r['fwdbwd_temp_mib']:>8.1f} "
               f"{ratio('fwdbwd_temp_mib'):>8} {r['flops_over_ideal']:>11.3f}")
     Path(args.out).write_text(json.dumps(dict(
+        measured=time.strftime("%Y-%m-%dT%H:%M:%S"),
         cp=CP, heads=h, head_dim=d, batch=batch, dtype="float32", chunk=DEFAULT_CHUNK,
         reps=args.reps, argv=sys.argv[1:], rows=rows), indent=1))
     print(f"wrote {args.out}")

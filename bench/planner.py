@@ -10,10 +10,11 @@ schedule ``auto`` would choose (the hybrid at its best Ulysses degree).
 
 Part 2: the ``cpu-sim`` row against the latest ``bench/results/peers*.json`` (8 simulated
 CPU devices): predicted against measured ranking of our schedules per (S, heads, mask),
-forward and forward+backward. ``--calibrate`` refits the ``cpu-sim`` row's FLOP/s, cost per
-kernel call and bandwidth to the measured forward times (least squares) and prints them.
+forward and forward+backward. ``--calibrate`` refits the ``cpu-sim`` row's FLOP/s, the
+relative FLOP/s of tiles that fold a GQA query-head group, the cost per kernel call and the
+bandwidth to the measured forward times (least squares) and prints them.
 
-    python bench/planner.py [--calibrate] [--out bench/results/planner.json]
+    python bench/planner.py [--calibrate] [--peers bench/results/peers.json] [--out bench/results/planner.json]
 """
 from __future__ import annotations
 
@@ -90,9 +91,17 @@ def real_configs() -> list[dict]:
 
 
 def latest_peers() -> Path:
-    files = sorted((ROOT / "bench" / "results").glob("peers*.json"),
-                   key=lambda p: p.stat().st_mtime)
-    return files[-1]
+    """The newest ``bench/results/peers*.json`` with measured times (a ``--no-time`` run
+    has memory only). Git checkouts do not keep modification times, so the files' own
+    ``measured`` dates decide, then their names."""
+    timed = []
+    for path in (ROOT / "bench" / "results").glob("peers*.json"):
+        data = json.loads(path.read_text())
+        if any(r.get("fwd_s") for r in data["rows"]):
+            timed.append((data.get("measured", ""), path.name, path))
+    if not timed:
+        raise SystemExit("no bench/results/peers*.json with times: run bench/peers.py")
+    return max(timed)[2]
 
 
 def peers_shape(row, schedule: str, layout: str) -> AttentionShape:
@@ -103,31 +112,35 @@ def peers_shape(row, schedule: str, layout: str) -> AttentionShape:
 
 
 def features(shape: AttentionShape, name: str):
-    """Forward (mean FLOPs, kernel calls, bytes) of schedule ``name``: the terms the
-    cpu-sim row prices with its FLOP/s, per-call cost and bandwidth."""
+    """Forward (mean FLOPs of one-head tiles, mean FLOPs of tiles folding a query-head
+    group, kernel calls, bytes) of schedule ``name``: the terms the cpu-sim row prices with
+    its FLOP/s, grouped-tile efficiency, per-call cost and bandwidth."""
     schedule = schedules()[name]
     volume, work = schedule.volume(shape), schedule.work(shape)
-    return work.forward_flops / work.balance, work.calls, volume.forward_total
+    flops = work.forward_flops / work.balance
+    grouped = work.group > 1
+    return (0.0 if grouped else flops, flops if grouped else 0.0, work.calls,
+            volume.forward_total)
 
 
 def calibrate(rows) -> None:
-    """Least squares of the measured forward times on (mean FLOPs, kernel calls, bytes),
-    relative errors weighted equally (the times span 4x). A per-step link latency was
-    tried before: on these points it comes out negative, so the row has none."""
+    """Least squares of the measured forward times on (one-head FLOPs, grouped FLOPs,
+    kernel calls, bytes), relative errors weighted equally (the times span 100x). A
+    per-step link latency was tried before: it comes out negative, so the row has none."""
     x, y = [], []
     for row in rows:
         if row["variant"] in PEERS and row.get("fwd_s"):
             schedule, layout = PEERS[row["variant"]]
             shape = peers_shape(row, schedule, layout)
-            flops, calls, moved = features(shape, schedule)
-            x.append(np.array((flops, calls, moved)) / row["fwd_s"])
+            x.append(np.array(features(shape, schedule)) / row["fwd_s"])
             y.append(1.0)
     x, y = np.array(x, float), np.array(y)
-    (inv_flops, call_s, inv_bw), *_ = np.linalg.lstsq(x, y, rcond=None)
-    error = np.sqrt(np.mean((x @ (inv_flops, call_s, inv_bw) - y) ** 2))
-    print(f"cpu-sim fit over {len(y)} forward times: {1 / inv_flops:.3g} FLOP/s per device, "
-          f"{call_s * 1e3:.3g} ms per kernel call, {1 / inv_bw:.3g} B/s; relative rms error "
-          f"{error:.2f}")
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    inv_flops, inv_grouped, call_s, inv_bw = coef
+    error = np.sqrt(np.mean((x @ coef - y) ** 2))
+    print(f"cpu-sim fit over {len(y)} forward times: {1 / inv_flops:.3g} FLOP/s per device "
+          f"(grouped tiles at {inv_flops / inv_grouped:.3g} of it), {call_s * 1e3:.3g} ms "
+          f"per kernel call, {1 / inv_bw:.3g} B/s; relative rms error {error:.2f}")
 
 
 def cpu_comparison(rows) -> list[dict]:
@@ -156,9 +169,11 @@ def cpu_comparison(rows) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--peers", default=None, help="the bench/peers.py result to compare "
+                        "with (default: the newest one with times)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "planner.json"))
     args = parser.parse_args()
-    peers_file = latest_peers()
+    peers_file = Path(args.peers) if args.peers else latest_peers()
     peers = json.loads(peers_file.read_text())["rows"]
     if args.calibrate:
         calibrate(peers)

@@ -95,15 +95,17 @@ def backward_flops(entries: int, head_dim: int, v_head_dim: int) -> int:
 class Work:
     """The local-step compute of one schedule for one attention: FLOPs of the slowest
     device, forward and backward, the load balance (slowest device / mean), the kernel
-    calls of the busiest device per pass (each has a fixed cost: ``Hardware.call_s``) and
+    calls of the busiest device per pass (each has a fixed cost: ``Hardware.call_s``),
     every device's forward plus backward FLOPs (what the layout choice sums over
-    attentions)."""
+    attentions) and the query heads per KV head folded into its tiles' rows (``group``:
+    1 for one-head tiles, see ``Hardware.grouped_efficiency``)."""
 
     forward_flops: int
     backward_flops: int
     balance: float
     calls: int = 1
     device_flops: tuple[int, ...] = ()
+    group: int = 1
 
     @property
     def flops(self) -> int:

@@ -63,17 +63,24 @@ class Hardware:
     # Simulated devices sharing one host's cores, which also do the transfers: compute
     # follows the mean device and no transfer overlaps compute.
     shared_compute: bool = False
+    # FLOP/s of tiles whose rows fold a query-head group (GQA/MQA: G·chunk rows per KV
+    # head) relative to one-head tiles. Fitted where measurements exist (cpu-sim: the
+    # folded tiles outgrow the cache); 1 for the rows without.
+    grouped_efficiency: float = 1.0
 
     def compute_s(self, slowest_flops: float, balance: float, dtype_bytes: int,
-                  calls: int = 1) -> float:
+                  calls: int = 1, grouped: bool = False) -> float:
         """Seconds of compute: the slowest device's FLOPs, or with ``shared_compute`` the
         mean device's (the host runs every simulated device's work on the same cores, so
-        an imbalance costs nothing there), plus ``calls`` kernel calls' fixed cost."""
+        an imbalance costs nothing there), plus ``calls`` kernel calls' fixed cost;
+        ``grouped``: the tiles fold a query-head group (:attr:`grouped_efficiency`)."""
         flops = slowest_flops / balance if self.shared_compute else slowest_flops
-        return flops / self.flops_per_s(dtype_bytes) + calls * self.call_s
+        rate = self.flops_per_s(dtype_bytes) * (self.grouped_efficiency if grouped else 1.0)
+        return flops / rate + calls * self.call_s
 
     def flops_per_s(self, dtype_bytes: int) -> float:
-        """Matrix FLOP/s an attention kernel reaches on elements of ``dtype_bytes``."""
+        """Matrix FLOP/s an attention kernel reaches on one-head tiles of ``dtype_bytes``
+        elements."""
         peak = self.flops.get(dtype_bytes, min(self.flops.values()))
         return peak * self.efficiency
 

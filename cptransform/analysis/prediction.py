@@ -98,9 +98,11 @@ def predict(name: str, volume: CommVolume, work: Work, memory_bytes: int, steps:
             spans: tuple[int, ...]) -> Prediction:
     """The :class:`Prediction` of schedule ``name`` from its volume, work, memory and steps
     (``spans[i]``: how many consecutive devices the groups of its mesh axis ``i`` span)."""
-    fwd_compute = hardware.compute_s(work.forward_flops, work.balance, dtype_bytes, work.calls)
+    grouped = work.group > 1
+    fwd_compute = hardware.compute_s(work.forward_flops, work.balance, dtype_bytes, work.calls,
+                                     grouped)
     bwd_compute = hardware.compute_s(work.backward_flops, work.balance, dtype_bytes,
-                                     work.calls)
+                                     work.calls, grouped)
     forward = [t for t in volume.transfers if not t.backward]
     backward = [t for t in volume.transfers if t.backward]
     fwd_s, ratio = _pass_time(forward, fwd_compute, steps, hardware, spans)

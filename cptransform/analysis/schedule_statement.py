@@ -24,7 +24,7 @@ on and the one arriving — the float32 query state and dK/dV accumulators, one 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -121,9 +121,11 @@ class Statement:
         return CommVolume(schedule, self.transfers)
 
     def work(self, shape: AttentionShape) -> Work:
-        """The :class:`Work` of the first grid's kernel calls."""
+        """The :class:`Work` of the first grid's kernel calls, whose tiles fold the local
+        step's query-head group."""
         calls = self.grids[0]
-        return work_of(shape, calls.kernel_calls(), calls.heads)
+        return replace(work_of(shape, calls.kernel_calls(), calls.heads),
+                       group=self.local.heads // self.local.kv_heads)
 
     def steps(self) -> int:
         """How many compute steps the overlapped transfers are pipelined over: the first
