@@ -2,6 +2,8 @@
 against the undecorated single-device program (loss and every gradient).
 
     python -m bench.fuzz --seed 0 --json bench/results/fuzz.json       # 2,000 cases
+    python -m bench.fuzz --first 1000 --cases 1000 --json half.json    # its second half
+    python -m bench.fuzz --merge first.json half.json --json all.json   # one table
     python -m bench.fuzz --classes masked_rows,nan_weight --cases 40
     python -m bench.fuzz --repro "FuzzCase(cls='mask_causal', seed=3, ...)"
 
@@ -95,11 +97,29 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--first", type=int, default=0, help="index of the first case: processes "
+                    "with disjoint ranges split one sweep (--first 1000 --cases 1000 is the "
+                    "second half of the default run)")
     ap.add_argument("--json", default=None, help="write every outcome and the table here")
     ap.add_argument("--classes", default=None, help="comma-separated classes (default: all)")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this much time")
     ap.add_argument("--repro", default=None, help="run one printed FuzzCase(...) and report")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="print the table of earlier runs' --json files together (and write "
+                         "them as one to --json) instead of running cases")
     args = ap.parse_args(argv)
+
+    if args.merge:
+        runs = [json.loads(Path(f).read_text()) for f in args.merge]
+        records = sorted((r for run in runs for r in run["records"]), key=lambda r: r["index"])
+        print_table(summarize(records), records=records)
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                {"merged": args.merge, "seed": runs[0]["seed"], "cases_run": len(records),
+                 "seconds": round(sum(run["seconds"] for run in runs), 1),
+                 "jax": runs[0]["jax"], "known_broken": fp.KNOWN_BROKEN,
+                 "by_class": summarize(records), "records": records}, indent=1) + "\n")
+        return 0
 
     if args.repro:
         case = eval(args.repro, {"FuzzCase": fp.FuzzCase})  # noqa: S307 - a printed record
@@ -112,9 +132,10 @@ def main(argv=None):
     if unknown:
         ap.error(f"unknown classes {sorted(unknown)}; known: {', '.join(fp.ALL_CLASSES)}")
     records, start = [], time.time()
-    for i in range(args.cases):
+    for i in range(args.first, args.first + args.cases):
         if args.minutes is not None and time.time() - start > 60 * args.minutes:
-            print(f"stopping after {i} cases: --minutes={args.minutes} reached", flush=True)
+            print(f"stopping after {i - args.first} cases: --minutes={args.minutes} reached",
+                  flush=True)
             break
         cls = classes[i % len(classes)]
         rng = np.random.default_rng([args.seed, i])
@@ -132,7 +153,7 @@ def main(argv=None):
                         "spelling": case.spelling, "gqa_style": case.gqa_style})
         print(f"[{i:4d}] {cls:18s} {out.status:8s} {time.time() - t:5.1f}s "
               f"{out.detail[:120]}", flush=True)
-        if args.json and (i % 5 == 4 or i == args.cases - 1):
+        if args.json and (i % 5 == 4 or i == args.first + args.cases - 1):
             _write(args, records, start)
         if i % 50 == 49:
             jax.clear_caches()
@@ -147,7 +168,8 @@ def main(argv=None):
 def _write(args, records, start):
     path = Path(args.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"seed": args.seed, "cases_requested": args.cases, "cases_run": len(records),
+    data = {"seed": args.seed, "first": args.first, "cases_requested": args.cases,
+            "cases_run": len(records),
             "seconds": round(time.time() - start, 1), "jax": jax.__version__,
             "known_broken": fp.KNOWN_BROKEN, "by_class": summarize(records),
             "records": records}
