@@ -4,8 +4,12 @@ The model is transformers' own ``FlaxLlamaForCausalLM`` (RoPE, grouped-query att
 RMSNorm, SwiGLU), built from a tiny ``LlamaConfig`` with random weights (nothing is
 downloaded). Two copies of its parameters are trained the same number of AdamW steps by
 the same jitted step; the only difference is that one step differentiates
-``context_parallel(loss, cp=8)`` instead of ``loss``. The losses and every gradient must
-agree at each step, and the parameters at the end.
+``context_parallel(loss, cp=8)`` instead of ``loss``. At each step the transformed step
+also runs from the single-device copy's state, and its loss and every gradient must agree
+with that copy's to float32 rounding. The transformed copy's own parameters at the end must
+stay within a hundredth of the distance AdamW can move them (``lr`` per step): AdamW divides
+each gradient entry by its own magnitude, so an entry near zero turns a rounding-level
+difference into a visible one, and the parameters cannot be held to ``rtol``.
 
 The model is called as transformers documents it, ``model(tokens, params=params)``:
 the loss is a function of the parameter pytree, which is what the transform traces.
@@ -26,6 +30,7 @@ if __name__ == "__main__":  # the example simulates 8 devices; must precede the 
                                " --xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from transformers import FlaxLlamaForCausalLM, LlamaConfig  # noqa: E402
 
@@ -75,7 +80,8 @@ def check(*, seq: int = 128, steps: int = 3, cp: int = 8, layers: int = 2,
     model = make_model(seq=seq, layers=layers, heads=cp, kv_heads=cp)
     loss = make_loss(model)
     cp_loss = context_parallel(loss, cp=cp)
-    optimizer = optax.adamw(3e-3)
+    lr = 3e-3
+    optimizer = optax.adamw(lr)
     data = batches(steps, vocab=model.config.vocab_size, batch=2, seq=seq)
     say(_check.report(cp_loss, model.params, data[0]))
 
@@ -86,16 +92,19 @@ def check(*, seq: int = 128, steps: int = 3, cp: int = 8, layers: int = 2,
     say(f"\n{'step':>4} {'single device':>14} {f'cp={cp}':>14}  worst gradient error")
     for i, tokens in enumerate(data):
         ref_loss, ref_grads, *ref_state = one_device(*states[0], tokens)
-        got_loss, got_grads, *got_state = transformed(*states[1], tokens)
-        states = [tuple(ref_state), tuple(got_state)]
+        # The same step from the same state: the transform's contract, to rounding.
+        got_loss, got_grads, *_ = transformed(*states[0], tokens)
         grads = _check.tree_error(got_grads, ref_grads)
         loss_err = _check.relative_error(got_loss, ref_loss)
         steps_ok.append(grads.worst <= _check.RTOL and loss_err <= _check.RTOL)
         say(f"{i:>4} {float(ref_loss):>14.7f} {float(got_loss):>14.7f}  {grads}")
-    params = _check.tree_error(states[1][0], states[0][0])
-    steps_ok.append(params.worst <= _check.RTOL)
+        states = [tuple(ref_state), tuple(transformed(*states[1], tokens)[2:])]
+    drift = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
+        jax.tree.leaves(states[1][0]), jax.tree.leaves(states[0][0]))) / (lr * steps)
+    steps_ok.append(drift <= 1e-2)
     ok = all(steps_ok)
-    say(f"parameters after {steps} steps: {params}\n"
+    say(f"parameters after {steps} steps of each copy: largest difference {drift:.2e} of "
+        f"the distance AdamW can move them (at most 1e-2)\n"
         + ("MATCH" if ok else f"MISMATCH (rtol {_check.RTOL:g})"))
     return ok
 
