@@ -191,6 +191,32 @@ class _Problem:
         return lax.dynamic_update_slice_in_dim(buf, jnp.swapaxes(x, 1, 2).astype(buf.dtype),
                                                j * self.ck, axis=1)
 
+    def skipped(self, poisoned, per_query: bool):
+        """``Σ 0·x`` over the ``SKIP`` pairs, what a dense softmax adds there (see the
+        kernel contract): NaN exactly where a skipped pair's chunk of ``x`` holds a NaN or
+        ±Inf, else 0. ``poisoned`` says that per chunk, bool ``[B, Hkv, n, …]``: per key
+        chunk for a result per query chunk (``per_query``), or the other way round. A count
+        by one small matmul, no ``[nq, nk, …]`` intermediate."""
+        skip = (self.kinds == BlockKind.SKIP).astype(jnp.float32)
+        skip = skip if per_query else skip.T
+        hits = jnp.einsum("oi,bhi...->bho...", skip, poisoned.astype(jnp.float32))
+        return jnp.where(hits > 0, jnp.nan, 0.0).astype(self.acc)
+
+    def key_poison(self, x):
+        """Whether ``0·x`` is NaN, per key chunk: ``x [B, Tkv', Hkv, …]`` → bool
+        ``[B, Hkv, nk, …]``."""
+        b, _, hkv = x.shape[:3]
+        bad = ~jnp.isfinite(x).reshape(b, self.nk, self.ck, hkv, *x.shape[3:])
+        return jnp.moveaxis(jnp.any(bad, axis=2), 1, 2)
+
+    def query_poison(self, x):
+        """Whether ``0·x`` is NaN, per query chunk and KV head (any row of the chunk, any
+        query head of the group): ``x [B, Tq', H, …]`` → bool ``[B, Hkv, nq, …]``. A sum of
+        ``0·x``, not ``any``: XLA fuses that reduction into one pass, with no bool copy."""
+        b = x.shape[0]
+        z = zero_times(x).reshape(b, self.nq, self.cq, self.hkv, self.groups, *x.shape[3:])
+        return jnp.isnan(jnp.moveaxis(jnp.sum(z, axis=(2, 4)), 1, 2))
+
     def head_rows(self, x, i):
         """Query chunk ``i`` of a per-row ``x [B, H, Tq']`` as ``[B, Hkv, G·cq]``."""
         c = lax.dynamic_slice_in_dim(x, i * self.cq, self.cq, axis=2)
@@ -328,6 +354,8 @@ class ChunkedKernel:
         dv = pb.v.shape[-1]
         accum = pb.acc
 
+        skipped_v = pb.skipped(pb.key_poison(pb.v), per_query=True)   # [B, Hkv, nq, Dv]
+
         def q_chunk(i, out):
             qc = pb.q_rows(i)
             # A fresh call starts from the empty partial (lse = -inf, o = 0).
@@ -358,18 +386,16 @@ class ChunkedKernel:
                 m, l, acc, seen = update(state, jnp.where(ok, s, -jnp.inf), vc)
                 return m, l, acc, seen | jnp.any(ok, axis=-1)
 
-            def skip(j, state):
-                m, l, acc, seen = state
-                _, vc = pb.kv(j)
-                return m, l, acc + jnp.sum(zero_times(vc), axis=2, keepdims=True), seen
-
             def step(j, state):
-                branches = BlockKind.branches(skip=skip, full=full, partial=partial)
+                # A skipped pair adds only Σ 0·V, added once per query chunk below.
+                branches = BlockKind.branches(skip=lambda j, state: state, full=full,
+                                              partial=partial)
                 return lax.switch(pb.kinds[i, j], branches, j, state)
 
             m, l, acc, seen = lax.fori_loop(0, pb.nk, step, state)
-            # An empty row keeps acc = Σ 0·V (0, or NaN where V holds NaN/Inf).
-            o = acc / jnp.where(l == 0, 1.0, l)[..., None]
+            # An empty row keeps o = Σ 0·V (0, or NaN where V holds NaN/Inf).
+            o = acc / jnp.where(l == 0, 1.0, l)[..., None] + \
+                lax.dynamic_index_in_dim(skipped_v, i, axis=2)
             lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
             return pb.put_rows(out[0], o, i), pb.put_head_rows(out[1], lse, i)
 
@@ -400,46 +426,57 @@ class ChunkedKernel:
         def k_chunk(state, j):
             dq, dk, dv = state
             kc, vc = pb.kv(j)
-            zq = jnp.zeros_like(kc, dtype=accum, shape=(*kc.shape[:2], pb.groups * pb.cq,
-                                                         pb.q.shape[-1]))
-            zk = jnp.zeros_like(kc, dtype=accum)
-            zv = jnp.zeros_like(vc, dtype=accum)
-            zb = None if bias is None else jnp.zeros_like(
-                bias, dtype=accum, shape=(*bias.shape[:2], pb.cq, pb.ck))
-            dbias_col = None if bias is None else jnp.zeros_like(zb, shape=(pb.nq, *zb.shape))
+            dbias_col = None if bias is None else jnp.zeros_like(
+                bias, dtype=accum, shape=(pb.nq, *bias.shape[:2], pb.cq, pb.ck))
 
-            def skip(i):
-                # What the pair gives with zero probabilities and zero logit gradients: only
-                # 0·K, 0·Q and 0·dO (NaN rows: NaN) sums, no matmul.
-                _, _, nan_i, do_i = rows.at(pb, i)
-                g_q = zq + jnp.sum(zero_times(kc), axis=2, keepdims=True)
-                g_k = zk + jnp.sum(zero_times(pb.q_rows(i)), axis=2, keepdims=True)
-                g_v = zv + jnp.sum(nan_i[..., None] + zero_times(do_i), axis=2, keepdims=True)
-                return g_q, g_k, g_v, zb
+            def computed(masked):
+                def pair(i, state):
+                    dq, dk_j, dv_j, dbias_col = state
+                    g_q, g_k, g_v, g_b = _pair_gradients(pb, rows, spec, i, j, kc, vc, masked)
+                    dq = pb.put_rows(dq, pb.rows(dq, i) + g_q, i)
+                    if dbias_col is not None:
+                        dbias_col = lax.dynamic_update_index_in_dim(dbias_col, g_b, i, axis=0)
+                    return dq, dk_j + g_k, dv_j + g_v, dbias_col
+                return pair
 
-            branches = BlockKind.branches(
-                skip=skip, full=lambda i: _pair_gradients(pb, rows, spec, i, j, kc, vc, False),
-                partial=lambda i: _pair_gradients(pb, rows, spec, i, j, kc, vc, True))
+            # A skipped pair adds only 0·K, 0·Q and 0·dO (NaN rows: NaN) sums, added once
+            # per call below; its bias gradient stays 0.
+            branches = BlockKind.branches(skip=lambda i, state: state, full=computed(False),
+                                          partial=computed(True))
 
             def step(i, state):
-                dq, dk_j, dv_j, dbias_col = state
-                g_q, g_k, g_v, g_b = lax.switch(pb.kinds[i, j], branches, i)
-                dq = pb.put_rows(dq, pb.rows(dq, i) + g_q, i)
-                if dbias_col is not None:
-                    dbias_col = lax.dynamic_update_index_in_dim(dbias_col, g_b, i, axis=0)
-                return dq, dk_j + g_k, dv_j + g_v, dbias_col
+                return lax.switch(pb.kinds[i, j], branches, i, state)
 
+            # Key chunk j's sums start with what its skipped pairs add.
+            start_k, start_v = (pb.keys(x, j) + lax.dynamic_index_in_dim(add, j, axis=2)
+                                for x, add in ((dk, add_k), (dv, add_v)))
             dq, dk_j, dv_j, dbias_col = lax.fori_loop(0, pb.nq, step,
-                                                      (dq, pb.keys(dk, j), pb.keys(dv, j),
-                                                       dbias_col))
+                                                      (dq, start_k, start_v, dbias_col))
             return (dq, pb.put_keys(dk, dk_j, j), pb.put_keys(dv, dv_j, j)), dbias_col
 
         start = tuple(jnp.zeros_like(x, accum) if running is None else
                       _pad(running.astype(accum), 1, x.shape[1], 0)
                       for x, running in ((pb.q, dq), (pb.k, dk), (pb.v, dv)))
-        (dq, dk, dv), dbias = lax.scan(k_chunk, start, jnp.arange(pb.nk))
+        add_q, add_k, add_v = _skipped_gradients(pb, rows)
+        (dq, dk, dv), dbias = lax.scan(k_chunk, (start[0] + add_q, *start[1:]),
+                                       jnp.arange(pb.nk))
         tq, tkv = block.q.shape[1], block.k.shape[1]
         return dq[:, :tq], dk[:, :tkv], dv[:, :tkv], _dbias_unfolded(pb, block, dbias)
+
+
+def _skipped_gradients(pb: _Problem, rows: _BackwardRows):
+    """What the ``SKIP`` pairs add to the gradients in a dense softmax: ``Σ 0·K`` to dQ as
+    ``[B, Tq', H, D]``, ``Σ 0·Q`` to dK and ``Σ (0·dO + NaN rows)`` to dV per key chunk as
+    ``[B, Hkv, nk, D|Dv]`` (exact zeros when everything is finite), from per-chunk
+    sums instead of per pair."""
+    b, tqp, h, d = pb.q.shape
+    add_q = jnp.broadcast_to(
+        jnp.moveaxis(pb.skipped(pb.key_poison(pb.k), per_query=True), 1, 2)[:, :, None, :, None],
+        (b, pb.nq, pb.cq, pb.hkv, pb.groups, d)).reshape(b, tqp, h, d)
+    nan_rows = jnp.swapaxes(rows.nan, 1, 2)[..., None]   # NaN rows' NaN, else 0
+    add_k = pb.skipped(pb.query_poison(pb.q), per_query=False)
+    add_v = pb.skipped(pb.query_poison(rows.do) | pb.query_poison(nan_rows), per_query=False)
+    return add_q, add_k, add_v
 
 
 register_kernel(ChunkedKernel())
