@@ -123,7 +123,7 @@ def features(shape: AttentionShape, name: str):
             volume.forward_total)
 
 
-def calibrate(rows) -> None:
+def calibrate(rows, name: str = "cpu-sim") -> None:
     """Least squares of the measured forward times on (one-head FLOPs, grouped FLOPs,
     kernel calls, bytes), relative errors weighted equally (the times span 100x). A
     per-step link latency was tried before: it comes out negative, so the row has none."""
@@ -141,6 +141,11 @@ def calibrate(rows) -> None:
     print(f"cpu-sim fit over {len(y)} forward times: {1 / inv_flops:.3g} FLOP/s per device "
           f"(grouped tiles at {inv_flops / inv_grouped:.3g} of it), {call_s * 1e3:.3g} ms "
           f"per kernel call, {1 / inv_bw:.3g} B/s; relative rms error {error:.2f}")
+    print("as a row (register it with HARDWARE[row.name] = row, then hardware=row.name):\n"
+          f'    Hardware("{name}", {{2: {1 / inv_flops:.3g}, 4: {1 / inv_flops:.3g}}}, 8 * GiB, '
+          f'(LinkClass("memcpy", {1 / inv_bw:.3g}, 0.0),), efficiency=1.0, '
+          f"call_s={call_s:.3g}, shared_compute=True, "
+          f"grouped_efficiency={inv_flops / inv_grouped:.3g})")
 
 
 def cpu_comparison(rows) -> list[dict]:
@@ -169,6 +174,7 @@ def cpu_comparison(rows) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibrate", action="store_true")
+    parser.add_argument("--name", default="cpu-sim", help="the calibrated row's name")
     parser.add_argument("--peers", default=None, help="the bench/peers.py result to compare "
                         "with (default: the newest one with times)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "planner.json"))
@@ -176,7 +182,7 @@ def main() -> None:
     peers_file = Path(args.peers) if args.peers else latest_peers()
     peers = json.loads(peers_file.read_text())["rows"]
     if args.calibrate:
-        calibrate(peers)
+        calibrate(peers, args.name)
         return
     rows = real_configs()
     print(f"{'hw':8} {'model':13} {'S':>6} {'cp':>3} {'schedule':10} {'fwd+bwd MiB':>11} "
