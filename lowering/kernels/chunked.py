@@ -429,23 +429,26 @@ class ChunkedKernel:
             dbias_col = None if bias is None else jnp.zeros_like(
                 bias, dtype=accum, shape=(pb.nq, *bias.shape[:2], pb.cq, pb.ck))
 
-            def computed(masked):
-                def pair(i, state):
-                    dq, dk_j, dv_j, dbias_col = state
-                    g_q, g_k, g_v, g_b = _pair_gradients(pb, rows, spec, i, j, kc, vc, masked)
-                    dq = pb.put_rows(dq, pb.rows(dq, i) + g_q, i)
-                    if dbias_col is not None:
-                        dbias_col = lax.dynamic_update_index_in_dim(dbias_col, g_b, i, axis=0)
-                    return dq, dk_j + g_k, dv_j + g_v, dbias_col
-                return pair
-
+            zeros = (jnp.zeros_like(kc, dtype=accum, shape=(*kc.shape[:2], pb.groups * pb.cq,
+                                                           pb.q.shape[-1])),
+                     jnp.zeros_like(kc, dtype=accum), jnp.zeros_like(vc, dtype=accum),
+                     None if bias is None else jnp.zeros_like(
+                         bias, dtype=accum, shape=(*bias.shape[:2], pb.cq, pb.ck)))
             # A skipped pair adds only 0·K, 0·Q and 0·dO (NaN rows: NaN) sums, added once
-            # per call below; its bias gradient stays 0.
-            branches = BlockKind.branches(skip=lambda i, state: state, full=computed(False),
-                                          partial=computed(True))
+            # per call (_skipped_gradients); its bias gradient stays 0. The switch returns
+            # tiles, not the state: a conditional that carries the dQ buffer copies it.
+            branches = BlockKind.branches(
+                skip=lambda i: zeros,
+                full=lambda i: _pair_gradients(pb, rows, spec, i, j, kc, vc, False),
+                partial=lambda i: _pair_gradients(pb, rows, spec, i, j, kc, vc, True))
 
             def step(i, state):
-                return lax.switch(pb.kinds[i, j], branches, i, state)
+                dq, dk_j, dv_j, dbias_col = state
+                g_q, g_k, g_v, g_b = lax.switch(pb.kinds[i, j], branches, i)
+                dq = pb.put_rows(dq, pb.rows(dq, i) + g_q, i)
+                if dbias_col is not None:
+                    dbias_col = lax.dynamic_update_index_in_dim(dbias_col, g_b, i, axis=0)
+                return dq, dk_j + g_k, dv_j + g_v, dbias_col
 
             # Key chunk j's sums start with what its skipped pairs add.
             start_k, start_v = (pb.keys(x, j) + lax.dynamic_index_in_dim(add, j, axis=2)
