@@ -91,13 +91,14 @@ def real_configs() -> list[dict]:
 
 
 def latest_peers() -> Path:
-    """The newest ``bench/results/peers*.json`` with measured times (a ``--no-time`` run
-    has memory only). Git checkouts do not keep modification times, so the files' own
+    """The newest ``bench/results/peers*.json`` with measured times of two or more of our
+    schedules (a ``--no-time`` run has memory only). Git checkouts do not keep modification times, so the files' own
     ``measured`` dates decide, then their names."""
     timed = []
     for path in (ROOT / "bench" / "results").glob("peers*.json"):
         data = json.loads(path.read_text())
-        if any(r.get("fwd_s") for r in data["rows"]):
+        ours = {r["variant"] for r in data["rows"] if r.get("fwd_s") and r["variant"] in PEERS}
+        if len(ours) > 1:   # a ranking needs two of our schedules
             timed.append((data.get("measured", ""), path.name, path))
     if not timed:
         raise SystemExit("no bench/results/peers*.json with times: run bench/peers.py")

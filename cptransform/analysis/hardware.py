@@ -116,15 +116,16 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     _gpu("a100", 312, 156, 80, 600, 200),
     _gpu("h100", 989, 495, 80, 900, 400),
     _gpu("h200", 989, 495, 141, 900, 400),
-    # Fit to the forward times of bench/results/peers.json (see the module doc), per
-    # simulated device, with compute priced on the mean device (they share the cores). The
-    # "bandwidth" absorbs the per-byte work around a transfer (copies, merges), far below a
-    # memcpy; a per-step latency fitted negative on that data, so there is none. The cost
-    # per kernel call (1.8 ms: each call is a separate chunked loop with its own merge)
-    # is what lets one-call Ulysses beat the 8-call ring at these small sizes.
-    Hardware("cpu-sim", {2: 1.4e10, 4: 1.4e10}, 8 * GiB,
-             (LinkClass("memcpy", 2.06e8, 0.0),), efficiency=1.0, call_s=1.79e-3,
-             shared_compute=True),
+    # Fit to the 40 forward times of bench/results/peers.json (2K-16K tokens, MHA and GQA,
+    # causal; see the module doc), per simulated device, with compute priced on the mean
+    # device (they share the cores). The "bandwidth" absorbs the per-byte work around a
+    # transfer (copies, merges), far below a memcpy; a per-step latency fitted negative, so
+    # there is none. The cost per kernel call (0.85 ms: each call is a separate chunked loop
+    # with its own block classification) is what lets one-call Ulysses beat the 8-call ring
+    # at short lengths; tiles folding a GQA group run 1.15x the FLOP/s of one-head tiles.
+    Hardware("cpu-sim", {2: 3.07e10, 4: 3.07e10}, 8 * GiB,
+             (LinkClass("memcpy", 3.42e8, 0.0),), efficiency=1.0, call_s=8.51e-4,
+             shared_compute=True, grouped_efficiency=1.15),
 )}
 
 #: ``jax.Device.device_kind`` prefixes (lower case) → hardware row.
