@@ -15,8 +15,9 @@ normalised within the block, ``lse`` float32 ``[B, H, Tq]`` and ``-inf`` for row
 no key in the block; ``running``, when given, is a float32 partial ``(o, lse)`` of the same
 queries over other keys, and the result is their exact merge
 (:func:`~cptransform.op.attention_reference.merge`; a schedule that visits key blocks one
-after another passes it, so a kernel can merge in place, see :func:`merged_into`). In ``backward``, ``o``/``lse`` are the *merged* results over all key
-blocks (so the probabilities of this block are ``exp(logits - lse)``) and ``dlse`` an
+after another passes it, so a kernel can merge in place, see :func:`merged_into`). In
+``backward``, ``o``/``lse`` are the *merged* results over all key blocks (so the
+probabilities of this block are ``exp(logits - lse)``) and ``dlse`` an
 optional cotangent of ``lse``; ``delta``, when given, is :func:`row_delta` of those (a schedule
 that calls the backward once per key block computes it once), and then ``o`` and ``dlse``
 are not read; ``dq``, ``dk`` and ``dv``, when given, are float32 running sums

@@ -5,9 +5,10 @@ chunk, key chunk) pair is classified once per call (:func:`chunk_kinds`) by the 
 (:mod:`cptransform.op.mask_terms`: position and segment-id ranges per chunk, ``any``/``all``
 of dense tiles, whether an index of the query chunk falls in the key chunk's positions):
 
-* ``SKIP`` pairs are skipped (``lax.switch`` runs a branch with no matmul: it only adds
-  the ``0·V`` a dense softmax would, so a NaN or Inf in V still reaches every row, see
-  :mod:`cptransform.lowering.kernels`);
+* ``SKIP`` pairs are skipped (``lax.switch`` runs a branch that does nothing); the ``0·V``
+  (backward: ``0·K``, ``0·Q``, ``0·dO``) a dense softmax adds for them is added once per
+  call from per-chunk NaN/Inf flags (:meth:`_Problem.skipped`), so a NaN or Inf in V still
+  reaches every row that skipped it, see :mod:`cptransform.lowering.kernels`;
 * ``FULL`` pairs compute without building a mask;
 * ``PARTIAL`` pairs build the mask of the pair (:func:`visible`) and apply it.
 
@@ -204,7 +205,8 @@ class _Problem:
 
     def key_poison(self, x):
         """Whether ``0·x`` is NaN, per key chunk: ``x [B, Tkv', Hkv, …]`` → bool
-        ``[B, Hkv, nk, …]``."""
+        ``[B, Hkv, nk, …]``. ``any`` over one axis fuses here; a float sum of ``0·x`` (as
+        :meth:`query_poison` needs) measured 32 MiB more on the ring's sliced V."""
         b, _, hkv = x.shape[:3]
         bad = ~jnp.isfinite(x).reshape(b, self.nk, self.ck, hkv, *x.shape[3:])
         return jnp.moveaxis(jnp.any(bad, axis=2), 1, 2)
@@ -478,7 +480,7 @@ def _skipped_gradients(pb: _Problem, rows: _BackwardRows):
         (b, pb.nq, pb.cq, pb.hkv, pb.groups, d)).reshape(b, tqp, h, d)
     nan_rows = jnp.swapaxes(rows.nan, 1, 2)[..., None]   # NaN rows' NaN, else 0
     add_k = pb.skipped(pb.query_poison(pb.q), per_query=False)
-    add_v = pb.skipped(pb.query_poison(rows.do) | pb.query_poison(nan_rows), per_query=False)
+    add_v = pb.skipped(pb.query_poison(nan_rows + rows.do), per_query=False)
     return add_q, add_k, add_v
 
 
