@@ -219,3 +219,26 @@ def test_running_partials_are_merged_and_summed_in_place(rng, kind, heads):
         blk, o, lse, do, spec, dq=dq, dk=dk, dv=dv))(block, o, lse, do, *sums)
     for name, g, s, f in zip(("dq", "dk", "dv"), summed, sums, fresh):
         assert relative_error(g, s + f) <= 1e-6, name
+
+
+@pytest.mark.parametrize("kind,heads", [("causal", "gqa"), pytest.param(
+    "everything", "mha", marks=pytest.mark.slow)])
+def test_backward_is_linear_in_the_output_cotangent(rng, kind, heads):
+    """Forward mode transposes the program's VJP (``cptransform.api.forward_mode``), so the
+    kernel backward must be linear in ``dO`` (nothing read off it by a comparison, such as
+    the NaN flags of skipped pairs): ``jax.linear_transpose`` traces it, and the transpose
+    is its adjoint, ``<B·dO, t> = <dO, Bᵀ·t>``."""
+    block, spec = problem(rng, kind, heads, tq=16, tkv=16)
+    kernel = ChunkedKernel(chunk=4)
+    o, lse = reference(block, spec)
+    assert (chunk_kinds(block, spec, 4) == BlockKind.SKIP).any()
+
+    def grads(do):
+        return kernel.backward(block, o, lse, do, spec)[:3]
+
+    do = jnp.asarray(rng.normal(size=o.shape), jnp.float32)
+    t = tuple(jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+              for x in (block.q, block.k, block.v))
+    (transposed,) = jax.jit(jax.linear_transpose(grads, do))(t)
+    forward = sum(jnp.vdot(g, x) for g, x in zip(jax.jit(grads)(do), t))
+    np.testing.assert_allclose(jnp.vdot(do, transposed), forward, rtol=1e-4)

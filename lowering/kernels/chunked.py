@@ -7,7 +7,7 @@ of dense tiles, whether an index of the query chunk falls in the key chunk's pos
 
 * ``SKIP`` pairs are skipped (``lax.switch`` runs a branch that does nothing); the ``0·V``
   (backward: ``0·K``, ``0·Q``, ``0·dO``) a dense softmax adds for them is added once per
-  call from per-chunk NaN/Inf flags (:meth:`_Problem.skipped`), so a NaN or Inf in V still
+  call from per-chunk ``Σ 0·x`` sums (:meth:`_Problem.skipped`), so a NaN or Inf in V still
   reaches every row that skipped it, see :mod:`cptransform.lowering.kernels`;
 * ``FULL`` pairs compute without building a mask;
 * ``PARTIAL`` pairs build the mask of the pair (:func:`visible`) and apply it.
@@ -192,32 +192,40 @@ class _Problem:
         return lax.dynamic_update_slice_in_dim(buf, jnp.swapaxes(x, 1, 2).astype(buf.dtype),
                                                j * self.ck, axis=1)
 
-    def skipped(self, poisoned, per_query: bool):
+    def skipped(self, zero_sums, per_query: bool):
         """``Σ 0·x`` over the ``SKIP`` pairs, what a dense softmax adds there (see the
         kernel contract): NaN exactly where a skipped pair's chunk of ``x`` holds a NaN or
-        ±Inf, else 0. ``poisoned`` says that per chunk, bool ``[B, Hkv, n, …]``: per key
-        chunk for a result per query chunk (``per_query``), or the other way round. A count
-        by one small matmul, no ``[nq, nk, …]`` intermediate."""
-        skip = (self.kinds == BlockKind.SKIP).astype(jnp.float32)
-        skip = skip if per_query else skip.T
-        hits = jnp.einsum("oi,bhi...->bho...", skip, poisoned.astype(jnp.float32))
-        return jnp.where(hits > 0, jnp.nan, 0.0).astype(self.acc)
+        ±Inf, else 0. ``zero_sums`` holds that per chunk (0 or NaN, ``[B, Hkv, n, …]``,
+        from :meth:`key_poison` or :meth:`query_poison`): per key chunk for a result per
+        query chunk (``per_query``), or the other way round.
+
+        A select on the block kinds and a sum, so the result is linear in ``zero_sums``:
+        the backward reads ``dO`` through here and must stay linear in it, or forward mode
+        (the transpose of the VJP, :mod:`cptransform.api.forward_mode`) cannot transpose
+        it. XLA fuses the select into the reduction: no ``[n, n, …]`` buffer."""
+        skip = self.kinds == BlockKind.SKIP
+        skip = skip if per_query else skip.T                       # [n_out, n_in]
+        skip = skip.reshape(skip.shape + (1,) * (zero_sums.ndim - 3))
+        picked = jnp.where(skip, zero_sums[:, :, None], 0.0)      # [B, Hkv, n_out, n_in, …]
+        return jnp.sum(picked, axis=3).astype(self.acc)
 
     def key_poison(self, x):
-        """Whether ``0·x`` is NaN, per key chunk: ``x [B, Tkv', Hkv, …]`` → bool
-        ``[B, Hkv, nk, …]``. ``any`` over one axis fuses here; a float sum of ``0·x`` (as
-        :meth:`query_poison` needs) measured 32 MiB more on the ring's sliced V."""
+        """``Σ 0·x`` per key chunk (0, or NaN where the chunk holds a NaN or ±Inf):
+        ``x [B, Tkv', Hkv, …]`` → ``[B, Hkv, nk, …]``. Read off ``any`` over one axis, which
+        fuses here; a float sum of ``0·x`` (as :meth:`query_poison` needs) measured 32 MiB
+        more on the ring's sliced V. Only for K and V, which the backward does not
+        differentiate linearly."""
         b, _, hkv = x.shape[:3]
         bad = ~jnp.isfinite(x).reshape(b, self.nk, self.ck, hkv, *x.shape[3:])
-        return jnp.moveaxis(jnp.any(bad, axis=2), 1, 2)
+        return jnp.where(jnp.moveaxis(jnp.any(bad, axis=2), 1, 2), jnp.nan, 0.0)
 
     def query_poison(self, x):
-        """Whether ``0·x`` is NaN, per query chunk and KV head (any row of the chunk, any
-        query head of the group): ``x [B, Tq', H, …]`` → bool ``[B, Hkv, nq, …]``. A sum of
-        ``0·x``, not ``any``: XLA fuses that reduction into one pass, with no bool copy."""
+        """``Σ 0·x`` per query chunk and KV head (over the chunk's rows and the group's
+        query heads): ``x [B, Tq', H, …]`` → ``[B, Hkv, nq, …]``, 0 or NaN, linear in ``x``
+        (it reads ``dO``). XLA fuses that reduction into one pass, with no bool copy."""
         b = x.shape[0]
         z = zero_times(x).reshape(b, self.nq, self.cq, self.hkv, self.groups, *x.shape[3:])
-        return jnp.isnan(jnp.moveaxis(jnp.sum(z, axis=(2, 4)), 1, 2))
+        return jnp.moveaxis(jnp.sum(z, axis=(2, 4)), 1, 2)
 
     def head_rows(self, x, i):
         """Query chunk ``i`` of a per-row ``x [B, H, Tq']`` as ``[B, Hkv, G·cq]``."""
