@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 from typing import Callable
 
 import jax
@@ -99,21 +99,21 @@ class Schedule:
 
     def volume(self, shape: AttentionShape) -> CommVolume:
         """Its per-device :class:`CommVolume` for ``shape``, forward and backward."""
-        return self.statement(shape).volume(self.name)
+        return _stated(self, shape).volume(self.name)
 
     def work(self, shape: AttentionShape) -> Work:
         """The :class:`~cptransform.analysis.block_work.Work` of its local steps (executed
         FLOPs of the slowest device after block skipping, load balance)."""
-        return self.statement(shape).work(shape)
+        return _worked(self, shape)
 
     def peak_memory(self, shape: AttentionShape) -> int:
         """Peak bytes per device of its local step."""
-        return self.statement(shape).memory(shape)
+        return _stated(self, shape).memory(shape)
 
     def overlaps(self, shape: AttentionShape) -> bool:
         """Its transfers overlap the compute (``Transfer.overlapped``); the planner prefers
         it between schedules predicted within 1% of each other."""
-        return self.statement(shape).overlaps()
+        return _stated(self, shape).overlaps()
 
     def predict(self, shape: AttentionShape, hardware: Hardware,
                 spans: tuple[int, ...] | None = None) -> Prediction:
@@ -122,10 +122,24 @@ class Schedule:
         of consecutive devices, the ring across them)."""
         if spans is None:
             spans = (shape.ulysses, shape.cp) if self.inner is not None else (shape.cp,)
-        said = self.statement(shape)
-        return predict(self.name, said.volume(self.name), said.work(shape),
+        said = _stated(self, shape)
+        return predict(self.name, said.volume(self.name), _worked(self, shape),
                        said.memory(shape), said.steps(), shape.q_padded,
                        shape.dtype_bytes, hardware, spans)
+
+
+# The planner asks every schedule about every attention several times (volume, work,
+# memory, prediction under each layout), and a loop's layers are equal attentions; the work
+# counts the block pairs of every device's kernel calls, which made plan-context-parallel
+# the slowest pass of a Python-loop model. Both are pure functions of the (frozen) records.
+@lru_cache(maxsize=4096)
+def _stated(schedule: Schedule, shape: AttentionShape) -> Statement:
+    return schedule.statement(shape)
+
+
+@lru_cache(maxsize=4096)
+def _worked(schedule: Schedule, shape: AttentionShape) -> Work:
+    return _stated(schedule, shape).work(shape)
 
 
 #: Registered schedules by name; read them through :func:`schedules`.
