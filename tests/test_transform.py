@@ -405,3 +405,41 @@ def test_scan_remat_vmap_each_schedule(schedule, load_balance):
     np.testing.assert_allclose(value, ref_value, rtol=RTOL)
     assert_tree_close(grads, ref_grads)
     assert f"schedule: {schedule}" in f.explain(params, x)
+
+
+def _temp_bytes(fn, *args):
+    """Temporary bytes per device of ``jit(value_and_grad(fn))`` compiled for ``args``."""
+    return jax.jit(jax.value_and_grad(fn)).lower(*args).compile().memory_analysis() \
+        .temp_size_in_bytes
+
+
+@pytest.mark.parametrize("schedule", ["ring", pytest.param("ulysses", marks=pytest.mark.slow),
+                                      pytest.param("allgather", marks=pytest.mark.slow)])
+def test_a_layer_scan_holds_what_the_unrolled_layers_hold(schedule):
+    """Under ``grad`` of a ``lax.scan`` over layers, JAX hoists what the body derives from
+    loop-invariant inputs alone and saves it for the backward; the kernels derive every
+    chunk pair's mask tiles from the positions, which are such inputs. The schedules tie
+    their operands together (``schedule.tied``), so the scanned model holds no more temp
+    memory than the same layers unrolled, up to the scan's own buffers (a few MiB whatever
+    the depth); before, 11x more at 4K tokens and 46x at 16K (1.6 GiB per device)."""
+    cfg = llama.Config(vocab=64, dim=64, layers=4, heads=8, kv_heads=8 if schedule == "ulysses"
+                       else 2, mlp_dim=64)
+    params = jax.eval_shape(lambda k: llama.init_params(k, cfg), jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((1, 4096), jnp.int32)
+
+    def unrolled(p, t):
+        x = p["embed"][t]
+        for i in range(cfg.layers):
+            x = llama.block(x, jax.tree_util.tree_map(lambda w: w[i], p["layers"]), cfg)
+        return jnp.mean(x.astype(jnp.float32) ** 2)
+
+    def scanned(p, t):
+        def layer(x, w):
+            return llama.block(x, w, cfg), None
+        x, _ = jax.lax.scan(layer, p["embed"][t], p["layers"])
+        return jnp.mean(x.astype(jnp.float32) ** 2)
+
+    scan_bytes, loop_bytes = (
+        _temp_bytes(context_parallel(fn, cp=8, schedule=schedule), params, tokens)
+        for fn in (scanned, unrolled))
+    assert scan_bytes <= 1.25 * loop_bytes, (scan_bytes, loop_bytes)
