@@ -213,8 +213,8 @@ class _Problem:
         """``Σ 0·x`` per key chunk (0, or NaN where the chunk holds a NaN or ±Inf):
         ``x [B, Tkv', Hkv, …]`` → ``[B, Hkv, nk, …]``. Read off ``any`` over one axis, which
         fuses here; a float sum of ``0·x`` (as :meth:`query_poison` needs) measured 32 MiB
-        more on the ring's sliced V. Only for K and V, which the backward does not
-        differentiate linearly."""
+        more on the ring's sliced V. ``isfinite`` is not linear: this is for K and V only,
+        never for ``dO``."""
         b, _, hkv = x.shape[:3]
         bad = ~jnp.isfinite(x).reshape(b, self.nk, self.ck, hkv, *x.shape[3:])
         return jnp.where(jnp.moveaxis(jnp.any(bad, axis=2), 1, 2), jnp.nan, 0.0)
