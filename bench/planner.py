@@ -11,8 +11,9 @@ schedule ``auto`` would choose (the hybrid at its best Ulysses degree).
 Part 2: the ``cpu-sim`` row against the latest ``bench/results/peers*.json`` (8 simulated
 CPU devices): predicted against measured ranking of our schedules per (S, heads, mask),
 forward and forward+backward. ``--calibrate`` refits the ``cpu-sim`` row's FLOP/s, the
-relative FLOP/s of tiles that fold a GQA query-head group, the cost per kernel call and the
-bandwidth to the measured forward times (least squares) and prints them.
+relative FLOP/s of tiles that fold a GQA query-head group (forward and backward apart), the
+cost per kernel call and the bandwidth to the measured forward and backward times (least
+squares) and prints them.
 
     python bench/planner.py [--calibrate] [--peers bench/results/peers.json] [--out bench/results/planner.json]
 """
@@ -112,41 +113,47 @@ def peers_shape(row, schedule: str, layout: str) -> AttentionShape:
                           (None, None), layout=layout, ulysses=2 if schedule == "hybrid" else 1)
 
 
-def features(shape: AttentionShape, name: str):
-    """Forward (mean FLOPs of one-head tiles, mean FLOPs of tiles folding a query-head
-    group, kernel calls, bytes) of schedule ``name``: the terms the cpu-sim row prices with
-    its FLOP/s, grouped-tile efficiency, per-call cost and bandwidth."""
+def features(shape: AttentionShape, name: str, backward: bool = False):
+    """The terms the cpu-sim row prices one pass of schedule ``name`` with: (mean FLOPs of
+    one-head tiles, mean FLOPs of tiles folding a query-head group in the forward, the same
+    in the backward, kernel calls, bytes), priced by its FLOP/s, the forward's and the
+    backward's grouped-tile efficiencies, per-call cost and bandwidth."""
     schedule = schedules()[name]
     volume, work = schedule.volume(shape), schedule.work(shape)
-    flops = work.forward_flops / work.balance
+    flops = (work.backward_flops if backward else work.forward_flops) / work.balance
     grouped = work.group > 1
-    return (0.0 if grouped else flops, flops if grouped else 0.0, work.calls,
-            volume.forward_total)
+    nbytes = volume.backward_total if backward else volume.forward_total
+    return (0.0 if grouped else flops, flops if grouped and not backward else 0.0,
+            flops if grouped and backward else 0.0, work.calls, nbytes)
 
 
 def calibrate(rows, name: str = "cpu-sim") -> None:
-    """Least squares of the measured forward times on (one-head FLOPs, grouped FLOPs,
-    kernel calls, bytes), relative errors weighted equally (the times span 100x). A
+    """Least squares of the measured forward and backward (forward+backward minus forward)
+    times on :func:`features`, relative errors weighted equally (the times span 100x). A
     per-step link latency was tried before: it comes out negative, so the row has none."""
     x, y = [], []
     for row in rows:
-        if row["variant"] in PEERS and row.get("fwd_s"):
+        if row["variant"] in PEERS and row.get("fwd_s") and row.get("fwdbwd_s"):
             schedule, layout = PEERS[row["variant"]]
             shape = peers_shape(row, schedule, layout)
-            x.append(np.array(features(shape, schedule)) / row["fwd_s"])
-            y.append(1.0)
+            for backward, seconds in ((False, row["fwd_s"]),
+                                      (True, row["fwdbwd_s"] - row["fwd_s"])):
+                x.append(np.array(features(shape, schedule, backward)) / seconds)
+                y.append(1.0)
     x, y = np.array(x, float), np.array(y)
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    inv_flops, inv_grouped, call_s, inv_bw = coef
+    inv_flops, inv_grouped, inv_grouped_bwd, call_s, inv_bw = coef
     error = np.sqrt(np.mean((x @ coef - y) ** 2))
-    print(f"cpu-sim fit over {len(y)} forward times: {1 / inv_flops:.3g} FLOP/s per device "
-          f"(grouped tiles at {inv_flops / inv_grouped:.3g} of it), {call_s * 1e3:.3g} ms "
-          f"per kernel call, {1 / inv_bw:.3g} B/s; relative rms error {error:.2f}")
+    grouped, grouped_bwd = inv_flops / inv_grouped, inv_flops / inv_grouped_bwd
+    print(f"cpu-sim fit over {len(y) // 2} forward and backward times: {1 / inv_flops:.3g} "
+          f"FLOP/s per device (grouped tiles at {grouped:.3g} of it forward, {grouped_bwd:.3g} "
+          f"backward), {call_s * 1e3:.3g} ms per kernel call, {1 / inv_bw:.3g} B/s; relative "
+          f"rms error {error:.2f}")
     print("as a row (register it with HARDWARE[row.name] = row, then hardware=row.name):\n"
           f'    Hardware("{name}", {{2: {1 / inv_flops:.3g}, 4: {1 / inv_flops:.3g}}}, 8 * GiB, '
           f'(LinkClass("memcpy", {1 / inv_bw:.3g}, 0.0),), efficiency=1.0, '
-          f"call_s={call_s:.3g}, shared_compute=True, "
-          f"grouped_efficiency={inv_flops / inv_grouped:.3g})")
+          f"call_s={call_s:.3g}, shared_compute=True, grouped_efficiency={grouped:.3g}, "
+          f"grouped_backward_efficiency={grouped_bwd:.3g})")
 
 
 def cpu_comparison(rows) -> list[dict]:

@@ -23,7 +23,8 @@ Sources (vendor spec sheets):
 * Kernel efficiency: FlashAttention-2 reaches 50–73% of A100 peak (Dao 2023, §4.1) and
   FlashAttention-3 about 75% of H100 peak (Shah et al. 2024); 0.5 is used throughout.
 * ``cpu-sim``: 8 XLA host devices simulated on the 2 cores of this machine, fit by
-  ``python bench/planner.py --calibrate`` to the forward times of ``bench/results/peers.json``
+  ``python bench/planner.py --calibrate`` to the forward and backward times of
+  ``bench/results/peers.json``
   (every simulated device shares the cores, so its FLOP/s is the machine's divided by 8,
   and the time follows the mean device's work: ``shared_compute``).
 """
@@ -67,15 +68,20 @@ class Hardware:
     # head) relative to one-head tiles. Fitted where measurements exist (cpu-sim: the
     # folded tiles outgrow the cache); 1 for the rows without.
     grouped_efficiency: float = 1.0
+    # The same for the backward's tiles (dQ, dK, dV of folded rows), which fare otherwise:
+    # fitted where measurements exist (cpu-sim: 0.85 where the forward's are 1.1x faster).
+    grouped_backward_efficiency: float = 1.0
 
     def compute_s(self, slowest_flops: float, balance: float, dtype_bytes: int,
-                  calls: int = 1, grouped: bool = False) -> float:
+                  calls: int = 1, grouped: bool = False, backward: bool = False) -> float:
         """Seconds of compute: the slowest device's FLOPs, or with ``shared_compute`` the
         mean device's (the host runs every simulated device's work on the same cores, so
         an imbalance costs nothing there), plus ``calls`` kernel calls' fixed cost;
-        ``grouped``: the tiles fold a query-head group (:attr:`grouped_efficiency`)."""
+        ``grouped``: the tiles fold a query-head group (:attr:`grouped_efficiency`, or
+        :attr:`grouped_backward_efficiency` for the ``backward`` pass)."""
         flops = slowest_flops / balance if self.shared_compute else slowest_flops
-        rate = self.flops_per_s(dtype_bytes) * (self.grouped_efficiency if grouped else 1.0)
+        folded = self.grouped_backward_efficiency if backward else self.grouped_efficiency
+        rate = self.flops_per_s(dtype_bytes) * (folded if grouped else 1.0)
         return flops / rate + calls * self.call_s
 
     def flops_per_s(self, dtype_bytes: int) -> float:
@@ -123,9 +129,9 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     # there is none. The cost per kernel call (0.85 ms: each call is a separate chunked loop
     # with its own block classification) is what lets one-call Ulysses beat the 8-call ring
     # at short lengths; tiles folding a GQA group run 1.15x the FLOP/s of one-head tiles.
-    Hardware("cpu-sim", {2: 3.07e10, 4: 3.07e10}, 8 * GiB,
-             (LinkClass("memcpy", 3.42e8, 0.0),), efficiency=1.0, call_s=8.51e-4,
-             shared_compute=True, grouped_efficiency=1.15),
+    Hardware("cpu-sim", {2: 1.77e10, 4: 1.77e10}, 8 * GiB,
+             (LinkClass("memcpy", 2.25e8, 0.0),), efficiency=1.0, call_s=1.74e-3,
+             shared_compute=True, grouped_efficiency=1.13, grouped_backward_efficiency=0.865),
 )}
 
 #: ``jax.Device.device_kind`` prefixes (lower case) → hardware row.

@@ -102,7 +102,7 @@ def predict(name: str, volume: CommVolume, work: Work, memory_bytes: int, steps:
     fwd_compute = hardware.compute_s(work.forward_flops, work.balance, dtype_bytes, work.calls,
                                      grouped)
     bwd_compute = hardware.compute_s(work.backward_flops, work.balance, dtype_bytes,
-                                     work.calls, grouped)
+                                     work.calls, grouped, backward=True)
     forward = [t for t in volume.transfers if not t.backward]
     backward = [t for t in volume.transfers if t.backward]
     fwd_s, ratio = _pass_time(forward, fwd_compute, steps, hardware, spans)
