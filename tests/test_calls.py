@@ -58,6 +58,40 @@ def test_forward_mode_matches_one_device(data):
     assert_tree_close(jax.grad(f)(x, w), jax.grad(loss)(x, w))
 
 
+def test_forward_over_reverse_is_refused_with_reverse_over_reverse_as_the_fix(data):
+    """``jax.jvp`` of ``jax.grad`` (and ``jax.hessian``, forward over reverse) would
+    differentiate the transposed VJP forward again: one clear error that names the
+    reverse-over-reverse spellings (which the next test checks against one device)."""
+    x, w = data
+    f = context_parallel(loss, cp=4)
+    v = jax.random.normal(jax.random.PRNGKey(5), w.shape)
+    with pytest.raises(ContextParallelError, match="reverse mode twice"):
+        jax.jvp(lambda w: jax.grad(f, argnums=1)(x, w), (w,), (v,))
+    with pytest.raises(ContextParallelError, match=r"jax\.jacrev\(jax\.jacrev\(f\)\)"):
+        jax.hessian(f, argnums=1)(x, w)
+
+
+@pytest.mark.slow
+def test_reverse_over_reverse_matches_one_device(data):
+    """The fixes the forward-over-reverse refusal names: a Hessian-vector product by
+    ``grad`` of ``vdot(grad, v)`` and a Hessian by ``jacrev(jacrev)``."""
+    x, w = data
+    v = jax.random.normal(jax.random.PRNGKey(5), w.shape)
+    f = context_parallel(loss, cp=4)
+
+    def hvp(fn):
+        return jax.grad(lambda w: jnp.vdot(jax.grad(fn, argnums=1)(x, w), v))(w)
+
+    assert_tree_close(hvp(f), hvp(loss))
+    w1 = w[:, :2, :1]     # a Hessian small enough to compute: 3·2·1·4 weights
+
+    def small(fn):
+        return lambda w1: fn(x, w.at[:, :2, :1].set(w1))
+
+    assert_tree_close(jax.jacrev(jax.jacrev(small(f)))(w1),
+                      jax.jacrev(jax.jacrev(small(loss)))(w1))
+
+
 @pytest.mark.slow
 def test_linearize_stops_at_the_schedules_custom_vjp(data):
     """Reverse mode and jax.linearize trace alike (LinearizeTracers), so the program runs

@@ -361,6 +361,20 @@ def refuse_set_mesh_gradients(name: str, leaves: list) -> None:
             "the mesh as context_parallel(..., mesh=mesh)")
 
 
+def refuse_forward_over_reverse(name: str, leaves: list) -> None:
+    """Raise for a forward-mode derivative of a reverse-mode one (``jax.jvp`` of
+    ``jax.grad``, ``jax.hessian``): the schedules define reverse mode, and forward mode is
+    their VJP transposed, which cannot itself be differentiated forward again."""
+    if compat.forward_over_reverse(leaves):
+        raise ContextParallelError(
+            f"{name} is differentiated in reverse mode inside a forward-mode derivative "
+            "(jax.jvp of jax.grad, jax.hessian, jax.jacfwd of jax.jacrev), which the "
+            "context-parallel schedules do not support. Differentiate in reverse mode "
+            "twice instead: a Hessian-vector product as "
+            "jax.grad(lambda p: jnp.vdot(jax.grad(f)(p), v))(p), a Hessian as "
+            "jax.jacrev(jax.jacrev(f))")
+
+
 class _Program:
     """The transformed program, jitted, in the two forms its derivatives need.
 
@@ -442,6 +456,7 @@ class ContextParallelFunction:
         final, written, call, split = self._build(args, kwargs)
         arguments = (split.args, split.kwargs)
         refuse_set_mesh_gradients(final.name, jax.tree_util.tree_leaves(arguments))
+        refuse_forward_over_reverse(final.name, jax.tree_util.tree_leaves(arguments))
         flat = _on_mesh(jax.tree_util.tree_leaves(arguments), final.facts.mesh)
         with compat.no_mesh_context():
             flat_out = call.for_arguments(flat)(*flat)

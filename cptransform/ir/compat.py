@@ -301,21 +301,42 @@ def differentiated(values) -> bool:
     return any(isinstance(v, kinds) for v in values)
 
 
+def _tracer_levels(v):
+    """The autodiff and batching tracers of ``v``, innermost transformation first (a
+    ``grad`` inside a ``jax.jvp`` comes before the ``jvp``'s tracer)."""
+    from jax._src.interpreters import batching as _batching
+    while isinstance(v, _core.Tracer):
+        yield v
+        inner = getattr(v, "primal", None)
+        if inner is None and isinstance(v, _batching.BatchTracer):
+            inner = v.val
+        if inner is None:
+            return
+        v = inner
+
+
 def forward_differentiated(values) -> bool:
     """Whether any of ``values`` carries a forward-mode tangent (``jax.jvp``,
     ``jax.jacfwd``, the outer derivative of ``jax.hessian``) at any level of its tracers;
     reverse mode (``grad``, ``vjp``) traces with ``LinearizeTracer``s instead."""
     from jax._src.interpreters import ad as _ad
-    from jax._src.interpreters import batching as _batching
     jvp = getattr(_ad, "JVPTracer", None)
+    return jvp is not None and any(isinstance(t, jvp) for v in values
+                                   for t in _tracer_levels(v))
+
+
+def forward_over_reverse(values) -> bool:
+    """Whether any of ``values`` is differentiated in reverse mode inside a forward-mode
+    derivative (``jax.jvp`` of ``jax.grad``, ``jax.hessian``): a ``LinearizeTracer`` above
+    a ``JVPTracer``."""
+    from jax._src.interpreters import ad as _ad
+    jvp, linearize = getattr(_ad, "JVPTracer", None), getattr(_ad, "LinearizeTracer", None)
+    if jvp is None or linearize is None:
+        return False
     for v in values:
-        while isinstance(v, _core.Tracer):
-            if jvp is not None and isinstance(v, jvp):
+        reverse = False
+        for t in _tracer_levels(v):
+            reverse = reverse or isinstance(t, linearize)
+            if reverse and isinstance(t, jvp):
                 return True
-            inner = getattr(v, "primal", None)
-            if inner is None and isinstance(v, _batching.BatchTracer):
-                inner = v.val
-            if inner is None:
-                break
-            v = inner
     return False
