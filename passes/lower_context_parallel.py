@@ -47,8 +47,9 @@ def _schedule_call(spec, mesh, cp_axes: tuple, kernel: str, in_layout_order: boo
     The layers of a Python loop hold equal attentions: through one jitted function JAX
     traces the schedule once and reuses that jaxpr, and its caches then linearize and lower
     it to StableHLO once too (XLA inlines the calls, so the compiled program is the same).
-    A 4-layer Llama loop's ``jit(value_and_grad(...)).lower`` took 9.2 s without this and
-    5.5 s with it (``bench/compile_cost.py``)."""
+    The 4-layer Llama loop of ``bench/compile_cost.py`` took 9.2 s to
+    ``jit(value_and_grad(...)).lower`` without this and 5.5 s with it (one A/B run while
+    another job loaded the machine)."""
     return jax.jit(functools.partial(
         context_parallel_attention, spec=spec, mesh=mesh, axes=cp_axes,
         schedule=spec.schedule, layout=spec.layout, kernel=kernel,
