@@ -191,18 +191,31 @@ class _Loop:
     limit: int | None = None
     step: int = 1
     trips: int | None = None
+    unreadable: str | None = None   # why ``trips`` could not be read
     in_body: bool = False
 
     def finish(self) -> None:
+        """Read the trip count, or note why it cannot be read: only a loop that runs a
+        collective needs one (a data-dependent loop of local work holds none)."""
         if self.counter is None:
-            raise CollectiveParseError("a stablehlo.while loop has no counter compare in its "
-                                       "condition; cannot count the collectives in its body")
+            self.unreadable = ("a stablehlo.while loop has no counter compare in its "
+                               "condition; cannot count the collectives in its body")
+            return
         start = self.start[self.counter]
         if start is None or self.limit is None:
-            raise CollectiveParseError(
-                f"cannot read the trip count of a stablehlo.while loop (counter "
-                f"{self.counter}); its start and limit must be constants")
+            self.unreadable = (f"cannot read the trip count of a stablehlo.while loop "
+                               f"(counter {self.counter}); its start and limit must be "
+                               f"constants")
+            return
         self.trips = max(0, -(-(self.limit - start) // self.step))
+
+
+def _times(loops: tuple[_Loop, ...]) -> int:
+    """How often a collective inside ``loops`` runs per execution."""
+    for loop in loops:
+        if loop.trips is None:
+            raise CollectiveParseError(loop.unreadable or "an unfinished stablehlo.while loop")
+    return math.prod(loop.trips for loop in loops)
 
 
 @dataclass
@@ -216,10 +229,6 @@ class _Site:
     callee: str = ""
     operands: tuple[TensorType, ...] = ()
     results: tuple[TensorType, ...] = ()
-
-    @property
-    def times(self) -> int:
-        return math.prod(loop.trips for loop in self.loops)
 
 
 class _ModuleReader:
@@ -316,21 +325,22 @@ def count_collectives(text: str) -> CommunicationReport:
     reader.read(text)
     report = CommunicationReport()
 
-    def walk(name: str, times: int, stack: tuple[str, ...]) -> None:
+    def walk(name: str, loops: tuple[_Loop, ...], stack: tuple[str, ...]) -> None:
         if name in stack:
             raise CollectiveParseError(f"recursive call to @{name}")
         for site in reader.functions.get(name, ()):
             if site.callee:
-                walk(site.callee, times * site.times, stack + (name,))
+                walk(site.callee, loops + site.loops, stack + (name,))
                 continue
             groups = _groups(site.attrs, partitions)
             size = 2 if site.kind == "collective_permute" else len(groups[0])
             report.collectives.append(Collective(site.kind, site.operands, site.results,
-                                                 groups, size, name, times * site.times))
+                                                 groups, size, name,
+                                                 _times(loops + site.loops)))
 
     entry = "main" if "main" in reader.functions else next(iter(reader.functions), None)
     if entry is not None:
-        walk(entry, 1, ())
+        walk(entry, (), ())
     return report
 
 

@@ -89,6 +89,17 @@ def test_unknown_trip_count_is_an_error():
         lower_and_count(on_mesh(body), X)
 
 
+def test_unknown_trip_count_without_collectives_is_read():
+    """A data-dependent loop that runs no collective needs no trip count; the collectives
+    around it are counted."""
+    def body(x):
+        n = jnp.sum(x > 0).astype(jnp.int32)
+        y = lax.fori_loop(0, n, lambda i, c: c * 2.0, x)
+        return total(lax.fori_loop(0, 3, lambda i, c: lax.ppermute(c, "r", [(0, 1)]), y))
+
+    assert lower_and_count(on_mesh(body), X).counts() == {"collective_permute": 3}
+
+
 def test_program_without_collectives():
     text = jax.jit(lambda x: x * 2).lower(X).as_text()
     assert count_collectives(text).per_device_bytes == 0
