@@ -2,9 +2,10 @@
 pure-JAX ring and ejkernel's XLA ring attention.
 
 One run, 8 simulated devices (cp=8), fp32, B=1, H=8, D=64; MHA (8 KV heads) and GQA
-(2 KV heads, repeated to 8 for the peers, whose cores are MHA-only); causal and full masks, and
-a causal sliding window of ``--window`` keys (``window``: our schedules only, halo included;
-the peers have no window).
+(2 KV heads, repeated to 8 for the peers, whose cores are MHA-only); causal and full masks,
+a causal sliding window of ``--window`` keys (``window``: halo included; ejkernel's window,
+``ringattention`` has none) and packed documents (``docs``: causal within 8 documents of
+random lengths, as segment ids; both peers).
 For each variant: time of the forward and of forward+backward (median of interleaved
 repetitions: every variant runs once per round), per-device temporary memory from XLA's
 memory analysis of the compiled program, and executed score entries of the slowest device
@@ -14,8 +15,12 @@ all-gather baseline). Ratios are against the best peer of each row (the faster o
 time, the leaner one for memory).
 
     python bench/peers.py [--seqs 2048,4096] [--reps 3] [--heads mha,gqa]
-                          [--masks causal,full,window] [--window 64] [--no-time]
-                          [--skip allgather-dense]
+                          [--masks causal,full,window,docs] [--window 64] [--no-time]
+                          [--skip allgather-dense] [--check]
+
+``--check`` first compares every variant's output and q/k/v gradients with the one-device
+dense attention (``attention_reference``; it holds ``S x S`` scores, so small S only) and
+prints the worst error per row.
 
 Prints a table and writes ``bench/results/peers.json``. The ``ringattention`` package
 (``pip install --no-deps ringattention`` plus ``einops``) is imported with a stand-in for
@@ -77,6 +82,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--no-time", action="store_true", help="memory and FLOPs only")
+    parser.add_argument("--check", action="store_true", help="compare every variant's "
+                        "output and gradients with the one-device dense attention (small S)")
     parser.add_argument("--skip", default="", help="comma-separated variants not to run "
                         "(allgather-dense holds S x S/cp scores: 32 GiB at 32K on 8 devices)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "peers.json"))
@@ -96,6 +103,7 @@ def main() -> None:
     from cptransform.lowering.halo import NO_KEY, pieces
     from cptransform.lowering.kernels.chunked import chunk_kinds
     from cptransform.op.mask_terms import BlockKind
+    from cptransform.op.attention_reference import attention_reference
     from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
     from cptransform.op.layouts import SequenceLayout
 
@@ -107,23 +115,25 @@ def main() -> None:
     mesh2 = jax.make_mesh((2, 4), ("uly", "ring"), axis_types=(auto, auto))
     bthd = Layout.parse("BTHD")
     masks = {"causal": MaskSpec(causal=True), "full": MaskSpec(),
-             "window": MaskSpec(causal=True, window=(args.window, None))}
+             "window": MaskSpec(causal=True, window=(args.window, None)),
+             "docs": MaskSpec(causal=True, segments=True)}
 
     def ours(schedule, layout):
-        def run(q, k, v, mask):
+        def run(q, k, v, mask, seg):
             spec = AttentionSpec(q=bthd, k=bthd, v=bthd, scale=1 / math.sqrt(d),
                                  groups=h // k.shape[2], mask=masks[mask])
             hybrid = schedule == "hybrid"
             return context_parallel_attention(
-                q, k, v, spec=spec, mesh=mesh2 if hybrid else mesh,
-                axes=("uly", "ring") if hybrid else "cp", schedule=schedule, layout=layout)
+                q, k, v, *(() if seg is None else (seg, seg)), spec=spec,
+                mesh=mesh2 if hybrid else mesh, axes=("uly", "ring") if hybrid else "cp",
+                schedule=schedule, layout=layout)
         return run
 
     def repeat_heads(k, v):
         return (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
 
-    def peer_ring(q, k, v, mask):
-        causal = mask == "causal"
+    def peer_ring(q, k, v, mask, seg):
+        causal = mask != "full"
         s_loc = q.shape[1] // CP
         chunk = min(512, s_loc)
         kwargs = dict(causal_block_size=1 if causal else None, query_chunk_size=chunk,
@@ -131,31 +141,37 @@ def main() -> None:
                       attn_pdrop=0.0, dtype=jnp.float32, policy=None, precision=None,
                       prevent_cse=True)
 
-        def local(q, k, v):
+        def local(q, k, v, seg):
             k, v = repeat_heads(k, v)
-            return ring_attention(q, k, v, None, None, None, "cp", True, kwargs)
-        # The package predates varying-axis checks (its lax.cond branches disagree).
-        return jax.shard_map(local, mesh=mesh, in_specs=P(None, "cp"),
-                             out_specs=P(None, "cp"), check_vma=False)(q, k, v)
+            return ring_attention(q, k, v, None, seg, None, "cp", True, kwargs)
+        # The package predates varying-axis checks (its lax.cond branches disagree). Its
+        # segment ids are the whole sequence's (it slices them at global chunk offsets).
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, "cp"),) * 3 + (P(),),
+                             out_specs=P(None, "cp"), check_vma=False)(q, k, v, seg)
 
-    def peer_ejkernel(q, k, v, mask):
+    def peer_ejkernel(q, k, v, mask, seg):
         chunk = min(512, q.shape[1] // CP)
-        causal = mask == "causal"
+        causal = mask != "full"
+        # ejkernel's window is (left, right) on q - k; ours (window, None) under causal.
+        window = (args.window, 0) if mask == "window" else None
 
-        def local(q, k, v):
+        def local(q, k, v, seg):
             k, v = repeat_heads(k, v)   # the core is MHA-only (its public wrapper repeats)
             # Positional arguments of _ring_attention: bias, segment ids, positions, sinks,
             # axis, float32 logits, scale, chunks, causal block, deterministic, dropout
             # rng/rate, dtype, remat policy, precision, prevent_cse, window, soft-cap,
             # sink size, causal.
-            return ej_ring(q, k, v, None, None, None, None, None, None, "cp", True,
+            # Its segment ids are the local shards (they travel with K/V).
+            return ej_ring(q, k, v, None, seg, seg, None, None, None, "cp", True,
                            1 / math.sqrt(d), chunk, chunk, chunk if causal else None, True,
                            None, 0.0, jnp.float32, jax.checkpoint_policies.nothing_saveable,
-                           lax.Precision.DEFAULT, True, None, None, 0, causal)
+                           lax.Precision.DEFAULT, True, window, None, 0, causal)
         return jax.shard_map(local, mesh=mesh, in_specs=P(None, "cp"),
-                             out_specs=P(None, "cp"), check_vma=False)(q, k, v)
+                             out_specs=P(None, "cp"), check_vma=False)(q, k, v, seg)
 
-    def dense_allgather(q, k, v, mask):
+    def dense_allgather(q, k, v, mask, seg):
+        if mask in ("window", "docs"):
+            raise NotImplementedError("the dense baseline has causal and full masks only")
         causal = mask == "causal"
         def local(q, k, v):
             k, v = (lax.all_gather(x, "cp", axis=1, tiled=True) for x in repeat_heads(k, v))
@@ -180,8 +196,6 @@ def main() -> None:
         variants["ringattention"] = peer_ring
     if ej_ring is not None:
         variants["ejkernel-ring"] = peer_ejkernel
-    # The peers are measured without a sliding window; halo needs one.
-    unwindowed = ("allgather-dense",) + PEERS
 
     skipped = set(filter(None, args.skip.split(",")))
     if skipped - set(variants):
@@ -191,30 +205,39 @@ def main() -> None:
     def runs(name, mask):
         if name in skipped:
             return False
-        return name not in unwindowed if mask == "window" else not name.startswith("halo")
+        if name.startswith("halo"):   # halo needs a window
+            return mask == "window"
+        # The dense baseline knows causal and full masks; ringattention has no window.
+        return {"window": name not in ("allgather-dense", "ringattention"),
+                "docs": name != "allgather-dense"}.get(mask, True)
 
     spec_of = lambda mask: AttentionSpec(q=bthd, k=bthd, v=bthd, scale=1.0,  # noqa: E731
                                          mask=masks[mask])
 
-    def computed(q_pos, kv_pos, mask):
-        """Score entries the chunked kernel computes for one call."""
+    def computed(q_pos, kv_pos, mask, seg):
+        """Score entries the chunked kernel computes for one call (``seg``: the sequence's
+        segment ids by position, or ``None``)."""
         z = lambda t: jnp.zeros((1, t, 1, 1))  # noqa: E731
         tq, tkv = len(q_pos), len(kv_pos)
-        block = Block(z(tq), z(tkv), z(tkv), jnp.asarray(q_pos)[None], jnp.asarray(kv_pos)[None])
+        ids = lambda pos: None if seg is None else jnp.asarray(seg[pos])[None]  # noqa: E731
+        block = Block(z(tq), z(tkv), z(tkv), jnp.asarray(q_pos)[None],
+                      jnp.asarray(kv_pos)[None], ids(q_pos), ids(kv_pos))
         kinds = np.asarray(chunk_kinds(block, spec_of(mask)))
         return int(np.sum(kinds != BlockKind.SKIP)) * chunk_size(tq, DEFAULT_CHUNK) * \
             chunk_size(tkv, DEFAULT_CHUNK)
 
-    def executed(name, s, mask):
+    def executed(name, s, mask, seg):
         """Score entries × heads of the slowest device, over the ideal per-device share."""
         causal = mask != "full"
         w = min(args.window, s - 1)
+        lengths = np.bincount(seg) if seg is not None else np.array([s])
         visible = {"causal": s * (s + 1) / 2, "full": s * s,
-                   "window": s * (w + 1) - w * (w + 1) / 2}[mask]
+                   "window": s * (w + 1) - w * (w + 1) / 2,
+                   "docs": float(np.sum(lengths * (lengths + 1) / 2))}[mask]
         ideal = visible * h / CP
         if name == "allgather-dense":
             return s * s * h / CP / ideal
-        if name in PEERS:   # both skip whole chunks above the diagonal
+        if name in PEERS:   # both skip whole chunks above the diagonal (nothing else)
             loc, c = s // CP, min(512, s // CP)
             rows = np.arange(s // c)
             grid = rows[:, None] >= rows[None, :] if causal else np.ones((s // c,) * 2, bool)
@@ -224,23 +247,35 @@ def main() -> None:
             else "zigzag"
         pos = SequenceLayout(layout, s, CP).permutation()
         shard = lambda r, n=1: pos[r * s // CP:(r + n) * s // CP]  # noqa: E731
+        work = lambda q_pos, kv_pos: computed(q_pos, kv_pos, mask, seg)  # noqa: E731
         if name == "ulysses":
-            return computed(pos, pos, mask) * (h // CP) / ideal
+            return work(pos, pos) * (h // CP) / ideal
         if name == "allgather":
-            return max(computed(shard(r), pos, mask) for r in range(CP)) * h / ideal
+            return max(work(shard(r), pos) for r in range(CP)) * h / ideal
         if name.startswith("halo"):
             def keys(r):   # the kernel's keys on rank r: halos and local keys
                 return np.concatenate([
                     shard(r + p.shift)[p.offset:p.offset + p.width] if 0 <= r + p.shift < CP
                     else np.full(p.width, NO_KEY) for p in pieces(layout, s // CP, w, 0)])
-            return max(computed(shard(r), keys(r), mask) for r in range(CP)) * h / ideal
+            return max(work(shard(r), keys(r)) for r in range(CP)) * h / ideal
         if name == "ring-zigzag" or name == "ring-contiguous":
-            return max(sum(computed(shard(r), shard((r - i) % CP), mask) for i in range(CP))
+            return max(sum(work(shard(r), shard((r - i) % CP)) for i in range(CP))
                        for r in range(CP)) * h / ideal
         u, groups = 2, CP // 2   # hybrid: a Ulysses group holds U consecutive shards
         group = lambda g: shard(g * u, u)  # noqa: E731
-        return max(sum(computed(group(g), group((g - i) % groups), mask)
+        return max(sum(work(group(g), group((g - i) % groups))
                        for i in range(groups)) for g in range(groups)) * (h // u) / ideal
+
+    def documents(s):
+        """Segment ids ``[s]`` of 8 packed documents of random lengths (seeded by ``s``)."""
+        cuts = np.sort(np.random.default_rng(s).choice(np.arange(1, s), 7, replace=False))
+        return np.searchsorted(cuts, np.arange(s), side="right").astype(np.int32)
+
+    def reference(q, k, v, mask, seg):
+        """The one-device dense attention of the row, for ``--check``."""
+        spec = AttentionSpec(q=bthd, k=bthd, v=bthd, scale=1 / math.sqrt(d),
+                             groups=h // k.shape[2], mask=masks[mask])
+        return attention_reference(q, k, v, *(() if seg is None else (seg, seg)), spec=spec)
 
     rng = np.random.default_rng(0)
     rows, timings = [], {}
@@ -250,35 +285,48 @@ def main() -> None:
             q, k, v = (jnp.asarray(rng.normal(size=(batch, s, n, d)), jnp.float32)
                        for n in (h, hkv, hkv))
             for mask in args.masks.split(","):
+                seg_np = documents(s) if mask == "docs" else None
+                seg = None if seg_np is None else jnp.asarray(seg_np)[None]
                 compiled = {}
-                for name, fn in variants.items():
-                    if not runs(name, mask):
+                for name, fn in [("reference", reference)] * args.check + list(variants.items()):
+                    if name != "reference" and not runs(name, mask):
                         continue
-                    fwd = jax.jit(lambda q, k, v, fn=fn: fn(q, k, v, mask))
-                    grad = jax.jit(jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v, mask)),
-                                            argnums=(0, 1, 2)))
-                    fwd_c, grad_c = (f.lower(q, k, v).compile() for f in (fwd, grad))
+                    fwd = jax.jit(lambda q, k, v, seg, fn=fn: fn(q, k, v, mask, seg))
+                    grad = jax.jit(jax.grad(
+                        lambda q, k, v, seg, fn=fn: jnp.sum(fn(q, k, v, mask, seg) * q),
+                        argnums=(0, 1, 2)))
+                    fwd_c, grad_c = (f.lower(q, k, v, seg).compile() for f in (fwd, grad))
+                    if name == "reference":
+                        expected = (fwd_c(q, k, v, seg), grad_c(q, k, v, seg))
+                        continue
                     compiled[name] = (fwd_c, grad_c)
-                    rows.append(dict(
+                    row = dict(
                         seq=s, heads=heads, mask=mask, variant=name,
                         fwd_temp_mib=fwd_c.memory_analysis().temp_size_in_bytes / 2**20,
                         fwdbwd_temp_mib=grad_c.memory_analysis().temp_size_in_bytes / 2**20,
-                        flops_over_ideal=executed(name, s, mask)))
+                        flops_over_ideal=executed(name, s, mask, seg_np))
+                    if args.check:   # worst error of the output and q, k, v's gradients
+                        got = (fwd_c(q, k, v, seg), grad_c(q, k, v, seg))
+                        row["max_error"] = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                                               zip(jax.tree.leaves(got),
+                                                   jax.tree.leaves(expected)))
+                    rows.append(row)
                 if args.no_time:
                     continue
                 for f in [c for pair in compiled.values() for c in pair]:
-                    jax.block_until_ready(f(q, k, v))  # warm up
+                    jax.block_until_ready(f(q, k, v, seg))  # warm up
                 for _ in range(args.reps):   # interleaved: every variant once per round
                     for name, (fwd_c, grad_c) in compiled.items():
                         for kind, f in (("fwd", fwd_c), ("fwdbwd", grad_c)):
                             t0 = time.perf_counter()
-                            jax.block_until_ready(f(q, k, v))
+                            jax.block_until_ready(f(q, k, v, seg))
                             timings.setdefault((s, heads, mask, name, kind), []).append(
                                 time.perf_counter() - t0)
     for row in rows:
         for kind in ("fwd", "fwdbwd"):
             ts = timings.get((row["seq"], row["heads"], row["mask"], row["variant"], kind))
             row[f"{kind}_s"] = statistics.median(ts) if ts else None
+            row[f"{kind}_reps_s"] = ts   # every repetition: the planner bench reads the spread
     def best_peer(key, r):
         """The best peer's ``key`` in ``r``'s row (seq, heads, mask), or ``None``."""
         got = [p[key] for p in rows if p["variant"] in PEERS and p.get(key)
@@ -299,7 +347,8 @@ def main() -> None:
         print(f"{r['seq']:>5} {r['heads']:5} {r['mask']:6} {r['variant']:16} "
               f"{fmt(r['fwd_s']):>7} {fmt(r['fwdbwd_s']):>7} {ratio('fwdbwd_s'):>8} "
               f"{r['fwd_temp_mib']:>8.1f} {r['fwdbwd_temp_mib']:>8.1f} "
-              f"{ratio('fwdbwd_temp_mib'):>8} {r['flops_over_ideal']:>11.3f}")
+              f"{ratio('fwdbwd_temp_mib'):>8} {r['flops_over_ideal']:>11.3f}"
+              + (f"  max error {r['max_error']:.1e}" if "max_error" in r else ""))
     Path(args.out).write_text(json.dumps(dict(
         measured=time.strftime("%Y-%m-%dT%H:%M:%S"),
         cp=CP, heads=h, head_dim=d, batch=batch, dtype="float32", chunk=DEFAULT_CHUNK,
