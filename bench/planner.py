@@ -8,14 +8,15 @@ batch 1, causal on the zigzag layout, at s in {32K, 128K, 1M} and cp in {8, 16, 
 bytes, FLOPs (slowest device, fwd+bwd), peak local-step memory and fwd+bwd time, and the
 schedule ``auto`` would choose (the hybrid at its best Ulysses degree).
 
-Part 2: the ``cpu-sim`` row against the latest ``bench/results/peers*.json`` (8 simulated
-CPU devices): predicted against measured ranking of our schedules per (S, heads, mask),
+Part 2: the ``cpu-sim`` row against the measured ``bench/results/peers*.json`` (8 simulated
+CPU devices; causal and full masks, the newest file's rows per case): predicted against
+measured ranking of our schedules per (S, heads, mask),
 forward and forward+backward. ``--calibrate`` refits the ``cpu-sim`` row's FLOP/s, the
 relative FLOP/s of tiles that fold a GQA query-head group (forward and backward apart), the
 cost per kernel call and the bandwidth to the measured forward and backward times (least
 squares) and prints them.
 
-    python bench/planner.py [--calibrate] [--peers bench/results/peers.json] [--out bench/results/planner.json]
+    python bench/planner.py [--calibrate] [--peers bench/results/peers.json ...] [--out bench/results/planner.json]
 """
 from __future__ import annotations
 
@@ -91,19 +92,29 @@ def real_configs() -> list[dict]:
     return rows
 
 
-def latest_peers() -> Path:
-    """The newest ``bench/results/peers*.json`` with measured times of two or more of our
-    schedules (a ``--no-time`` run has memory only). Git checkouts do not keep modification times, so the files' own
-    ``measured`` dates decide, then their names."""
-    timed = []
-    for path in (ROOT / "bench" / "results").glob("peers*.json"):
+def measured_rows(paths=None) -> tuple[list[dict], list[str]]:
+    """The timed rows of our schedules for the masks the comparison models (causal and
+    full) from ``paths`` (default: every ``bench/results/peers*.json``), and the files they
+    came from. A case (S, heads, mask) measured in several files is taken from the newest
+    (its ``measured`` date; git checkouts keep no modification times); a ``--no-time``
+    file has none."""
+    paths = sorted((ROOT / "bench" / "results").glob("peers*.json")) if paths is None \
+        else [Path(p) for p in paths]
+    cases = {}
+    for path in paths:
         data = json.loads(path.read_text())
-        ours = {r["variant"] for r in data["rows"] if r.get("fwd_s") and r["variant"] in PEERS}
-        if len(ours) > 1:   # a ranking needs two of our schedules
-            timed.append((data.get("measured", ""), path.name, path))
-    if not timed:
+        for row in data["rows"]:
+            if row["variant"] in PEERS and row.get("fwd_s") and row["mask"] in ("causal", "full"):
+                case = (row["seq"], row["heads"], row["mask"])
+                stamp = (data.get("measured", ""), path.name)
+                if case not in cases or cases[case][0] < stamp:
+                    cases[case] = (stamp, [])
+                if cases[case][0] == stamp:
+                    cases[case][1].append(row)
+    if not cases:
         raise SystemExit("no bench/results/peers*.json with times: run bench/peers.py")
-    return max(timed)[2]
+    rows = [row for _, case_rows in cases.values() for row in case_rows]
+    return rows, sorted({stamp[1] for stamp, _ in cases.values()})
 
 
 def peers_shape(row, schedule: str, layout: str) -> AttentionShape:
@@ -170,10 +181,15 @@ def cpu_comparison(rows) -> list[dict]:
             m_rank = sorted(measured, key=lambda v: measured[v][key])
             p_rank = sorted(predicted, key=lambda v: getattr(predicted[v], attr))
             pairs = [(a, b) for i, a in enumerate(m_rank) for b in m_rank[i + 1:]]
+            # Pairs the measurement orders: every repetition of a faster than every one of b
+            # (a file without repetitions: its medians).
+            reps = lambda v: measured[v].get(f"{key[:-2]}_reps_s") or [measured[v][key]]  # noqa: E731
+            apart = [(a, b) for a, b in pairs if max(reps(a)) < min(reps(b))]
+            agree = lambda ps: sum(p_rank.index(a) < p_rank.index(b) for a, b in ps)  # noqa: E731
             out.append(dict(seq=seq, heads=heads, mask=mask, kind=kind, measured=m_rank,
                             predicted=p_rank, agree_first=m_rank[0] == p_rank[0],
-                            agree_pairs=sum(p_rank.index(a) < p_rank.index(b)
-                                            for a, b in pairs), pairs=len(pairs),
+                            agree_pairs=agree(pairs), pairs=len(pairs),
+                            agree_apart=agree(apart), apart=len(apart),
                             measured_s={v: measured[v][key] for v in m_rank},
                             predicted_s={v: getattr(predicted[v], attr) for v in p_rank}))
     return out
@@ -183,12 +199,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibrate", action="store_true")
     parser.add_argument("--name", default="cpu-sim", help="the calibrated row's name")
-    parser.add_argument("--peers", default=None, help="the bench/peers.py result to compare "
-                        "with (default: the newest one with times)")
+    parser.add_argument("--peers", nargs="+", default=None, help="bench/peers.py results to "
+                        "compare with (default: every bench/results/peers*.json; the newest "
+                        "file's rows where two measured the same case)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "planner.json"))
     args = parser.parse_args()
-    peers_file = Path(args.peers) if args.peers else latest_peers()
-    peers = json.loads(peers_file.read_text())["rows"]
+    peers, peers_files = measured_rows(args.peers)
     if args.calibrate:
         calibrate(peers, args.name)
         return
@@ -201,15 +217,17 @@ def main() -> None:
               f"{r['memory_gib']:>8.2f} {r['time_ms']:>9.2f} {str(r['hidden']):6} "
               f"{'<-' if r['chosen'] else ''}")
     cpu = cpu_comparison(peers)
-    print(f"\ncpu-sim predicted vs measured ({peers_file.name}):")
+    print(f"\ncpu-sim predicted vs measured ({', '.join(peers_files)}):")
     for c in cpu:
         mark = "" if c["measured"] == c["predicted"] else "  DIFFERENT ORDER"
         print(f"  S={c['seq']} {c['heads']} {c['mask']} {c['kind']:8} measured "
               f"{' < '.join(c['measured'])}\n{'':30}predicted {' < '.join(c['predicted'])}{mark}")
     agree = sum(c["agree_first"] for c in cpu)
     print(f"  fastest schedule agrees in {agree} of {len(cpu)} cases; ordered pairs agree in "
-          f"{sum(c['agree_pairs'] for c in cpu)} of {sum(c['pairs'] for c in cpu)}")
-    Path(args.out).write_text(json.dumps(dict(peers=peers_file.name, configs=rows,
+          f"{sum(c['agree_pairs'] for c in cpu)} of {sum(c['pairs'] for c in cpu)}; of the pairs "
+          f"whose repetitions do not overlap, {sum(c['agree_apart'] for c in cpu)} of "
+          f"{sum(c['apart'] for c in cpu)}")
+    Path(args.out).write_text(json.dumps(dict(peers=peers_files, configs=rows,
                                               cpu_sim=cpu), indent=1))
     print(f"wrote {args.out}")
 
