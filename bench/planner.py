@@ -177,13 +177,14 @@ def cpu_comparison(rows) -> list[dict]:
         predicted = {v: schedules()[s].predict(peers_shape(measured[v], s, lay), hardware,
                                                (2, 8) if s == "hybrid" else (8,))
                      for v, (s, lay) in PEERS.items() if v in measured}
-        for kind, key, attr in (("fwd", "fwd_s", "forward_s"), ("fwd+bwd", "fwdbwd_s", "time_s")):
+        for kind, key, reps_key, attr in (("fwd", "fwd_s", "fwd_reps_s", "forward_s"),
+                                          ("fwd+bwd", "fwdbwd_s", "fwdbwd_reps_s", "time_s")):
             m_rank = sorted(measured, key=lambda v: measured[v][key])
             p_rank = sorted(predicted, key=lambda v: getattr(predicted[v], attr))
             pairs = [(a, b) for i, a in enumerate(m_rank) for b in m_rank[i + 1:]]
             # Pairs the measurement orders: every repetition of a faster than every one of b
             # (a file without repetitions: its medians).
-            reps = lambda v: measured[v].get(f"{key[:-2]}_reps_s") or [measured[v][key]]  # noqa: E731
+            reps = lambda v: measured[v].get(reps_key) or [measured[v][key]]  # noqa: E731
             apart = [(a, b) for a, b in pairs if max(reps(a)) < min(reps(b))]
             agree = lambda ps: sum(p_rank.index(a) < p_rank.index(b) for a, b in ps)  # noqa: E731
             out.append(dict(seq=seq, heads=heads, mask=mask, kind=kind, measured=m_rank,
