@@ -39,8 +39,10 @@ _ELEMENT_BYTES = {
 }
 
 _OP = re.compile(r'"?stablehlo\.(' + "|".join(COLLECTIVE_KINDS) + r')"?\(')
-_FUNC = re.compile(r"func\.func\s+(?:public\s+|private\s+)?@([\w.$-]+)\(")
-_CALL = re.compile(r"(?:func\.)?call\s+@([\w.$-]+)\(")
+# A symbol is bare (@main) or quoted (JAX 0.12 names a lambda's function @"<lambda>").
+_SYMBOL = r'@([\w.$-]+|"(?:[^"\\]|\\.)*")'
+_FUNC = re.compile(r"func\.func\s+(?:public\s+|private\s+)?" + _SYMBOL + r"\(")
+_CALL = re.compile(r"(?:func\.)?call\s+" + _SYMBOL + r"\(")
 _TENSOR = re.compile(r"tensor<([^<>]*)>")
 _SIGNATURE = re.compile(r":\s*\(([^()]*)\)\s*->\s*([^()]+|\([^()]*\))\s*$")
 _GROUPS = re.compile(r"(replica_groups|source_target_pairs)\s*=\s*dense<([^>]*)>\s*:\s*"
@@ -49,6 +51,13 @@ _CONST = re.compile(r"(%[\w#]+)\s*=\s*stablehlo\.constant\s+dense<(-?\d+)>\s*:\s
 _WHILE = re.compile(r"stablehlo\.while\((.*?)\)\s*:")
 _COMPARE = re.compile(r"stablehlo\.compare\s+(LT|LE),\s*(%[\w#]+),\s*(%[\w#]+)")
 _ADD = re.compile(r"stablehlo\.add\s+(%[\w#]+),\s*(%[\w#]+)")
+_MESH = re.compile(r"sdy\.mesh\s+@([\w.$-]+)\s*=\s*<\[([^\]]*)\]"
+                   r"(?:\s*,\s*device_ids\s*=\s*\[([^\]]*)\])?")
+_MESH_AXES = re.compile(r"replica_group_mesh_axes<\s*mesh\s*=\s*@([\w.$-]+)\s*,\s*"
+                        r"axes\s*=\s*\[([^\]]*)\]\s*>")
+_AXIS = re.compile(r'"([^"]+)"\s*=\s*(\d+)')
+_AXIS_REF = re.compile(r'axis_ref<\s*name\s*=\s*"([^"]+)"\s*(,[^>]*)?>')
+_STRING = re.compile(r'@?"(?:[^"\\]|\\.)*"')
 _PARTITIONS = re.compile(r"mhlo\.num_partitions\s*=\s*(\d+)")
 
 
@@ -154,16 +163,80 @@ class CommunicationReport:
 
 
 def _strip_strings(line: str) -> str:
-    """The line with string literals emptied (they may hold braces), op names kept."""
-    return re.sub(r'"(?!stablehlo\.)(?:[^"\\]|\\.)*"', '""', line)
+    """The line with string literals emptied (they may hold braces), op names and quoted
+    symbol names kept."""
+    return _STRING.sub(lambda m: m.group(0) if m.group(0).startswith(('"stablehlo.', '@'))
+                       else '""', line)
 
 
 def _tensor_types(text: str) -> tuple[TensorType, ...]:
     return tuple(TensorType.parse(t) for t in _TENSOR.findall(text))
 
 
-def _groups(attrs: str, partitions: int) -> tuple[tuple[int, ...], ...]:
-    """Replica groups or source-target pairs of an op (all devices when absent or empty)."""
+@dataclass(frozen=True)
+class _Mesh:
+    """A Shardy mesh declared in the module (``sdy.mesh @name = <["a"=2, ...]>``)."""
+
+    axes: tuple[tuple[str, int], ...]
+    device_ids: tuple[int, ...] | None
+
+    def groups(self, names: list[str]) -> tuple[tuple[int, ...], ...]:
+        """The device groups of a collective over the mesh axes ``names`` (major first):
+        devices that agree on every other axis, in ``names``' order."""
+        sizes = dict(self.axes)
+        unknown = [n for n in names if n not in sizes]
+        if unknown:
+            raise CollectiveParseError(f"collective over axes {unknown} not in the mesh "
+                                       f"{list(sizes)}")
+        others = [a for a, _ in self.axes if a not in names]
+        strides, stride = {}, 1
+        for a, size in reversed(self.axes):
+            strides[a], stride = stride, stride * size
+
+        def device(coords: dict[str, int]) -> int:
+            index = sum(strides[a] * c for a, c in coords.items())
+            return self.device_ids[index] if self.device_ids else index
+
+        out = []
+        for fixed in _product([sizes[a] for a in others]):
+            group = [device({**dict(zip(others, fixed)), **dict(zip(names, moving))})
+                     for moving in _product([sizes[a] for a in names])]
+            out.append(tuple(group))
+        return tuple(out)
+
+
+def _product(sizes: list[int]):
+    """Every coordinate tuple of a grid of ``sizes``, last coordinate fastest."""
+    import itertools
+    return itertools.product(*(range(n) for n in sizes))
+
+
+def _meshes(text: str) -> dict[str, _Mesh]:
+    """The Shardy meshes a module declares, by name."""
+    out = {}
+    for name, axes, ids in _MESH.findall(text):
+        out[name] = _Mesh(tuple((a, int(n)) for a, n in _AXIS.findall(axes)),
+                          tuple(int(i) for i in ids.split(",")) if ids.strip() else None)
+    return out
+
+
+def _groups(attrs: str, partitions: int,
+            meshes: dict[str, _Mesh] | None = None) -> tuple[tuple[int, ...], ...]:
+    """Replica groups or source-target pairs of an op (all devices when absent or empty).
+
+    JAX 0.10 writes replica groups as a dense device-id array; JAX 0.12 as the mesh axes
+    they span (``#stablehlo.replica_group_mesh_axes<mesh = @m, axes = [...]>``), read here
+    against the module's ``sdy.mesh`` declarations."""
+    by_axes = _MESH_AXES.search(attrs)
+    if by_axes is not None:
+        mesh = (meshes or {}).get(by_axes.group(1))
+        if mesh is None:
+            raise CollectiveParseError(f"replica groups name the mesh @{by_axes.group(1)}, "
+                                       f"which the module does not declare")
+        refs = _AXIS_REF.findall(by_axes.group(2))
+        if any(extra for _, extra in refs):
+            raise CollectiveParseError(f"replica groups over sub-axes: {by_axes.group(0)}")
+        return mesh.groups([name for name, _ in refs])
     m = _GROUPS.search(attrs)
     if m is None:
         return (tuple(range(partitions)),)
@@ -246,6 +319,7 @@ class _ModuleReader:
         self.consts: dict[str, int] = {}
         self.loops: list[_Loop] = []
         self.pending: list[_Site] = []
+        self.raw = ""
 
     def enclosing(self) -> tuple[_Loop, ...]:
         return tuple(loop for loop in self.loops if loop.in_body)
@@ -265,6 +339,7 @@ class _ModuleReader:
                 self.sites = self.functions.setdefault(function.group(1), [])
                 self.consts = {}
             elif self.sites is not None:
+                self.raw = raw
                 self.read_body_line(line)
             self.depth += line.count("{") - line.count("}")
 
@@ -283,7 +358,7 @@ class _ModuleReader:
             self.record(self.pending.pop(), line)
         op = _OP.search(line)
         if op:
-            site = _Site(self.enclosing(), kind=op.group(1), attrs=line, depth=self.depth)
+            site = _Site(self.enclosing(), kind=op.group(1), attrs=self.raw, depth=self.depth)
             if line.rstrip().endswith("{"):
                 self.pending.append(site)
             else:
@@ -323,6 +398,7 @@ def count_collectives(text: str) -> CommunicationReport:
     partitions = int(m.group(1)) if m else 1
     reader = _ModuleReader()
     reader.read(text)
+    meshes = _meshes(text)
     report = CommunicationReport()
 
     def walk(name: str, loops: tuple[_Loop, ...], stack: tuple[str, ...]) -> None:
@@ -332,7 +408,7 @@ def count_collectives(text: str) -> CommunicationReport:
             if site.callee:
                 walk(site.callee, loops + site.loops, stack + (name,))
                 continue
-            groups = _groups(site.attrs, partitions)
+            groups = _groups(site.attrs, partitions, meshes)
             size = 2 if site.kind == "collective_permute" else len(groups[0])
             report.collectives.append(Collective(site.kind, site.operands, site.results,
                                                  groups, size, name,

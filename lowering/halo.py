@@ -65,6 +65,7 @@ from cptransform.analysis.block_work import rank_positions
 from cptransform.analysis.cost_model import Transfer, metadata, operands
 from cptransform.analysis.local_memory import F32
 from cptransform.analysis.schedule_statement import Calls, Grid, LocalStep, Statement
+from cptransform.ir import compat
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import row_delta, zero_times
 from cptransform.lowering.ring import packed, unpacked
@@ -132,7 +133,7 @@ def _permute(tree, axes, cp: int, shift: int, back: bool = False):
     that rank exists; ranks without a sender receive zeros."""
     step = shift if back else -shift
     perm = [(j, j + step) for j in range(cp) if 0 <= j + step < cp]
-    return jax.tree.map(lambda x: lax.ppermute(x, axes, perm), tree)
+    return jax.tree.map(lambda x: compat.ppermute(x, axes, perm), tree)
 
 
 def receive_halos(tree, runs, axes, cp: int) -> dict:

@@ -58,6 +58,7 @@ from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.analysis.block_work import rank_positions
 from cptransform.analysis.cost_model import Transfer, metadata, operands
 from cptransform.analysis.schedule_statement import LocalStep, Statement, rotated
+from cptransform.ir import compat
 from cptransform.lowering.block import Block
 from cptransform.lowering.schedule import Schedule, any_length, differentiable, finished, \
     register_schedule
@@ -68,7 +69,7 @@ from cptransform.op.accumulation import accumulator_dtype
 def rotate(tree, axes, cp: int):
     """Send every array of ``tree`` one rank up the ring (rank r → r + 1 mod cp)."""
     perm = [(j, (j + 1) % cp) for j in range(cp)]
-    return jax.tree.map(lambda x: lax.ppermute(x, axes, perm), tree)
+    return jax.tree.map(lambda x: compat.ppermute(x, axes, perm), tree)
 
 
 def accumulator_zeros(like, shape, fill=0.0):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from cptransform.ir import compat
 from cptransform.op.layouts import SequenceLayout
 
 
@@ -35,44 +36,26 @@ def _zigzag_chunk_home(m: int, cp: int) -> int:
     return m if m < cp else 2 * cp - 1 - m
 
 
-def _ppermute_ranks(mesh, seq: tuple[str, ...]) -> list[int]:
-    """``ppermute``'s index of each rank of the sequence: the sharding (and ``axis_index``)
-    number a tuple of axes in the tuple's order, ``ppermute`` in the mesh's."""
-    in_mesh_order = [a for a in mesh.axis_names if a in seq]
-    ranks = []
-    for r in range(math.prod(mesh.shape[a] for a in seq)):
-        coords, rest = {}, r
-        for a in reversed(seq):
-            coords[a], rest = rest % mesh.shape[a], rest // mesh.shape[a]
-        index = 0
-        for a in in_mesh_order:
-            index = index * mesh.shape[a] + coords[a]
-        ranks.append(index)
-    return ranks
-
-
-def _zigzag(x, *, seq, cp: int, inverse: bool, ranks: list[int]):
-    """One rank's shard (sequence on dim 0) converted natural ↔ zigzag; ``ranks`` maps a
-    sequence rank to its ``ppermute`` index."""
+def _zigzag(x, *, seq, cp: int, inverse: bool):
+    """One rank's shard (sequence on dim 0) converted natural ↔ zigzag."""
     c = x.shape[0] // 2
     halves = (x[:c], x[c:])
     rank = lax.axis_index(seq)
     odd = rank % 2 == 1
     if not inverse:
-        got = [lax.ppermute(halves[h], seq,
-                            [(ranks[r], ranks[_zigzag_chunk_home(2 * r + h, cp)])
-                             for r in range(cp)])
+        got = [compat.ppermute(halves[h], seq,
+                               [(r, _zigzag_chunk_home(2 * r + h, cp)) for r in range(cp)])
                for h in (0, 1)]
         return jnp.concatenate([jnp.where(odd, got[1], got[0]),
                                 jnp.where(odd, got[0], got[1])], axis=0)
     # The chunk of parity h on zigzag rank j: its first (chunk j) when j % 2 == h.
-    perms = [[(ranks[j], ranks[(j if j % 2 == h else 2 * cp - 1 - j) // 2])
+    perms = [[(j, (j if j % 2 == h else 2 * cp - 1 - j) // 2)
               for j in range(cp)] for h in (0, 1)]
     sent = [jnp.where(odd, halves[1], halves[0]), jnp.where(odd, halves[0], halves[1])]
-    return jnp.concatenate([lax.ppermute(sent[h], seq, perms[h]) for h in (0, 1)], axis=0)
+    return jnp.concatenate([compat.ppermute(sent[h], seq, perms[h]) for h in (0, 1)], axis=0)
 
 
-def _striped(x, *, seq, cp: int, inverse: bool, ranks: list[int]):
+def _striped(x, *, seq, cp: int, inverse: bool):
     """One rank's shard (sequence on dim 0, a multiple of ``cp`` long) converted natural ↔
     striped."""
     n, rest = x.shape[0], x.shape[1:]
@@ -116,11 +99,9 @@ def permuted_sequence(x, *, layout: SequenceLayout, dim: int, inverse: bool, mes
     :func:`collective_permutable` first."""
     cp = math.prod(mesh.shape[a] for a in seq)
     convert = {"zigzag": _zigzag, "striped": _striped}[layout.name]
-    ranks = _ppermute_ranks(mesh, seq)
 
     def local(shard):
-        y = convert(jnp.moveaxis(shard, dim, 0), seq=seq, cp=cp, inverse=inverse,
-                    ranks=ranks)
+        y = convert(jnp.moveaxis(shard, dim, 0), seq=seq, cp=cp, inverse=inverse)
         return jnp.moveaxis(y, 0, dim)
 
     spec = [None] * x.ndim

@@ -153,7 +153,7 @@ class _Canonicalizer:
         index = _concrete_scalar(invals[0])
         if index is None:
             return None
-        branches = eqn.params["branches"]
+        branches = compat.cond_branches(eqn)
         taken = branches[int(index) if 0 <= int(index) < len(branches) else -1]
         with compat.inlining(eqn):
             return self.rewriter.eval(compat.open_jaxpr(taken), compat.consts_of(taken),

@@ -60,42 +60,22 @@ def _body_links(eqn) -> list[Link]:
 
     def bind(outer, inner, shift=0):
         for o, i in zip(outer, inner):
-            if compat.is_literal(o) or compat.is_literal(i):
+            if o is None or compat.is_literal(o) or compat.is_literal(i):
                 continue
             for d in range(i.aval.ndim):
                 links.append((o, d + shift, i, d))
 
-    if name == "scan":
-        body = compat.open_jaxpr(eqn.params["jaxpr"])
-        nc, nk = eqn.params["num_consts"], eqn.params["num_carry"]
-        bind(eqn.invars[:nc + nk], body.invars[:nc + nk])
-        bind(eqn.invars[nc + nk:], body.invars[nc + nk:], shift=1)
-        bind(eqn.outvars[:nk], body.outvars[:nk])
-        bind(eqn.outvars[nk:], body.outvars[nk:], shift=1)
-        bind(body.invars[nc:nc + nk], body.outvars[:nk])
-    elif name == "while":
-        body = compat.open_jaxpr(eqn.params["body_jaxpr"])
-        cond = compat.open_jaxpr(eqn.params["cond_jaxpr"])
-        cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-        carry = eqn.invars[cn + bn:]
-        bind(eqn.invars[:cn], cond.invars[:cn])
-        bind(carry, cond.invars[cn:])
-        bind(eqn.invars[cn:cn + bn], body.invars[:bn])
-        bind(carry, body.invars[bn:])
-        bind(eqn.outvars, body.outvars)
-        bind(body.invars[bn:], body.outvars)
-    elif name == "cond":
-        for branch in eqn.params["branches"]:
-            br = compat.open_jaxpr(branch)
-            bind(eqn.invars[1:], br.invars)
-            bind(eqn.outvars, br.outvars)
-    else:
-        for _, sub in compat.eqn_subjaxprs(eqn):
-            body = compat.open_jaxpr(sub)
-            if len(body.invars) == len(eqn.invars) and len(body.outvars) >= len(eqn.outvars):
-                bind(eqn.invars, body.invars)
-                bind(eqn.outvars, body.outvars[:len(eqn.outvars)])
-                break
+    bodies = compat.bodies(eqn)
+    if name not in ("scan", "while", "cond"):
+        bodies = bodies[:1]
+    for body in bodies:
+        bind(body.inputs, body.jaxpr.invars)
+        bind(body.carry_init, body.carry_in)
+        bind(body.carry_in, body.carry_out)
+        for outer, inner in body.scanned_in + body.scanned_out:
+            bind([outer], [inner], shift=1)
+        for outer, inner in body.outputs:
+            bind([outer], [inner])
     return links
 
 

@@ -8,12 +8,68 @@ file. See ``docs/jax_versions.md`` for the measured differences.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from jax.extend import core as jex_core
-from jax.interpreters import ad, batching, mlir
-from jax._src import core as _core
-from jax._src import source_info_util as _source_info
+import jax
+
+#: The JAX releases cptransform is tested on: at least the first, below the second (the first
+#: untested minor release). ``pyproject.toml`` states the same bound for pip.
+SUPPORTED_JAX = ((0, 10, 2), (0, 13))
+#: Set to ``1`` to run on a JAX outside :data:`SUPPORTED_JAX` anyway (a warning, not an error).
+ALLOW_UNTESTED_JAX = "CPTRANSFORM_ALLOW_UNTESTED_JAX"
+
+
+class UnsupportedJaxError(ImportError):
+    """The installed JAX is outside the tested range, or spells an internal differently
+    from every tested release."""
+
+
+def _jax_version() -> str:
+    return jax.__version__
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def jax_release() -> tuple[int, ...]:
+    """The installed JAX's release as numbers, ``(0, 12, 0)`` for ``0.12.0.1``."""
+    return _release(_jax_version())
+
+
+def check_jax_version(version: str | None = None) -> None:
+    """Refuse a JAX outside :data:`SUPPORTED_JAX` with one error naming the range and the fix
+    (a warning instead where ``CPTRANSFORM_ALLOW_UNTESTED_JAX=1``)."""
+    import os
+    import warnings
+
+    version = version or _jax_version()
+    low, high = SUPPORTED_JAX
+    if low <= _release(version) < high:
+        return
+    text = (f"cptransform supports JAX >= {'.'.join(map(str, low))}, < "
+            f"{'.'.join(map(str, high))}; this is JAX {version}. Install a supported one "
+            f"(pip install 'jax>={'.'.join(map(str, low))},<{'.'.join(map(str, high))}'), or "
+            f"set {ALLOW_UNTESTED_JAX}=1 to try this one untested.")
+    if os.environ.get(ALLOW_UNTESTED_JAX) == "1":
+        warnings.warn(text, stacklevel=2)
+        return
+    raise UnsupportedJaxError(text)
+
+
+check_jax_version()
+
+from jax.extend import core as jex_core  # noqa: E402
+from jax.interpreters import ad, batching, mlir  # noqa: E402
+from jax._src import core as _core  # noqa: E402
+from jax._src import source_info_util as _source_info  # noqa: E402
 
 Primitive = jex_core.Primitive
 Literal = jex_core.Literal
@@ -63,6 +119,98 @@ def eqn_subjaxprs(eqn: Any) -> Iterator[tuple[str, Any]]:
             for item in value:
                 if is_jaxpr_like(item):
                     yield name, item
+
+
+@dataclass(frozen=True)
+class Body:
+    """One body of a control-flow or call equation and how the equation feeds it.
+
+    ``jaxpr`` is the open body; ``inputs[i]`` is the outer operand that body input ``i``
+    equals on every iteration or call (``None`` for a loop carry or a scanned slice);
+    ``carry_in`` / ``carry_out`` are the body's carried inputs and results, index for index
+    (empty for a call); ``scanned_in`` / ``scanned_out`` pair outer operands and results
+    with the body's per-iteration slices (a scan's ``xs`` and ``ys``, whose leading dim is
+    the iteration); ``outputs`` pairs outer results with body results of the same shape.
+    """
+
+    jaxpr: Any
+    inputs: tuple
+    carry_in: tuple = ()
+    carry_out: tuple = ()
+    carry_init: tuple = ()
+    scanned_in: tuple = ()
+    scanned_out: tuple = ()
+    outputs: tuple = ()
+
+
+def scan_counts(eqn: Any) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation.
+
+    JAX 0.10 has them as params; 0.12 replaced them with flat-tree params ``ft_in`` /
+    ``ft_out`` (``ft_in`` unpacks to the consts, carry and xs trees)."""
+    params = eqn.params
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    ft_in = params.get("ft_in")
+    if ft_in is None or not hasattr(ft_in, "unpack"):
+        raise UnsupportedJaxError(
+            f"this JAX ({_jax_version()}) spells a scan's params as {sorted(params)}: "
+            "neither num_consts/num_carry nor ft_in")
+    consts, carry, xs = ft_in.unpack()
+    if len(consts) + len(carry) + len(xs) != len(eqn.invars):
+        raise UnsupportedJaxError(
+            f"this JAX ({_jax_version()}) gives a scan's ft_in {len(consts)}+{len(carry)}+"
+            f"{len(xs)} leaves for {len(eqn.invars)} operands")
+    return len(consts), len(carry)
+
+
+def while_counts(eqn: Any) -> tuple[int, int]:
+    """``(cond_nconsts, body_nconsts)`` of a ``while`` equation."""
+    return int(eqn.params["cond_nconsts"]), int(eqn.params["body_nconsts"])
+
+
+def cond_branches(eqn: Any) -> tuple:
+    """The branches (closed jaxprs) of a ``cond`` equation; operand 0 is the index."""
+    return tuple(eqn.params["branches"])
+
+
+def bodies(eqn: Any) -> list[Body]:
+    """Each body of ``eqn`` with how its inputs and outputs relate to the equation's (see
+    :class:`Body`): scan, while and cond by their params; any other equation holding a
+    jaxpr whose inputs match its operands one for one (jit, calls, remat, custom
+    derivatives' primal bodies) as a call. Empty for an equation without a body."""
+    name = eqn.primitive.name
+    ins, outs = list(eqn.invars), list(eqn.outvars)
+    if name == "scan":
+        body = open_jaxpr(eqn.params["jaxpr"])
+        nc, nk = scan_counts(eqn)
+        bin_, bout = list(body.invars), list(body.outvars)
+        return [Body(body, tuple(ins[:nc]) + (None,) * (len(bin_) - nc),
+                     carry_in=tuple(bin_[nc:nc + nk]), carry_out=tuple(bout[:nk]),
+                     carry_init=tuple(ins[nc:nc + nk]),
+                     scanned_in=tuple(zip(ins[nc + nk:], bin_[nc + nk:])),
+                     scanned_out=tuple(zip(outs[nk:], bout[nk:])),
+                     outputs=tuple(zip(outs[:nk], bout[:nk])))]
+    if name == "while":
+        cn, bn = while_counts(eqn)
+        cond = open_jaxpr(eqn.params["cond_jaxpr"])
+        body = open_jaxpr(eqn.params["body_jaxpr"])
+        carry = tuple(ins[cn + bn:])
+        return [Body(cond, tuple(ins[:cn]) + (None,) * (len(cond.invars) - cn),
+                     carry_in=tuple(cond.invars[cn:]), carry_init=carry),
+                Body(body, tuple(ins[cn:cn + bn]) + (None,) * (len(body.invars) - bn),
+                     carry_in=tuple(body.invars[bn:]), carry_out=tuple(body.outvars),
+                     carry_init=carry, outputs=tuple(zip(outs, body.outvars)))]
+    if name == "cond":
+        return [Body(open_jaxpr(b), tuple(ins[1:]),
+                     outputs=tuple(zip(outs, open_jaxpr(b).outvars)))
+                for b in cond_branches(eqn)]
+    found = []
+    for _, sub in eqn_subjaxprs(eqn):
+        body = open_jaxpr(sub)
+        if len(body.invars) == len(ins) and len(body.outvars) >= len(outs):
+            found.append(Body(body, tuple(ins), outputs=tuple(zip(outs, body.outvars))))
+    return found
 
 
 def check_jaxpr(closed: Any) -> None:
@@ -340,3 +488,36 @@ def forward_over_reverse(values) -> bool:
             if reverse and isinstance(t, jvp):
                 return True
     return False
+
+
+def ppermute(x: Any, axes: tuple[str, ...], perm: list[tuple[int, int]]) -> Any:
+    """``lax.ppermute`` of ``x`` over the mesh axes ``axes`` (major first), with ``perm``'s
+    ranks numbered in ``axes``' order, as ``lax.axis_index(axes)`` numbers them.
+
+    JAX 0.10 numbers a multi-axis ``ppermute`` in the mesh's axis order whatever order the
+    axes are named in; JAX 0.11 and 0.12 refuse axes named out of mesh order. Both read the
+    same program when the axes are passed in mesh order and the ranks renumbered to it."""
+    from jax import lax
+
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    mesh_order = tuple(a for a in _core_mesh_axis_names() if a in axes)
+    if len(axes) <= 1 or mesh_order == axes or len(mesh_order) != len(axes):
+        return lax.ppermute(x, axes, perm)
+    sizes = {a: lax.axis_size(a) for a in axes}
+
+    def renumbered(rank: int) -> int:
+        coords = {}
+        for a in reversed(axes):
+            coords[a], rank = rank % sizes[a], rank // sizes[a]
+        index = 0
+        for a in mesh_order:
+            index = index * sizes[a] + coords[a]
+        return index
+
+    return lax.ppermute(x, mesh_order, [(renumbered(s), renumbered(d)) for s, d in perm])
+
+
+def _core_mesh_axis_names() -> tuple[str, ...]:
+    """The axis names, in mesh order, of the mesh a ``shard_map`` body runs under."""
+    from jax._src import mesh as _mesh
+    return tuple(_mesh.get_abstract_mesh().axis_names)

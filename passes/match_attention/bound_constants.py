@@ -68,24 +68,7 @@ def _invariant_inputs(eqn: Any) -> list:
     """``(open body, outer atom or None per body input)`` for each body of ``eqn``: the
     outer operand an input stays equal to on every iteration or call (None for carries
     and scanned slices)."""
-    name, params = eqn.primitive.name, eqn.params
-    if name == "scan":
-        body = compat.open_jaxpr(params["jaxpr"])
-        nc = params["num_consts"]
-        return [(body, list(eqn.invars[:nc]) + [None] * (len(body.invars) - nc))]
-    if name == "while":
-        cn, bn = params["cond_nconsts"], params["body_nconsts"]
-        cond, body = (compat.open_jaxpr(params[k]) for k in ("cond_jaxpr", "body_jaxpr"))
-        return [(cond, list(eqn.invars[:cn]) + [None] * (len(cond.invars) - cn)),
-                (body, list(eqn.invars[cn:cn + bn]) + [None] * (len(body.invars) - bn))]
-    if name == "cond":
-        return [(compat.open_jaxpr(b), list(eqn.invars[1:])) for b in params["branches"]]
-    out = []
-    for _, sub in compat.eqn_subjaxprs(eqn):
-        body = compat.open_jaxpr(sub)
-        if len(body.invars) == len(eqn.invars):
-            out.append((body, list(eqn.invars)))
-    return out
+    return [(body.jaxpr, list(body.inputs)) for body in compat.bodies(eqn)]
 
 
 def _value(graph: Graph, atom: Any, bound: dict, folded: dict) -> Any:

@@ -1,0 +1,136 @@
+"""The JAX-internal accessors of ``cptransform.ir.compat``, on whichever JAX runs the tests
+(CI runs this file on 0.10.2, 0.11.2 and the newest release): each answers the same for the
+same program, whatever the params are called on this version."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from cptransform.ir import compat
+from cptransform.lowering.collectives import lower_and_count
+
+from conftest import make_mesh
+
+
+def _eqn(fn, *args, name):
+    (eqn,) = [e for e in compat.open_jaxpr(jax.make_jaxpr(fn)(*args)).eqns
+              if e.primitive.name == name]
+    return eqn
+
+
+def _random(*shape, seed=0):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def test_scan_counts_and_body_roles():
+    """A scan with two closed-over constants, a carried tree and two scanned inputs: the
+    body's inputs split into consts, carry and xs; ys pair with the scanned outputs."""
+    w, b = _random(3, seed=1), _random(3, seed=2)
+
+    def fn(c0, xs, zs):
+        def body(c, x):
+            z = x[1]
+            return ({"a": c["a"] * w + x[0], "b": c["b"] + z * b}, (x[0] * 2, z.sum()))
+        return lax.scan(body, {"a": c0, "b": c0 + 1}, (xs, zs))
+
+    eqn = _eqn(fn, _random(3), _random(4, 3, seed=3), _random(4, 3, seed=4), name="scan")
+    nc, nk = compat.scan_counts(eqn)
+    assert nk == 2 and nc + nk + 2 == len(eqn.invars)
+    (body,) = compat.bodies(eqn)
+    assert len(body.carry_in) == len(body.carry_out) == len(body.carry_init) == 2
+    assert [a is None for a in body.inputs] == [False] * nc + [True] * 4
+    assert [o.aval.shape for o, _ in body.scanned_in] == [(4, 3), (4, 3)]
+    assert [(o.aval.shape, i.aval.shape) for o, i in body.scanned_out] == \
+        [((4, 3), (3,)), ((4,), ())]
+    assert [o for o, _ in body.outputs] == list(eqn.outvars[:2])
+    assert all(i.aval.shape == (3,) for _, i in body.scanned_in)
+
+
+def test_while_counts_and_bodies():
+    limit, step = jnp.float32(5.0), jnp.float32(1.5)
+
+    def fn(x):
+        return lax.while_loop(lambda c: c[0] < limit, lambda c: (c[0] + step, c[1] * 2),
+                              (jnp.float32(0), x))
+
+    eqn = _eqn(fn, _random(3), name="while")
+    cn, bn = compat.while_counts(eqn)
+    assert (cn, bn) == (1, 1)
+    cond, body = compat.bodies(eqn)
+    assert len(cond.carry_in) == 2 and cond.carry_out == ()
+    assert len(body.carry_in) == len(body.carry_out) == 2
+    assert cond.inputs[0] is eqn.invars[0] and body.inputs[0] is eqn.invars[1]
+    assert [o for o, _ in body.outputs] == list(eqn.outvars)
+
+
+def test_cond_branches_and_call_bodies():
+    def fn(p, x):
+        return lax.cond(p, lambda y: y + 1, lambda y: jnp.sin(y), x)
+
+    eqn = _eqn(fn, True, _random(3), name="cond")
+    assert len(compat.cond_branches(eqn)) == 2
+    assert [b.inputs for b in compat.bodies(eqn)] == [tuple(eqn.invars[1:])] * 2
+
+    call = compat.open_jaxpr(jax.make_jaxpr(lambda x: jax.jit(jnp.cos)(x) * 2)(_random(3)))
+    (jit,) = [e for e in call.eqns if compat.bodies(e)]
+    (body,) = compat.bodies(jit)
+    assert body.inputs == tuple(jit.invars) and body.carry_in == ()
+
+
+def test_ppermute_numbers_ranks_in_the_axes_order_given():
+    """Ranks over ("r", "u") on a ("u", "r") mesh are numbered as ``axis_index(("r", "u"))``
+    numbers them: the permute is the same program whichever way JAX orders its axes."""
+    mesh = make_mesh((2, 4), ("u", "r"))
+    x = _random(8, 2)
+    shift = [(j, (j + 1) % 8) for j in range(8)]
+
+    def local(shard):
+        rank = lax.axis_index(("r", "u"))
+        moved = compat.ppermute(shard + 0 * rank, ("r", "u"), shift)
+        return jnp.concatenate([moved, jnp.broadcast_to(rank, moved.shape[:1])[:, None]
+                                .astype(moved.dtype)], axis=1)
+
+    out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(("r", "u")),
+                                out_specs=P(("r", "u"))))(x)
+    np.testing.assert_array_equal(out[:, :2], jnp.roll(x, 1, axis=0))
+    np.testing.assert_array_equal(out[:, 2], jnp.arange(8))
+
+
+def test_collective_groups_read_on_this_jax():
+    """Replica groups are dense device ids on JAX 0.10 and mesh axes on 0.12: both read as
+    the same device groups."""
+    mesh = make_mesh((2, 4), ("u", "r"))
+
+    def local(x):
+        a = lax.all_to_all(x, "u", 0, 0, tiled=True)
+        g = lax.all_gather(x, ("r", "u"), tiled=True)
+        return a + g[:x.shape[0]]
+
+    report = lower_and_count(jax.shard_map(local, mesh=mesh, in_specs=P(("u", "r")),
+                                           out_specs=P(("u", "r"))), _random(16, 4))
+    by_kind = {c.kind: c for c in report.collectives}
+    assert by_kind["all_to_all"].groups == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert by_kind["all_gather"].groups == ((0, 4, 1, 5, 2, 6, 3, 7),)
+
+
+@pytest.mark.parametrize("version, ok", [("0.10.2", True), ("0.11.2", True),
+                                         ("0.12.0.1", True), ("0.10.1", False),
+                                         ("0.13.0", False), ("0.9.2", False)])
+def test_unsupported_jax_is_refused_with_the_range(version, ok, monkeypatch):
+    monkeypatch.delenv(compat.ALLOW_UNTESTED_JAX, raising=False)
+    if ok:
+        compat.check_jax_version(version)
+        return
+    with pytest.raises(compat.UnsupportedJaxError, match=r"JAX >= 0\.10\.2, < 0\.13.*pip"):
+        compat.check_jax_version(version)
+    monkeypatch.setenv(compat.ALLOW_UNTESTED_JAX, "1")
+    with pytest.warns(UserWarning, match=version.replace(".", r"\.")):
+        compat.check_jax_version(version)
+
+
+def test_this_jax_is_supported():
+    compat.check_jax_version(jax.__version__)
