@@ -1,6 +1,7 @@
 """Kernels declare what they can run; ``kernel="auto"`` never takes an unchecked one."""
 import warnings
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -50,24 +51,44 @@ def test_auto_takes_pallas_on_a_device_only_after_its_self_check(monkeypatch):
 
     monkeypatch.setattr(capabilities, "_compare", fake_compare)
     monkeypatch.setattr(capabilities, "_CHECKED", {})
-    kernel, why = choose_kernel("auto", spec(causal=True), jnp.float32, (8, 8), kernels(),
+    kernel, why = choose_kernel("auto", spec(causal=True), jnp.float32, (64, 64), kernels(),
                                 backend="gpu")
     assert kernel.name == "xla" and "self-check failed: its dq differs" in why
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         warn_passed_over(why)
     assert len(caught) == 1 and "\n" not in str(caught[0].message)
-    choose_kernel("auto", spec(window=(3, 3)), jnp.float32, (8, 8), kernels(), backend="gpu")
+    choose_kernel("auto", spec(window=(3, 3)), jnp.float32, (64, 64), kernels(), backend="gpu")
     assert calls == ["pallas"]  # cached per device kind
 
     monkeypatch.setattr(capabilities, "_CHECKED", {})
     verdict.clear()
-    kernel, why = choose_kernel("auto", spec(causal=True), jnp.float32, (8, 8), kernels(),
+    kernel, why = choose_kernel("auto", spec(causal=True), jnp.float32, (64, 64), kernels(),
                                 backend="tpu")
     assert kernel.name == "pallas" and "not" not in why
-    kernel, why = choose_kernel("auto", spec(causal=True, topk=True), jnp.float32, (8, 8),
+    kernel, why = choose_kernel("auto", spec(causal=True, topk=True), jnp.float32, (64, 64),
                                 kernels(), backend="tpu")
     assert kernel.name == "pallas"  # the Pallas kernels read every mask term
+
+
+def test_requested_pallas_that_fails_on_the_device_is_one_clear_error(monkeypatch):
+    """``kernel="pallas"`` on a GPU/TPU whose self-check fails (a kernel that does not
+    compile there, or differs from the reference): one error naming the kernel, the device
+    kind and ``kernel='xla'``; a passing check returns the kernel."""
+    failure = "it failed to run: ValueError: Triton could not compile cp_attention_dkv"
+    monkeypatch.setattr(capabilities, "_compare", lambda kernel: failure)
+    monkeypatch.setattr(capabilities, "_CHECKED", {})
+    with pytest.raises(KernelError) as err:
+        choose_kernel("pallas", spec(causal=True), jnp.float32, (64, 64), kernels(),
+                      backend="gpu")
+    text = str(err.value)
+    assert "kernel='pallas'" in text and jax.devices()[0].device_kind in text
+    assert "Triton could not compile" in text and "kernel='xla'" in text
+    monkeypatch.setattr(capabilities, "_compare", lambda kernel: None)
+    monkeypatch.setattr(capabilities, "_CHECKED", {})
+    kernel, why = choose_kernel("pallas", spec(causal=True), jnp.float32, (64, 64),
+                                kernels(), backend="gpu")
+    assert kernel.name == "pallas" and why == "pallas: requested"
 
 
 def test_auto_on_cpu_is_the_xla_kernel():

@@ -39,13 +39,13 @@ PREFERENCE = {"cpu": ("xla",), "gpu": ("pallas", "xla"), "cuda": ("pallas", "xla
 @dataclass(frozen=True)
 class Capabilities:
     """What a kernel runs: ``mask_terms`` (term classes), ``dtypes`` (q/k/v dtype names),
-    ``head_dims`` (a predicate on q/k's and v's head dims), ``backends``, and
+    ``head_dims`` (a predicate on a head dim of q/k or v and the backend), ``backends``, and
     ``needs_check``: the backends where ``"auto"`` takes it only after a passed
     :func:`self_check` on the device kind."""
 
     mask_terms: frozenset = ALL_TERMS
     dtypes: frozenset = FLOATS
-    head_dims: Callable[[int], bool] = field(default=lambda d: d > 0)
+    head_dims: Callable[[int, str], bool] = field(default=lambda d, backend: d > 0)
     backends: frozenset = frozenset(PREFERENCE)
     needs_check: frozenset = frozenset()
 
@@ -57,9 +57,9 @@ class Capabilities:
             return f"it does not read the mask term(s) {', '.join(terms)}"
         if np.dtype(dtype).name not in self.dtypes:
             return f"it does not compute in {np.dtype(dtype).name}"
-        bad = [d for d in head_dims if not self.head_dims(d)]
+        bad = [d for d in head_dims if not self.head_dims(d, backend)]
         if bad:
-            return f"it does not support head dim {bad[0]}"
+            return f"it does not support head dim {bad[0]} on the {backend} backend"
         if backend not in self.backends:
             return f"it does not run on the {backend} backend"
         return None
@@ -123,6 +123,11 @@ def choose_kernel(name: str, spec: AttentionSpec, dtype, head_dims: tuple[int, .
             raise KernelError(unknown_name("kernel", name, sorted({*known, "auto"})))
         kernel = known[name]
         why = kernel.capabilities.refusal(spec, dtype, head_dims, backend)
+        if why is None and backend in kernel.capabilities.needs_check:
+            failed = self_check(kernel)
+            if failed is not None:
+                why = (f"on this {jax.devices()[0].device_kind} its self-check against the "
+                       f"reference failed: {failed}")
         if why is not None:
             raise KernelError(
                 f"kernel={name!r} cannot run this attention ({spec.mask.describe()}): {why}; "

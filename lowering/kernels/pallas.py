@@ -26,6 +26,9 @@ from cptransform.lowering.kernels.pallas_operands import heads_major, prepare, t
 from cptransform.lowering.kernels.pallas_skipped import skipped_backward, skipped_forward
 
 VARIANTS = {"tpu": pallas_tpu, "gpu": pallas_gpu}
+#: Head dims the GPU variant lowers: Pallas's Triton lowering needs every array in a kernel
+#: to have power-of-two dims (a head dim of 80 or 96 is refused there).
+GPU_HEAD_DIMS = frozenset({16, 32, 64, 128, 256})
 _BACKEND_VARIANT = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu", "rocm": "gpu"}
 
 
@@ -47,6 +50,8 @@ class PallasKernel:
     capabilities = Capabilities(
         mask_terms=ALL_TERMS - {mask_terms.CoordinateBand},
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
+        head_dims=lambda d, backend: d > 0 and (
+            _BACKEND_VARIANT.get(backend) != "gpu" or d in GPU_HEAD_DIMS),
         needs_check=frozenset({"gpu", "cuda", "rocm", "tpu"}))
 
     def __init__(self, variant: str | None = None, block_q: int | None = None,

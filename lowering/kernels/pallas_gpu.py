@@ -107,6 +107,14 @@ def _sides(spec, refs, ops, q_start, kv_start, kv_major, head=0):
                      col_valid=valid[cols], transposed=kv_major)
 
 
+def _divmod(r, n: int):
+    """``(r // n, r % n)`` for a non-negative int32 ``r`` as Triton lowers it: ``//`` and
+    ``%`` go through ``jnp.floor_divide`` / ``jnp.remainder``, whose sign and zero-divisor
+    fix-ups Pallas's Triton lowering fails on (``AssertionError: ('i32', 'i1')``)."""
+    n = jnp.int32(n)
+    return lax.div(r, n), lax.rem(r, n)
+
+
 def _by_kind(kind, skip, full, partial, carry):
     """Run ``skip``, ``full`` or ``partial`` on ``carry`` by the table entry ``kind``."""
     return lax.cond(kind == BlockKind.SKIP, skip,
@@ -248,7 +256,7 @@ def backward_dkv(ops: Operands, spec: AttentionSpec, do, lse, delta, interpret):
         bias_ref = refs.get("bias")
 
         def step(r, masked, acc):
-            head, i = r // nq, r % nq
+            head, i = _divmod(r, nq)
             qs = pl.ds(i * bq, bq)
             q, do_ = refs["q"][head, qs, :], refs["do"][head, qs, :]
             bias = None if bias_ref is None else \
@@ -263,7 +271,8 @@ def backward_dkv(ops: Operands, spec: AttentionSpec, do, lse, delta, interpret):
                     dv_acc + dot_nn(p_t.astype(do_.dtype), do_))
 
         def body(r, acc):
-            kind = refs["table"][head_index(bt, bi), head_index(ht, hk * g + r // nq), j, r % nq]
+            head, i = _divmod(r, nq)
+            kind = refs["table"][head_index(bt, bi), head_index(ht, hk * g + head), j, i]
             return _by_kind(kind, lambda a: a, functools.partial(step, r, False),
                             functools.partial(step, r, True), acc)
 
