@@ -21,6 +21,8 @@ Reference points on an H200: cuDNN forward 490–590 TFLOP/s, fwd+bwd 420–550.
     python bench/kernels.py                      # on the GPU
     python bench/kernels.py --interpret --small  # on CPU: tiny shapes, Pallas interpreted
 
+Each row also states its compile time (forward and forward+backward together).
+
 Prints a table and writes ``bench/results/kernels-<device>-<date>.json``.
 """
 from __future__ import annotations
@@ -87,24 +89,25 @@ def problem(seq: int, heads: int, dim: int, mask: str, block: int, dtype):
     return q, k, v, None, None, 0.5 if mask == "causal" else 1.0
 
 
-def pallas_fns(kernel: PallasKernel, mask: str, seq: int, scale: float, topk=None):
-    """``(forward, forward+backward)`` of the Pallas kernel on ``(q, k, v, dense)``; the
-    top-k mask reads ``topk`` (indices) and ignores ``dense``."""
+def pallas_fns(kernel: PallasKernel, mask: str, seq: int, scale: float):
+    """``(forward, forward+backward)`` of the Pallas kernel on ``(q, k, v, dense, topk)``;
+    the top-k mask reads ``topk`` (indices, an argument: as a closed-over constant XLA
+    spends tens of seconds constant-folding its sort) and ignores ``dense``."""
     spec = AttentionSpec(BTHD, BTHD, BTHD, scale=scale, positions=True,
                          mask=MaskSpec(causal=mask in ("causal", "topk"),
                                        dense=mask == "block_sparse", topk=mask == "topk"))
     pos = jnp.arange(seq, dtype=jnp.int32)[None]
 
-    def block(q, k, v, dense):
+    def block(q, k, v, dense, topk):
         if topk is not None:
             return Block(q, k, v, pos, pos, topk=topk)
         return Block(q, k, v, pos, pos, mask=dense)
 
-    def fwd(q, k, v, dense):
-        return kernel.forward(block(q, k, v, dense), spec)[0]
+    def fwd(q, k, v, dense, topk):
+        return kernel.forward(block(q, k, v, dense, topk), spec)[0]
 
-    def fwd_bwd(q, k, v, dense):
-        b = block(q, k, v, dense)
+    def fwd_bwd(q, k, v, dense, topk):
+        b = block(q, k, v, dense, topk)
         o, lse = kernel.forward(b, spec)
         return kernel.backward(b, o, lse, o, spec)[:3]  # dO = O: any cotangent will do
 
@@ -112,13 +115,14 @@ def pallas_fns(kernel: PallasKernel, mask: str, seq: int, scale: float, topk=Non
 
 
 def nn_fns(implementation: str, mask: str, scale: float):
-    """``(forward, forward+backward)`` of ``jax.nn.dot_product_attention``."""
-    def fwd(q, k, v, dense):
+    """``(forward, forward+backward)`` of ``jax.nn.dot_product_attention`` (the top-k mask
+    as the dense boolean ``dense``; ``topk`` is not read)."""
+    def fwd(q, k, v, dense, topk=None):
         return jax.nn.dot_product_attention(q, k, v, mask=dense, scale=scale,
                                             is_causal=mask == "causal",
                                             implementation=implementation)
 
-    def fwd_bwd(q, k, v, dense):
+    def fwd_bwd(q, k, v, dense, topk=None):
         loss = lambda q, k, v: jnp.sum(fwd(q, k, v, dense).astype(jnp.float32))  # noqa: E731
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
@@ -136,36 +140,34 @@ def timed(fn, args, iters: int) -> float:
     return statistics.median(times)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--interpret", action="store_true",
-                        help="run the Pallas kernel in interpret mode (CPU)")
-    parser.add_argument("--small", action="store_true",
-                        help="tiny shapes (S=256, H=2, D=32, 64-blocks) for a CPU check")
-    parser.add_argument("--iters", type=int, default=None)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    seqs, heads, dim, block = ((256,), 2, 32, 64) if args.small else ((8192, 32768), 16, 128, 128)
-    iters = args.iters or (1 if args.small else 10)
-    kernel = PallasKernel(block_q=block, block_kv=block,
-                          interpret=True if args.interpret else None)
-    device = jax.devices()[0].device_kind.replace(" ", "_")
+def measure(seqs, masks, heads, dim, block, kernel, iters, budget_s=None):
+    """``(rows, failures)``: each (implementation, S, mask) forward checked against XLA's,
+    then its forward and forward+backward compile time and median run time. Rows past
+    ``budget_s`` seconds are recorded as skipped, not run."""
     impls = ["xla", "pallas"] + ([] if jax.default_backend() == "cpu" else ["cudnn"])
-    rows, failures = [], []
+    rows, failures, start = [], [], time.perf_counter()
     for seq in seqs:
-        for mask in MASKS:
+        for mask in masks:
             q, k, v, dense, topk, fraction = problem(seq, heads, dim, mask, block,
                                                      jnp.bfloat16)
             flops = 4 * heads * seq * seq * dim * fraction
             scale = dim ** -0.5
             want = None
             for impl in impls:
-                fns = pallas_fns(kernel, mask, seq, scale, topk) if impl == "pallas" else \
+                row = dict(impl=impl, seq=seq, mask=mask, fraction=fraction)
+                if budget_s is not None and time.perf_counter() - start > budget_s:
+                    rows.append(dict(row, skipped=f"past the {budget_s:.0f} s budget"))
+                    continue
+                fns = pallas_fns(kernel, mask, seq, scale) if impl == "pallas" else \
                     nn_fns(impl, mask, scale)
                 fwd, fwd_bwd = (jax.jit(f) for f in fns)
-                row = dict(impl=impl, seq=seq, mask=mask, fraction=fraction)
+                args = (q, k, v, dense, topk)
                 try:
-                    out = np.asarray(fwd(q, k, v, dense), np.float32)
+                    began = time.perf_counter()
+                    fwd_c = fwd.lower(*args).compile()
+                    fwd_bwd_c = fwd_bwd.lower(*args).compile()
+                    row["compile_s"] = time.perf_counter() - began
+                    out = np.asarray(fwd_c(*args), np.float32)
                 except Exception as err:  # cuDNN refuses some shapes/masks: report, go on
                     rows.append(dict(row, error=f"{type(err).__name__}: {str(err)[:200]}"))
                     continue
@@ -174,23 +176,60 @@ def main() -> int:
                 row["max_abs_err_vs_xla"] = err
                 if err > 5e-2:
                     failures.append(f"{impl} {mask} S={seq}: max |error| {err:.3g}")
-                t_f = timed(fwd, (q, k, v, dense), iters)
-                t_fb = timed(fwd_bwd, (q, k, v, dense), iters)
+                t_f = timed(fwd_c, args, iters)
+                t_fb = timed(fwd_bwd_c, args, iters)
                 row.update(fwd_ms=t_f * 1e3, fwd_bwd_ms=t_fb * 1e3,
                            fwd_tflops=flops / t_f / 1e12, fwd_bwd_tflops=3.5 * flops / t_fb / 1e12)
                 rows.append(row)
-    print(f"{'impl':8} {'S':>6} {'mask':13} {'fwd ms':>9} {'fwd TF/s':>9} "
-          f"{'f+b ms':>9} {'f+b TF/s':>9}  err")
+    return rows, failures
+
+
+def table(rows) -> str:
+    """The rows as a fixed-width table."""
+    lines = [f"{'impl':8} {'S':>6} {'mask':13} {'compile s':>9} {'fwd ms':>9} {'fwd TF/s':>9} "
+             f"{'f+b ms':>9} {'f+b TF/s':>9}  err"]
     for r in rows:
-        if "error" in r:
-            print(f"{r['impl']:8} {r['seq']:6} {r['mask']:13} {r['error']}")
+        head = f"{r['impl']:8} {r['seq']:6} {r['mask']:13}"
+        if "error" in r or "skipped" in r:
+            lines.append(f"{head} {r.get('error') or 'skipped: ' + r['skipped']}")
             continue
-        print(f"{r['impl']:8} {r['seq']:6} {r['mask']:13} {r['fwd_ms']:9.3f} "
-              f"{r['fwd_tflops']:9.2f} {r['fwd_bwd_ms']:9.3f} {r['fwd_bwd_tflops']:9.2f}  "
-              f"{r['max_abs_err_vs_xla']:.1e}")
+        lines.append(f"{head} {r['compile_s']:9.1f} {r['fwd_ms']:9.3f} {r['fwd_tflops']:9.2f} "
+                     f"{r['fwd_bwd_ms']:9.3f} {r['fwd_bwd_tflops']:9.2f}  "
+                     f"{r['max_abs_err_vs_xla']:.1e}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--interpret", action="store_true",
+                        help="run the Pallas kernel in interpret mode (CPU)")
+    parser.add_argument("--small", action="store_true",
+                        help="tiny shapes (S=256, H=2, D=32, 64-blocks) for a CPU check")
+    parser.add_argument("--seqs", default=None,
+                        help="comma-separated sequence lengths (default 8192,32768)")
+    parser.add_argument("--masks", default=",".join(MASKS),
+                        help=f"comma-separated masks among {', '.join(MASKS)}")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="skip the rows that would start after this many seconds")
+    parser.add_argument("--iters", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    masks = args.masks.split(",")
+    unknown = [m for m in masks if m not in MASKS]
+    if unknown:
+        parser.error(f"unknown mask {unknown[0]!r}; choose among {', '.join(MASKS)}")
+    seqs, heads, dim, block = ((256,), 2, 32, 64) if args.small else ((8192, 32768), 16, 128, 128)
+    if args.seqs:
+        seqs = tuple(int(x) for x in args.seqs.split(","))
+    iters = args.iters or (1 if args.small else 10)
+    kernel = PallasKernel(block_q=block, block_kv=block,
+                          interpret=True if args.interpret else None)
+    device = jax.devices()[0].device_kind.replace(" ", "_")
+    rows, failures = measure(seqs, masks, heads, dim, block, kernel, iters, args.budget_s)
+    print(table(rows))
     date = datetime.date.today().isoformat()
     out = Path(args.out or ROOT / "bench" / "results" / f"kernels-{device}-{date}.json")
-    out.write_text(json.dumps(dict(device=device, backend=jax.default_backend(),
+    out.write_text(json.dumps(dict(date=date, device=device, backend=jax.default_backend(),
                                    jax=jax.__version__, heads=heads, dim=dim, block=block,
                                    interpret=args.interpret, rows=rows), indent=1))
     print(f"wrote {out}")

@@ -118,7 +118,7 @@ def cases(targets=tuple(TARGETS)) -> list[Case]:
     return out
 
 
-def _operands(case: Case):
+def abstract_operands(case: Case):
     """Abstract operands of ``case``: a ``Block`` of ``ShapeDtypeStruct`` and the spec."""
     spec_mask, softcap = MASKS[case.mask]
     dtype = jnp.dtype(case.dtype)
@@ -145,7 +145,7 @@ def lower_case(case: Case):
     """Lower ``case``'s forward and backward (dQ and the KV-major dK/dV kernels) for its
     target; returns ``(seconds, lowered)``. Raises whatever the lowering raises."""
     target = TARGETS[case.target]
-    block, spec = _operands(case)
+    block, spec = abstract_operands(case)
     kernel = PallasKernel(variant=target.variant, interpret=False)
     names = [n for n in Block.__dataclass_fields__ if getattr(block, n) is not None]
 
