@@ -360,7 +360,8 @@ class PlanContextParallel(Pass):
         candidates = {name: s for name, s in known.items() if s.mesh_axes == axes
                       and (s.automatic or self.schedule != "auto")}
         costs = {name: s.volume(shape).forward_total for name, s in candidates.items()}
-        problems = {name: s.feasible(shape) for name, s in candidates.items()}
+        problems = {name: s.feasible(shape) or compat.compiler_crash(name)
+                    for name, s in candidates.items()}
         predictions = {} if hardware is None else {
             name: s.predict(shape, hardware, spans) for name, s in candidates.items()
             if problems[name] is None}
@@ -374,7 +375,8 @@ class PlanContextParallel(Pass):
                        bytes_per_device=costs, predictions=ranked)
         if self.schedule != "auto":
             chosen = known[self.schedule]
-            problem = mesh_problem(chosen, mesh_axes) or chosen.feasible(shape)
+            problem = mesh_problem(chosen, mesh_axes) or chosen.feasible(shape) \
+                or compat.compiler_crash(self.schedule)
             if problem:
                 raise PlanError(f"attention at {where}: {problem}")
             reason = degree_note or "requested"

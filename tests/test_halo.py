@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import make_mesh
+from conftest import make_mesh, needs_halo
 from schedule_cases import Case, check_schedule, make_case
 from test_nan_inf import assert_same
 
@@ -148,6 +148,7 @@ def _loss_model(window):
 def test_context_parallel_end_to_end(rng, load_balance):
     """``context_parallel(schedule="halo")`` on a jax.nn sliding-window attention: value and
     gradients, with the plan's layout reaching feasibility and the schedule."""
+    needs_halo()
     normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
     q, k, v = normal(2, SEQ, 4, 8), normal(2, SEQ, 2, 8), normal(2, SEQ, 2, 8)
     f = _loss_model((3, 0))
@@ -165,6 +166,7 @@ def test_context_parallel_end_to_end(rng, load_balance):
 def test_auto_chooses_halo_for_a_narrow_window(rng, hardware):
     """Under ``auto`` a window of 3 over 8-token shards goes to halo (its bytes are the
     window's, its compute the band's), and the program still matches one device."""
+    needs_halo()
     normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
     q, k, v = normal(1, SEQ, 4, 8), normal(1, SEQ, 4, 8), normal(1, SEQ, 4, 8)
     f = _loss_model((3, 0))
@@ -269,3 +271,28 @@ def test_permutes_move_only_halos(layout, window):
                    if c.kind == "collective_permute") - want
     assert back == Counter(f"{batch}x{w}x{hkv}x{d + dv}xf32" for w in widths)
     assert bwd.per_device_bytes == volume.forward_total + volume.backward_total
+
+
+@pytest.mark.parametrize("version, crashes", [("0.11.2", True), ("0.10.2", False),
+                                              ("0.12.0.1", False)])
+def test_halo_refused_where_xla_crashes(rng, monkeypatch, version, crashes):
+    """On JAX 0.11.x, whose XLA segfaults compiling the halo schedule's K/V gradient, auto
+    leaves halo out (saying why) and ``schedule="halo"`` is one error naming the cause and
+    the fix; other versions plan halo as usual."""
+    from cptransform.ir import compat
+    from cptransform.ir.errors import PlanError
+
+    monkeypatch.setattr(compat, "_jax_version", lambda: version)
+    normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
+    q, k, v = normal(1, SEQ, 4, 8), normal(1, SEQ, 4, 8), normal(1, SEQ, 4, 8)
+    f = _loss_model((3, 0))
+    text = context_parallel(f, cp=4, load_balance="none", hardware="h100").explain(
+        q, k, v, verbose=True)
+    assert ("schedule: halo" in text) != crashes
+    assert ("crashes" in text) == crashes
+    explicit = context_parallel(f, cp=4, schedule="halo", load_balance="none")
+    if not crashes:
+        assert "schedule: halo" in explicit.explain(q, k, v)
+        return
+    with pytest.raises(PlanError, match=rf"JAX {version}.*segfault.*schedule='ring'"):
+        explicit.explain(q, k, v)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import fast_every
+from conftest import fast_every, needs_halo
 from jax import lax
 
 from cptransform import context_parallel
@@ -201,6 +201,7 @@ def test_loss_and_grads_match_one_device(rng, name, schedule):
 @pytest.mark.parametrize("name", ["gpt_neo_local", "mistral_sliding", "tril_difference"])
 def test_windows_run_under_halo(rng, name):
     """The local layers' windows are windows: the halo schedule takes them."""
+    needs_halo()
     fn = CASES[name][0]
     args = inputs(rng, name)
     loss = lambda q, k, v, m: jnp.sum(jnp.sin(fn(q, k, v, m)))  # noqa: E731

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import needs_halo
 from cptransform import attention, context_parallel
 from cptransform.api.plan_chart import balance_table, block_kind, charts_for, device_work, \
     render_png, render_text
@@ -114,6 +115,8 @@ slowest device: 1.00x the mean"""
 def test_halo_chart():
     """A causal window of 3: each device's one call holds its left neighbour's last 3 keys
     (none on device 0: skipped) and its own 16, both partial."""
+    needs_halo()
+
     def windowed(q, k, v):
         return jnp.sum(attention(q, k, v, causal=True, window=(3, 0)))
 

@@ -44,6 +44,23 @@ def jax_release() -> tuple[int, ...]:
     return _release(_jax_version())
 
 
+def compiler_crash(schedule: str) -> str | None:
+    """Why this JAX's XLA crashes the process (not an error: a segfault) compiling a program
+    that runs ``schedule``, or ``None``. The planner leaves such a schedule out under
+    ``auto`` and refuses it when asked for, with this text.
+
+    JAX 0.11.x: XLA segfaults in the SPMD partitioner's conditional-canonicalizer pass when
+    compiling the gradient with respect to K/V of a ``context_parallel`` program whose
+    attention runs the halo schedule (``examples/gemma.py``, ``examples/gpt_oss.py``;
+    measured on the CPU backend of 0.11.2; the forward compiles; 0.10.2 and 0.12.0.1
+    compile and match one device)."""
+    if schedule == "halo" and jax_release()[:2] == (0, 11):
+        return (f"JAX {_jax_version()}'s XLA crashes (a segfault in the SPMD partitioner) "
+                "compiling the halo schedule's K/V gradient; use schedule='ring' (auto "
+                "does), or JAX 0.10.2 or 0.12")
+    return None
+
+
 def check_jax_version(version: str | None = None) -> None:
     """Refuse a JAX outside :data:`SUPPORTED_JAX` with one error naming the range and the fix
     (a warning instead where ``CPTRANSFORM_ALLOW_UNTESTED_JAX=1``)."""
