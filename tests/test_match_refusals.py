@@ -62,6 +62,42 @@ def test_dropout_on_probabilities(rng):
     check_refused(fn, q, k, v, keep, reason="dropout")
 
 
+@pytest.mark.parametrize("spelling", ["take_along_axis", "indexing"])
+def test_keys_gathered_per_query(rng, spelling):
+    """DeepSeek-V3.2's selected keys gathered per query (``k_sel [B, Q, k, H, D]``, both
+    products' operands carry the query dim): left alone with the reason and the way to
+    shard it, never a crash; the program is unchanged."""
+    q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
+    idx = jnp.asarray(rng.integers(0, T, (B, T, 3)), jnp.int32)
+
+    def gathered(x, idx):
+        if spelling == "take_along_axis":
+            return jnp.take_along_axis(x[:, None], idx[:, :, :, None, None], axis=2)
+        return x[jnp.arange(B)[:, None, None], idx]
+
+    def fn(q, k, v, idx):
+        k_sel, v_sel = gathered(k, idx), gathered(v, idx)
+        p = jax.nn.softmax(jnp.einsum("bqhd,bqkhd->bhqk", q, k_sel) * D ** -0.5, axis=-1)
+        return jnp.einsum("bhqk,bqkhd->bqhd", p, v_sel)
+
+    check_refused(fn, q, k, v, idx, reason="gathered per query")
+
+
+def test_a_matcher_failure_leaves_the_softmax_alone(rng, monkeypatch):
+    """An unforeseen failure while reading a candidate is a refusal with its cause, not a
+    crash: the attention stays as written."""
+    from cptransform.passes.match_attention import matcher
+
+    def broken(*args, **kwargs):
+        raise IndexError("tuple index out of range")
+
+    monkeypatch.setattr(matcher, "build_candidate", broken)
+    q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
+    fn = lambda q, k, v: jnp.einsum(  # noqa: E731
+        "bhqk,bkhd->bqhd", jax.nn.softmax(scores(q, k), axis=-1), v)
+    check_refused(fn, q, k, v, reason="could not read this candidate (IndexError")
+
+
 @pytest.mark.slow
 def test_softmax_over_query_axis(rng):
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))

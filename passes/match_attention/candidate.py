@@ -160,6 +160,11 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     if any(set(side.dims) & set(qk.merged) for side in sides):
         raise NotAttention("a mask or bias varies along dims merged by a reshape of the logits")
     q_seq = parts.q_dim
+    if q_seq is None and not qk.q_free:
+        raise NotAttention("the keys are gathered per query (the query dim is shared by both "
+                           "operands of the logits product, as k[idx] of shape [B, Q, k, ...]): "
+                           "not an attention over one key sequence; pass the picks as "
+                           "cptransform.attention(..., topk_indices=idx) to shard it")
     if q_seq is None:
         same = [lab for lab in qk.q_free if qk.sizes[lab] == qk.sizes[qk.kv]]
         q_seq = (same or qk.q_free)[0]

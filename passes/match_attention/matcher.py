@@ -100,3 +100,11 @@ class Matcher:
             err.attention_like = True
             err.rule = rule.value
             raise
+        except (IndexError, KeyError, ValueError, TypeError) as err:
+            # A spelling the candidate reader did not foresee: the softmax is left alone
+            # (the program stays exact) and the report names the failure.
+            failed = NotAttention(f"the matcher could not read this candidate "
+                                  f"({type(err).__name__}: {err}); left alone, please "
+                                  "report the program")
+            failed.attention_like, failed.rule = True, rule.value
+            raise failed from err
