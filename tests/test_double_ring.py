@@ -117,3 +117,22 @@ def test_planned_explained_and_drawn_from_its_record(rng):
     (plan,) = f.module(x, x, x).facts.plan
     charts = charts_for(plan, SequenceLayout("contiguous", 64, 4))
     assert "\n".join(render_text(c) for c in charts) == CHART
+
+
+def test_asked_for_on_a_two_axis_mesh_it_is_what_runs(rng):
+    """On a mesh with two CP axes, ``schedule="double_ring"`` is the schedule planned and run
+    (not hybrid), matching one device; a one-axis schedule there is one clear error."""
+    from cptransform.ir.errors import ContextParallelOptionError
+
+    x = jnp.asarray(rng.normal(size=(1, 64, 4, 16)), jnp.float32)
+
+    def loss(q, k, v):
+        return jnp.sum(attention(q, k, v, causal=True) ** 2)
+
+    mesh = make_mesh((2, 2), ("inner", "outer"))
+    f = context_parallel(loss, mesh=mesh, axis=("inner", "outer"), schedule="double_ring",
+                         load_balance="none")
+    np.testing.assert_allclose(f(x, x, x), loss(x, x, x), rtol=1e-5)
+    assert [p.schedule for p in f.module(x, x, x).facts.plan] == ["double_ring"]
+    with pytest.raises(ContextParallelOptionError, match="need a two-axis schedule"):
+        context_parallel(loss, mesh=mesh, axis=("inner", "outer"), schedule="ring")(x, x, x)

@@ -278,9 +278,8 @@ def prepare(module: Module, options: Options, overrides: dict | None = None) -> 
 def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipeline:
     """The context-parallel pass pipeline for a prepared module, as pass objects (the CLI
     prints it with ``spelled()``); ``lower=False`` stops before lowering (for plans)."""
-    schedule = "hybrid" if len(module.facts.cp_axes) == 2 else options.schedule
     passes = [Canonicalize(), MatchAttention(), MatchWindows(), InferSeqAxes(),
-              PlanContextParallel(schedule=schedule, load_balance=options.load_balance,
+              PlanContextParallel(schedule=options.schedule, load_balance=options.load_balance,
                                   hardware=options.hardware,
                                   memory_limit=options.memory_limit, kernel=options.kernel),
               ReorderSequence(strict=options.strict, keep_permuted=options.keep_permuted)]
