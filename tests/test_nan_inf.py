@@ -139,8 +139,14 @@ def test_inf_logit(rng, schedule):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_inf_logit_in_one_block(rng, schedule):
     """One huge token: only its own logit overflows to +inf, in one key block. Its row is
-    NaN on one device; a merge that weighted the +inf partial 0 would hide it."""
+    NaN on one device; a merge that weighted the +inf partial 0 would hide it.
+
+    ``wk = wq`` makes that logit ``Σ q_i²``: every term +inf, so it is +inf in any
+    summation order (with independent weights, terms of both signs overflow and whether
+    the sum is +inf or NaN depends on the order the dot product accumulates in, which
+    differs between kernels and XLA versions)."""
     p = params(rng)
+    p["wk"] = p["wq"]
     x, extra, valid = inputs(rng)
     x = x.at[1, 3].multiply(1e30)
     want = compare(attention_out, (p, x, extra, valid), schedule, grads=False)
