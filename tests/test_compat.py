@@ -79,6 +79,19 @@ def test_cond_branches_and_call_bodies():
     (jit,) = [e for e in call.eqns if compat.bodies(e)]
     (body,) = compat.bodies(jit)
     assert body.inputs == tuple(jit.invars) and body.carry_in == ()
+    assert compat.open_jaxpr(compat.call_body(jit)) is body.jaxpr
+
+    @jax.custom_vjp
+    def clipped(x):
+        return jnp.clip(x, -1, 1)
+
+    clipped.defvjp(lambda x: (clipped(x), None), lambda _, g: (g,))
+    custom = compat.open_jaxpr(jax.make_jaxpr(clipped)(_random(3)))
+    (eqn,) = custom.eqns
+    body = compat.open_jaxpr(compat.call_body(eqn))
+    assert [v.aval.shape for v in body.invars + body.outvars] == [(3,), (3,)]
+    assert compat.call_body(custom.eqns[0]) is not None and compat.call_body(
+        compat.open_jaxpr(jax.make_jaxpr(jnp.sin)(_random(3))).eqns[0]) is None
 
 
 def test_ppermute_numbers_ranks_in_the_axes_order_given():

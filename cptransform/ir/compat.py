@@ -160,6 +160,17 @@ class Body:
     outputs: tuple = ()
 
 
+def call_body(eqn: Any) -> Any:
+    """The body a call-like equation runs once on its operands (pjit's ``jaxpr``,
+    closed_call's / custom_jvp_call's ``call_jaxpr``, custom_vjp_call's ``fun_jaxpr`` or
+    ``call_jaxpr``), or ``None``."""
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        body = eqn.params.get(name)
+        if body is not None and is_jaxpr_like(body):
+            return body
+    return None
+
+
 def scan_counts(eqn: Any) -> tuple[int, int]:
     """``(num_consts, num_carry)`` of a ``scan`` equation.
 

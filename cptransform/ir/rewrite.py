@@ -109,11 +109,7 @@ class Rewriter:
 
     @staticmethod
     def _call_body(eqn: Any) -> Any:
-        for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
-            body = eqn.params.get(name)
-            if body is not None and compat.is_jaxpr_like(body):
-                return body
-        return None
+        return compat.call_body(eqn)
 
     def _rewrite_params(self, eqn: Any) -> dict | None:
         """Params with every sub-jaxpr rewritten (unchanged objects where nothing matched);
