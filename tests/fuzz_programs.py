@@ -68,6 +68,8 @@ PROGRAM_CLASSES = (
     "masked_rows",      # fully masked query rows (left padding + causal), -inf or added fill
     "row_test",         # keras-hub Gemma: output rows zeroed by a row test on the int mask
     "windows",          # a windowed op along the tokens before and after the block
+    "gathered_keys",    # DeepSeek-V3.2-style keys gathered per query (k[idx]: [B, Q, k, ..])
+                        # beside the attention: take_along_axis or indexing, causal picks
 )
 #: The calls around the transform: state across steps, static arguments, dtypes.
 CALL_CLASSES = (
@@ -241,6 +243,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "pooling": ("first", "last", "indexed", "mean", "segment_sum"),
         "routing": ("top2", "top1_capacity", "sort"),
         "shift_extreme": ("logsumexp_huge", "sqrt_zero"),
+        "gathered_keys": ("take_along_axis", "indexing"),
     }.get(cls, ("",))
     variant = choose("variant", variants)
     llama = cls == "llama_block"
@@ -629,6 +632,11 @@ def make_data(case: FuzzCase):
         m = rng.random((mb, 1, s, s)) < 0.6
         m |= np.eye(s, dtype=bool)[None, None]
         inp["dense_mask"] = m
+    if case.cls == "gathered_keys":
+        # each query's picks among its causal keys (itself always among them)
+        picks = (rng.random((b, s, 3)) * (np.arange(s)[None, :, None] + 1)).astype(np.int32)
+        picks[..., 0] = np.arange(s)[None, :]
+        inp["picks"] = picks
     if case.cls == "windows" and case.variant.startswith("conv"):
         p["w_conv"] = _normal(rng, (int(case.variant.rsplit("_", 1)[1]), 1, e), 0.5)
     if case.cls in LAYOUT_CLASSES:
@@ -791,6 +799,8 @@ def block(case: FuzzCase, p: dict, x, inputs: dict):
     if case.cls == "dtype_fp16":
         q, k, v = q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16)
     o = attend(case, q, k, v, p, inputs).astype(x.dtype)
+    if case.cls == "gathered_keys":
+        o = o + gathered_attention(case, q, k, v, inputs["picks"]).astype(x.dtype)
     if case.cls == "seq_contract":
         # a learned length-S weight contracted with the attention output over the sequence
         pooled = jnp.einsum("bshd,s->bhd", o, p["w_s"])
@@ -812,6 +822,22 @@ def block(case: FuzzCase, p: dict, x, inputs: dict):
         hy = rmsnorm(y, p["g"])
         y = y + (jax.nn.silu(hy @ p["w1"]) * (hy @ p["w3"])) @ p["w2"]
     return y
+
+
+def gathered_attention(case: FuzzCase, q, k, v, picks):
+    """Sparse attention over keys gathered per query (``picks [B, S, n]``): the gathered
+    K/V carry the query dim, ``[B, S, n, H, D]`` (``case.variant`` spells the gather)."""
+    h = q.shape[2]
+    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+    if case.variant == "take_along_axis":
+        k_sel, v_sel = (jnp.take_along_axis(x[:, None], picks[..., None, None], axis=2)
+                        for x in (k, v))
+    else:
+        rows = jnp.arange(q.shape[0])[:, None, None]
+        k_sel, v_sel = k[rows, picks], v[rows, picks]
+    s = jnp.einsum("bqhd,bqnhd->bhqn", q, k_sel).astype(softmax_dtype(q.dtype))
+    p = jax.nn.softmax(s / math.sqrt(q.shape[-1]), axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqn,bqnhd->bqhd", p, v_sel)
 
 
 def window_op(case: FuzzCase, x, p: dict):
