@@ -152,13 +152,34 @@ def penzai_llama(use_layer_stack: bool):
 
 # -- DeepMind gemma -------------------------------------------------------------------------
 
+def _deepmind_gemma():
+    """``(gemma.transformer, gemma.modules)`` of DeepMind's package, skipping when it is not
+    installed. ``examples/gemma.py`` shares the name: once a test module has put
+    ``examples/`` on ``sys.path`` and imported it, ``import gemma`` finds the script, so the
+    package is imported with that folder out of the way."""
+    import importlib
+    import sys
+
+    script = sys.modules.get("gemma")
+    if script is not None and not hasattr(script, "__path__"):
+        folder = os.path.dirname(os.path.abspath(script.__file__))
+        saved_path = sys.path[:]
+        sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != folder]
+        del sys.modules["gemma"]
+        try:
+            return _deepmind_gemma()
+        finally:
+            sys.path[:] = saved_path
+    transformer = pytest.importorskip("gemma.transformer")
+    return transformer, importlib.import_module("gemma.modules")
+
+
 def gemma():
     """DeepMind's ``gemma`` 2.x Flax transformer (``gemma.transformer``, Gemma 2 style):
     alternating local sliding-window and global layers, GQA, attention and final logit
     soft-caps, post-norms; positions and masks from a padding mask the library's way
     (``build_positions_from_mask``: ``cumsum(input_mask)``, ``make_causal_attn_mask``)."""
-    transformer = pytest.importorskip("gemma.transformer")
-    from gemma import modules
+    transformer, modules = _deepmind_gemma()
 
     config = transformer.TransformerConfig(
         num_layers=2, num_embed=VOCAB, embed_dim=DIM, hidden_dim=64, num_heads=HEADS,
