@@ -20,6 +20,7 @@ start and step, as ``fori_loop`` and ``scan`` emit); collectives in functions re
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -207,7 +208,6 @@ class _Mesh:
 
 def _product(sizes: list[int]):
     """Every coordinate tuple of a grid of ``sizes``, last coordinate fastest."""
-    import itertools
     return itertools.product(*(range(n) for n in sizes))
 
 

@@ -112,6 +112,18 @@ def _differs(local, reference, args, do) -> str | None:
     return None
 
 
+def _refusal_here(kernel, spec: AttentionSpec, dtype, head_dims: tuple[int, ...],
+                  backend: str) -> str | None:
+    """Why ``kernel`` cannot run this attention here: its capabilities' refusal, or, on a
+    backend where it needs one, its failed :func:`self_check` on this device kind."""
+    why = kernel.capabilities.refusal(spec, dtype, head_dims, backend)
+    if why is None and backend in kernel.capabilities.needs_check:
+        failed = self_check(kernel)
+        if failed is not None:
+            why = f"on this {jax.devices()[0].device_kind} its self-check failed: {failed}"
+    return why
+
+
 def choose_kernel(name: str, spec: AttentionSpec, dtype, head_dims: tuple[int, ...],
                   known: dict, backend: str | None = None):
     """``(kernel, reason)`` for one attention: the kernel called ``name`` in ``known``, or
@@ -122,12 +134,7 @@ def choose_kernel(name: str, spec: AttentionSpec, dtype, head_dims: tuple[int, .
         if name not in known:
             raise KernelError(unknown_name("kernel", name, sorted({*known, "auto"})))
         kernel = known[name]
-        why = kernel.capabilities.refusal(spec, dtype, head_dims, backend)
-        if why is None and backend in kernel.capabilities.needs_check:
-            failed = self_check(kernel)
-            if failed is not None:
-                why = (f"on this {jax.devices()[0].device_kind} its self-check against the "
-                       f"reference failed: {failed}")
+        why = _refusal_here(kernel, spec, dtype, head_dims, backend)
         if why is not None:
             raise KernelError(
                 f"kernel={name!r} cannot run this attention ({spec.mask.describe()}): {why}; "
@@ -136,10 +143,7 @@ def choose_kernel(name: str, spec: AttentionSpec, dtype, head_dims: tuple[int, .
     passed_over = []
     for candidate in PREFERENCE.get(backend, ("xla",)):
         kernel = known[candidate]
-        why = kernel.capabilities.refusal(spec, dtype, head_dims, backend)
-        if why is None and backend in kernel.capabilities.needs_check:
-            failed = self_check(kernel)
-            why = None if failed is None else f"its on-device self-check failed: {failed}"
+        why = _refusal_here(kernel, spec, dtype, head_dims, backend)
         if why is None:
             skipped = "".join(f"; not {n}: {w}" for n, w in passed_over)
             return kernel, f"{candidate}: fastest capable kernel on {backend}{skipped}"
