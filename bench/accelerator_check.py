@@ -30,7 +30,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -57,7 +56,6 @@ def run_tier(platform: str | None, timeout_s: float, dry_run: bool) -> dict:
         env["JAX_PLATFORMS"] = platform
     if dry_run:
         env["CPTRANSFORM_ACCELERATOR_DRY_RUN"] = "1"
-    report = Path(tempfile.mkdtemp()) / "tier.txt"
     workers = ["-n", "2" if dry_run or not platform else "4"]
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "accelerator", "-rA", "-p",
            "no:cacheprovider", *workers, "tests/test_accelerator.py"]
@@ -70,17 +68,14 @@ def run_tier(platform: str | None, timeout_s: float, dry_run: bool) -> dict:
     except subprocess.TimeoutExpired as err:
         text = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
         status = f"timed out after {timeout_s:.0f} s"
-    report.write_text(text)
-    outcomes = {}
-    for kind, test in re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\s+(\S+)", text,
-                                 re.M):
-        outcomes[test] = kind.lower()
-    for reason in re.findall(r"^SKIPPED \[\d+\] (.*)$", text, re.M):
-        outcomes.setdefault("skipped", reason)
+    # -rA writes "KIND test-id" per test, and "SKIPPED [count] where: reason" for skips.
+    outcomes = {test: kind.lower() for kind, test in re.findall(
+        r"^(PASSED|FAILED|ERROR|XFAIL|XPASS)\s+(\S+)", text, re.M)}
+    skipped = re.findall(r"^SKIPPED \[\d+\] (.*)$", text, re.M)
     summary = next((line for line in reversed(text.splitlines())
                     if re.search(r"\d+ (passed|failed|skipped|error)", line)), "no summary")
     failures = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    return dict(outcomes=outcomes, summary=summary.strip("= "), status=status,
+    return dict(outcomes=outcomes, skipped=skipped, summary=summary.strip("= "), status=status,
                 seconds=time.perf_counter() - began, failures=failures)
 
 
