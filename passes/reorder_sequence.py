@@ -94,7 +94,7 @@ LINKED_FAMILIES = (Family.ELEMENTWISE, Family.REDUCTION, Family.CONTRACTION, Fam
 #: Single-array indexing ops whose links cover every kept dim (their other operands are
 #: scalars, indices, or pieces linked through the result).
 LINKED_INDEXING = frozenset({"slice", "dynamic_slice", "pad", "concatenate", "rev",
-                             "gather", "split", "top_k"})
+                             "gather", "split", "top_k", "unstack"})
 
 #: Call-like primitives (the only ones whose sub-jaxprs are bodies run in their place; a
 #: scatter's update jaxpr is not).
@@ -103,6 +103,9 @@ CALLS = names_of(Family.CALL)
 #: Primitives whose bodies are re-traced in layout order and re-bound (loops, branches and
 #: remat keep their structure); other calls are inlined.
 REBUILT = calls(CallKind.CONTROL_FLOW, CallKind.REMAT)
+
+#: Control flow that iterates (its order of iterations can follow the tokens).
+LOOPS = frozenset({"scan", "while"})
 
 #: Calls with a custom derivative rule: kept whole and run in natural order (a positional
 #: op), since the rule is part of the program and may depend on the token order.
@@ -588,32 +591,117 @@ class _Reorderer:
                                    {self.get(invals[i]) for i in carrying},
                                    "has a custom derivative rule, which must see the tokens "
                                    "in their order")
+        if name in LOOPS:
+            return self.loop(eqn, invals)
+        if name in REBUILT:
+            outs = self.rebound(eqn, invals, PERM)
+            if outs is not None:
+                return outs
         invals = [x if isinstance(self.get(x), Merged) else self.to(x, a, PERM)
                   for x, a in zip(invals, eqn.invars)]
-        params = map_bodies(eqn, self.body) if name in REBUILT else None
-        if params is not None:
-            outs = compat.bind_eqn(eqn, invals, params)
-        else:
-            body = next(sub for _, sub in compat.eqn_subjaxprs(eqn))
-            with compat.inlining(eqn):
-                outs = self.eval(compat.open_jaxpr(body), compat.consts_of(body),
-                                 [self.put(x, self.get(x)) for x in invals])
-            outs = [self.settle(o, f"the result of {name}") for o in outs]
-            return [o if isinstance(self.get(o), Merged) else self.to(o, v, PERM)
-                    for o, v in zip(outs, eqn.outvars)]
-        return [self.put(o, PERM if self.axes.full_dims(v) else INV)
+        body = next(sub for _, sub in compat.eqn_subjaxprs(eqn))
+        with compat.inlining(eqn):
+            outs = self.eval(compat.open_jaxpr(body), compat.consts_of(body),
+                             [self.put(x, self.get(x)) for x in invals])
+        outs = [self.settle(o, f"the result of {name}") for o in outs]
+        return [o if isinstance(self.get(o), Merged) else self.to(o, v, PERM)
                 for o, v in zip(outs, eqn.outvars)]
 
-    def body(self, closed):
+    def rebound(self, eqn, invals, order: str):
+        """``eqn`` re-bound with its bodies re-traced, every full sequence-carrying value
+        crossing the boundary in ``order`` (``PERM`` keeps merged operands merged); ``None``
+        when a body cannot be re-bound (it is inlined instead)."""
+        invals = [x if order == PERM and isinstance(self.get(x), Merged)
+                  else self.to(x, a, order) for x, a in zip(invals, eqn.invars)]
+        params = map_bodies(eqn, lambda closed: self.body(closed, order))
+        if params is None:
+            return None
+        outs = compat.bind_eqn(eqn, invals, params)
+        return [self.put(o, order if self.axes.full_dims(v) else INV)
+                for o, v in zip(outs, eqn.outvars)]
+
+    def loop(self, eqn, invals):
+        """A ``scan`` or ``while``: in layout order, unless its iterations follow the
+        tokens. A carry through a scan whose iteration axis is a sequence dim is a
+        recurrence over time, whose steps must come in token order; a body that would
+        convert on every iteration (a ``fori_loop`` indexing the tokens by its counter)
+        converts once instead. Such a loop runs in natural order, its operands converted
+        around it (logged and priced; refused under ``strict``)."""
+        why = self._recurrence(eqn)
+        if why is None:
+            outs, taken, error = self._attempt(eqn, invals, PERM)
+            if error is None and not taken[1]:
+                self._keep(taken)
+                return outs
+            natural = self._attempt(eqn, invals, NAT)
+            if natural[2] is not None or natural[1][1]:
+                if error is not None:
+                    raise error
+                self._keep(taken)
+                return outs
+            inside = (f"{len(taken[1])} conversion(s), "
+                      f"{sum(c.bytes for c in taken[1])} bytes" if error is None
+                      else "a conversion strict=True refuses")
+            why = f"its body would convert on every iteration in layout order ({inside})"
+            outs, taken, _ = natural
+        else:
+            outs, taken, error = self._attempt(eqn, invals, NAT)
+            if error is not None:
+                raise error
+        carrying = [i for i, a in enumerate(eqn.invars) if self.axes.full_dims(a)]
+        moved = sum(int(np.prod(eqn.invars[i].aval.shape)) * eqn.invars[i].aval.dtype.itemsize
+                    for i in carrying if self.get(invals[i]) not in (NAT, INV))
+        if moved:
+            message = (f"{eqn.primitive.name} at {compat.source_line(eqn)} runs in token "
+                       f"order: {why}: un-permute its operands first ({moved} bytes "
+                       "permuted)")
+            if self.strict:
+                raise ReorderError(message + "; strict=True refuses this. Write the "
+                                   "recurrence with lax.associative_scan, or use "
+                                   "load_balance='none'")
+            self.log.append(message)
+            self.priced(eqn, "un-permute", moved)
+        self._keep(taken)
+        return outs
+
+    def _recurrence(self, eqn) -> str | None:
+        """Why ``eqn`` is a recurrence over the sequence (a carry through iterations along a
+        sequence dim of its scanned operands or results), or ``None``."""
+        for body in compat.bodies(eqn):
+            along = [outer for outer, _ in body.scanned_in + body.scanned_out
+                     if 0 in self.axes.full_dims(outer)]
+            if along and body.carry_in:
+                return "it carries state across iterations along the sequence"
+        return None
+
+    def _attempt(self, eqn, invals, order: str):
+        """``(outputs, (log, conversions), error)`` of :meth:`rebound` in ``order``, with
+        what its bodies logged taken back out (:meth:`_keep` puts it back)."""
+        log, conversions = len(self.log), len(self.conversions)
+        try:
+            outs, error = self.rebound(eqn, invals, order), None
+        except ReorderError as exc:
+            outs, error = None, exc
+        taken = (self.log[log:], self.conversions[conversions:])
+        del self.log[log:], self.conversions[conversions:]
+        return outs, taken, error
+
+    def _keep(self, taken):
+        self.log.extend(taken[0])
+        self.conversions.extend(taken[1])
+
+    def body(self, closed, order: str = PERM):
+        """``closed`` re-traced with its full sequence-carrying inputs and results in
+        ``order``."""
         jaxpr = compat.open_jaxpr(closed)
         consts = compat.consts_of(closed)
 
         def fn(*xs):
-            xs = [self.put(x, PERM if self.axes.full_dims(v) else INV)
+            xs = [self.put(x, order if self.axes.full_dims(v) else INV)
                   for x, v in zip(xs, jaxpr.invars)]
             outs = [self.settle(o, "a loop or branch result") for o in
                     self.eval(jaxpr, consts, xs)]
-            return [self.to(o, v, PERM) for o, v in zip(outs, jaxpr.outvars)]
+            return [self.to(o, v, order) for o, v in zip(outs, jaxpr.outvars)]
 
         return fit_body(closed, trace_like(jaxpr, fn))
 

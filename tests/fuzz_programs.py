@@ -70,6 +70,7 @@ PROGRAM_CLASSES = (
     "windows",          # a windowed op along the tokens before and after the block
     "gathered_keys",    # DeepSeek-V3.2-style keys gathered per query (k[idx]: [B, Q, k, ..])
                         # beside the attention: take_along_axis or indexing, causal picks
+    "recurrence",       # a recurrence over the tokens before or after the block (RECURRENCES)
 )
 #: The calls around the transform: state across steps, static arguments, dtypes.
 CALL_CLASSES = (
@@ -126,6 +127,17 @@ CHUNKED_SPELLINGS = ("floordiv", "llama4_abs", "hf_overlay")
 #: ``(kv > pos - W) * (kv < pos + W)``, or the keys behind it, ``pos - W < kv <= pos``.
 DATA_WINDOWS = tuple(f"{spelling}_{padding}" for spelling in ("gemma", "behind")
                      for padding in ("left", "middle"))
+
+#: The ``recurrence`` class's recurrences over time, ``kind@place`` (place: on the block's
+#: input or output): a gated linear ``lax.scan`` over ``swapaxes``'d tokens (forward or
+#: reversed), a tanh RNN, a Mamba-style matrix state ``[B, H, d, d]`` over ``moveaxis``'d
+#: heads, a ``fori_loop`` / ``while_loop`` (on a value with its gradient stopped) indexing
+#: the tokens by their counter, the same
+#: linear recurrence by ``lax.associative_scan``, and ``lax.map`` over tokens (no carry).
+RECURRENCE_KINDS = ("scan_linear", "scan_reverse", "scan_rnn", "scan_state", "fori_index",
+                    "while_index", "associative", "map_tokens")
+RECURRENCES = tuple(f"{kind}@{place}" for kind in RECURRENCE_KINDS
+                    for place in ("input", "output"))
 
 SPELLINGS = ("jnn", "einsum", "matmul")
 SCHEDULES = ("ring", "ulysses", "allgather", "auto")
@@ -210,7 +222,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
     v_head_dim = head_dim if same_v else choose("v_head_dim", (head_dim, 4, 8))
     schedules = tuple(s for s in SCHEDULES if s != "ulysses" or heads % cp == 0)
     schedule = choose("schedule", schedules)
-    load_balance = choose("load_balance", LOAD_BALANCES)
+    load_balance = choose("load_balance", LOAD_BALANCES[1:] if cls == "recurrence"
+                          else LOAD_BALANCES)
     causal = mask in ("causal", "window", "chunked") or (
         mask in ("segments", "key_padding", "dense", "bias", "data_window")
         and choose("causal", (False, True)))
@@ -244,6 +257,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "routing": ("top2", "top1_capacity", "sort"),
         "shift_extreme": ("logsumexp_huge", "sqrt_zero"),
         "gathered_keys": ("take_along_axis", "indexing"),
+        "recurrence": RECURRENCES,
     }.get(cls, ("",))
     variant = choose("variant", variants)
     llama = cls == "llama_block"
@@ -637,6 +651,9 @@ def make_data(case: FuzzCase):
         picks = (rng.random((b, s, 3)) * (np.arange(s)[None, :, None] + 1)).astype(np.int32)
         picks[..., 0] = np.arange(s)[None, :]
         inp["picks"] = picks
+    if case.cls == "recurrence":
+        p["w_rec"] = _normal(rng, (e, e), 0.5 / math.sqrt(e))
+        p["a_rec"] = _normal(rng, (e,))
     if case.cls == "windows" and case.variant.startswith("conv"):
         p["w_conv"] = _normal(rng, (int(case.variant.rsplit("_", 1)[1]), 1, e), 0.5)
     if case.cls in LAYOUT_CLASSES:
@@ -840,6 +857,59 @@ def gathered_attention(case: FuzzCase, q, k, v, picks):
     return jnp.einsum("bhqn,bqnhd->bqhd", p, v_sel)
 
 
+def recurrence(case: FuzzCase, x, p: dict):
+    """The ``recurrence`` class's recurrence over the tokens of x [B, S, E] (``case.variant``),
+    added to ``x``."""
+    kind = case.variant.split("@")[0]
+    gate = jax.nn.sigmoid(p["a_rec"])
+    u = x @ p["w_rec"]
+    b, s, e = x.shape
+
+    def linear(h, ut):
+        h = gate * h + ut
+        return h, h
+
+    if kind in ("scan_linear", "scan_reverse"):
+        _, ys = lax.scan(linear, jnp.zeros((b, e), x.dtype), u.swapaxes(0, 1),
+                         reverse=kind == "scan_reverse")
+        return x + ys.swapaxes(0, 1)
+    if kind == "scan_rnn":
+        def rnn(h, ut):
+            h = jnp.tanh(h @ p["w_rec"] + ut)
+            return h, h * 0.5
+        _, ys = lax.scan(rnn, jnp.zeros((b, e), x.dtype), jnp.moveaxis(x, 1, 0))
+        return x + jnp.moveaxis(ys, 0, 1)
+    if kind == "scan_state":
+        heads = 2
+        k, v = (jnp.moveaxis(t.reshape(b, s, heads, e // heads), 1, 0) for t in (x, u))
+
+        def state(c, kv):
+            kt, vt = kv
+            c = 0.9 * c + jnp.einsum("bhd,bhf->bhdf", kt, vt)
+            return c, jnp.einsum("bhd,bhdf->bhf", kt, c)
+        _, ys = lax.scan(state, jnp.zeros((b, heads, e // heads, e // heads), x.dtype), (k, v))
+        return x + jnp.moveaxis(ys, 0, 1).reshape(b, s, e) / s
+    if kind in ("fori_index", "while_index"):
+        def step(i, carry):
+            h, out = carry
+            h = jnp.tanh(gate * h + lax.dynamic_index_in_dim(u, i, 1, keepdims=False))
+            return h, lax.dynamic_update_index_in_dim(out, h, i, 1)
+        init = (jnp.zeros((b, e), x.dtype), jnp.zeros_like(x))
+        if kind == "fori_index":
+            return x + lax.fori_loop(0, s, step, init)[1]
+        # reverse mode does not go through while_loop: its operands carry no gradient
+        u, gate = lax.stop_gradient(u), lax.stop_gradient(gate)
+        _, _, out = lax.while_loop(lambda c: c[0] < s,
+                                   lambda c: (c[0] + 1,) + step(c[0], c[1:]), (0,) + init)
+        return x + out
+    if kind == "associative":
+        def combine(left, right):
+            return left[0] * right[0], right[0] * left[1] + right[1]
+        return x + lax.associative_scan(combine, (jnp.broadcast_to(gate, u.shape), u),
+                                        axis=1)[1]
+    return x + lax.map(lambda t: jnp.tanh(t @ p["w_rec"]), x.swapaxes(0, 1)).swapaxes(0, 1)
+
+
 def window_op(case: FuzzCase, x, p: dict):
     """The ``windows`` class's op (``case.variant``) along the tokens of x [B, S, E]."""
     kind, width = case.variant.rsplit("_", 1)
@@ -876,6 +946,9 @@ def build(case: FuzzCase):
             x = x + jnp.einsum("bsd,st->btd", x, p["w_mix"])
         if case.cls == "windows":
             x = x + window_op(case, x, p)
+        recurrent = case.cls == "recurrence"
+        if recurrent and case.variant.endswith("@input"):
+            x = recurrence(case, x, p)
         if case.cls == "scan_layers":
             stacked = {k: p[k] for k in layer_keys}
             rest = {k: v for k, v in p.items() if k not in layer_keys}
@@ -899,6 +972,8 @@ def build(case: FuzzCase):
             y = jax.vmap(one)(x, per_example)
         else:
             y = block(case, p, x, inp)
+        if recurrent and case.variant.endswith("@output"):
+            y = recurrence(case, y, p)
         if case.cls in LAYOUT_CLASSES:
             return layout_loss(case, p, y, inp)
         if case.cls == "cumsum_seq":

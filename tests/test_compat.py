@@ -147,3 +147,33 @@ def test_unsupported_jax_is_refused_with_the_range(version, ok, monkeypatch):
 
 def test_this_jax_is_supported():
     compat.check_jax_version(jax.__version__)
+
+
+#: Array functions models call, whose primitives differ between JAX versions (0.12 traces
+#: ``jnp.stack`` to its own ``stack`` and its gradient to ``unstack``; ``jnp.log2`` and the
+#: tanh derivative got primitives of their own).
+MODEL_OPS = {
+    "stack": lambda x: jnp.stack([x, -x], axis=-1).reshape(x.shape[0], -1),
+    "unstack": lambda x: sum(jnp.unstack(x, axis=0)),
+    "log2": lambda x: jnp.log2(jnp.abs(x) + 1),
+    "tanh_grad": jax.grad(lambda x: jnp.tanh(x).sum()),
+    "split": lambda x: jnp.split(x, 2, axis=-1)[0],
+    "roll": lambda x: jnp.roll(x, 1, axis=0),
+    "softmax_grad": jax.grad(lambda x: jax.nn.softmax(x).max()),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_OPS))
+def test_primitives_models_use_have_a_row_on_this_jax(name):
+    """Every primitive those functions and their gradients trace to on this JAX has a row in
+    the primitives table: a missing row is handled positionally (correct, but a conversion
+    of the whole sequence on every call), which is how 0.12's ``stack`` cost keras-hub's
+    RoPE two un-permutes per layer."""
+    from cptransform.analysis.primitives import facts
+    from cptransform.ir.module import iter_eqns
+    fn = MODEL_OPS[name]
+    x = _random(4, 6)
+    jaxpr = jax.make_jaxpr(lambda x: jax.vjp(fn, x)[1](fn(x)))(x)
+    missing = sorted({e.primitive.name for e in iter_eqns(jaxpr)
+                      if facts(e.primitive.name) is None})
+    assert not missing, f"no row for {missing} on JAX {jax.__version__}"

@@ -88,3 +88,31 @@ def test_op_on_features_keeps_layout_order(prim):
     assert_tree_close(grads, ref_g)
     log = f.module(x, w).facts.reorder_log
     assert not [m for m in log if "un-permute" in m], log
+
+
+def rope_by_stack(x):
+    """keras-hub's rotary embedding pairs halves with ``stack`` (JAX 0.12: a ``stack``
+    primitive; its gradient an ``unstack``)."""
+    half = x.shape[-1] // 2
+    angle = jnp.arange(x.shape[1])[:, None] / (1 + jnp.arange(half))
+    cos, sin = jnp.cos(angle)[None, :, None], jnp.sin(angle)[None, :, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.reshape(x.shape)
+
+
+def test_rope_by_stack_keeps_layout_order():
+    keys = jax.random.split(jax.random.key(32), 2)
+    x = jax.random.normal(keys[0], (B, S, 3 * F))
+    w = jax.random.normal(keys[1], (3 * F, 3 * F)) / 8
+
+    def loss(x, w):
+        q, k, v = (heads(t) for t in qkv_by_split(x @ w))
+        o = jax.nn.dot_product_attention(rope_by_stack(q), rope_by_stack(k), v, is_causal=True)
+        return jnp.mean(jnp.tanh(o.reshape(B, S, F)) ** 2)
+
+    f = context_parallel(loss, cp=4, load_balance="zigzag")
+    assert_tree_close(jax.value_and_grad(f, argnums=(0, 1))(x, w),
+                      jax.value_and_grad(loss, argnums=(0, 1))(x, w))
+    log = f.module(x, w).facts.reorder_log
+    assert not [m for m in log if "un-permute" in m], log

@@ -261,6 +261,22 @@ def link_concatenate(eqn) -> list[Link]:
             for d in range(out.aval.ndim)]
 
 
+def link_stack(eqn) -> list[Link]:
+    """Every operand's dim ``d`` is the result's ``d`` before the new ``axis``, ``d + 1``
+    from it on (JAX 0.12's ``stack``)."""
+    out, axis = eqn.outvars[0], eqn.params["axis"]
+    return [(x, d, out, d if d < axis else d + 1) for x in eqn.invars
+            if not compat.is_literal(x) for d in range(x.aval.ndim)]
+
+
+def link_unstack(eqn) -> list[Link]:
+    """The operand's dims but ``axis`` to every result's (JAX 0.12's ``unstack``, the
+    transpose of ``stack``)."""
+    x, axis = eqn.invars[0], eqn.params["axis"]
+    return [(x, d, out, d if d < axis else d - 1) for out in eqn.outvars
+            for d in range(x.aval.ndim) if d != axis]
+
+
 def link_attention(eqn) -> list[Link]:
     """Attention links its q and out dims (other than seq and features); K, V, masks and
     the sinks link nothing through it."""

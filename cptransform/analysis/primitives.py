@@ -27,8 +27,8 @@ from cptransform.analysis.dim_rules import (ActsOn, Link, LinkRule, acts_on_cont
                                             link_dot_general, link_dropping, link_gather,
                                             link_reshape, link_same_dims, link_seq_window,
                                             link_slice_like,
-                                            link_sort, link_split, link_top_k,
-                                            link_transpose)
+                                            link_sort, link_split, link_stack, link_top_k,
+                                            link_transpose, link_unstack)
 from cptransform.op.attention import attention_p
 from cptransform.op.seq_permute import seq_permute_p
 from cptransform.op.seq_window import seq_window_p
@@ -98,8 +98,8 @@ class PrimFacts:
 
 
 ELEMENTWISE_NAMES = """
-add sub mul div rem pow max min neg sign floor ceil round is_finite exp exp2 log log1p expm1
-tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt rsqrt cbrt
+add add_any sub mul div rem pow max min neg sign floor ceil round is_finite exp exp2 log log1p expm1
+tanh logistic log2 one_minus_square sin cos tan asin acos atan atan2 sinh cosh asinh acosh atanh sqrt rsqrt cbrt
 abs integer_pow square erf erfc erf_inv lgamma digamma not and or xor eq ne lt le gt ge
 select_n convert_element_type clamp nextafter shift_left shift_right_logical
 shift_right_arithmetic population_count copy copy_p reduce_precision imag real conj complex
@@ -144,6 +144,10 @@ PRIMS["squeeze"] = PrimFacts(Family.SHAPE, link_dropping("dimensions"), acts_on_
                              order_safe=True, shiftable=True, moves=Moves.SQUEEZE)
 PRIMS["transpose"] = PrimFacts(Family.SHAPE, link_transpose, acts_on_nothing,
                                order_safe=True, moves=Moves.PERMUTE)
+# JAX 0.12's stack puts whole operands side by side along a new dim; unstack takes them
+# apart along one.
+PRIMS["stack"] = PrimFacts(Family.SHAPE, link_stack, acts_on_nothing, order_safe=True)
+PRIMS["unstack"] = PrimFacts(Family.INDEXING, link_unstack, acts_on_param("axis"))
 
 # Indexing ops are positional along the dims they act on and keep the order of the others.
 PRIMS["gather"] = PrimFacts(Family.INDEXING, link_gather, acts_on_gather, shiftable=True)
