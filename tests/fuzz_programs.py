@@ -234,7 +234,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         else choose("chunk", (3, 4, 8, 16)) if mask == "chunked" else 0
     fill = choose("fill", ("neg_inf", "finfo_min_added") if cls == "masked_rows" else FILLS)
     variants = {
-        "mask_key_padding": ("lengths", "valid"),
+        "mask_key_padding": KEY_PADDINGS,
         "mask_bias": ("param", "alibi"),
         "mask_dense": ("batch", "shared"),
         "concat_nonseq": ("concat_features", "slice_heads"),
@@ -387,10 +387,37 @@ def _chunked(case: FuzzCase):
     return (ar[:, None] // c == ar[None, :] // c) & (ar[None, :] <= ar[:, None])
 
 
+#: ``mask_key_padding``'s spellings of the key-padding mask read from data: lengths against
+#: an iota, a boolean input, and a test of an input against a constant (an int 0/1
+#: attention mask ``!= 0``, a float one ``> 0.5``, token ids ``!= pad_id`` with pad id 0 or
+#: 3), as tokenizers and datasets hand them over.
+KEY_PADDINGS = ("lengths", "valid", "int_ne", "float_gt", "ids_ne_0", "ids_ne_3")
+
+
 def _key_valid(case, inputs):
     if case.variant == "lengths":
         return jnp.arange(case.seq)[None, :] < inputs["lengths"][:, None]
-    return inputs["key_valid"]
+    data = inputs["key_valid"]
+    if case.variant == "float_gt":
+        return data > 0.5
+    if case.variant.startswith("ids_ne_"):
+        return data != int(case.variant.rsplit("_", 1)[1])
+    if case.variant == "int_ne":
+        return data != 0
+    return data
+
+
+def _key_valid_data(case: FuzzCase, valid: np.ndarray, rng) -> np.ndarray:
+    """``valid`` (boolean ``[B, S]``) as the data the drawn spelling tests."""
+    if case.variant == "int_ne":
+        return valid.astype(np.int32)
+    if case.variant == "float_gt":
+        return valid.astype(np.float32)
+    if case.variant.startswith("ids_ne_"):
+        pad = int(case.variant.rsplit("_", 1)[1])
+        ids = rng.integers(4, 20, valid.shape).astype(np.int32)
+        return np.where(valid, ids, pad).astype(np.int32)
+    return valid
 
 
 def _bias(case, params):
@@ -508,7 +535,7 @@ def attend(case: FuzzCase, q, k, v, params, inputs):
             if case.variant == "lengths":
                 kw["key_value_seq_lengths"] = inputs["lengths"]
             else:
-                mask = inputs["key_valid"][:, None, None, :]
+                mask = _key_valid(case, inputs)[:, None, None, :]
         if case.mask == "dense":
             mask = inputs["dense_mask"]
         if case.mask == "chunked":
@@ -627,7 +654,8 @@ def make_data(case: FuzzCase):
             if case.variant == "lengths":
                 inp["lengths"] = lengths
             else:
-                inp["key_valid"] = np.arange(s)[None, :] < lengths[:, None]
+                inp["key_valid"] = _key_valid_data(
+                    case, np.arange(s)[None, :] < lengths[:, None], rng)
     if case.mask == "row_test":
         # left padding: under causal, the first rows see no key
         pads = rng.integers(1, s // 2, (b,))

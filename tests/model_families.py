@@ -28,6 +28,18 @@ def tokens(seed: int, shape=(BATCH, SEQ)) -> jax.Array:
     return jnp.asarray(np.random.default_rng(seed).integers(1, VOCAB, shape), jnp.int32)
 
 
+def padding(side: str, pad: int = 6) -> jax.Array:
+    """An int ``[B, S]`` attention mask as tokenizers give it (1 = token, 0 = padding): the
+    first row unpadded, the second padded by ``pad`` tokens on ``side`` (``"left"``, as for
+    generation, puts query rows under causal masking that see no key)."""
+    mask = np.ones((BATCH, SEQ), np.int32)
+    if side == "left":
+        mask[1, :pad] = 0
+    else:
+        mask[1, SEQ - pad:] = 0
+    return jnp.asarray(mask)
+
+
 def next_token_loss(logits: jax.Array, ids: jax.Array) -> jax.Array:
     """Mean cross-entropy of ``logits[:, t]`` predicting ``ids[:, t + 1]``."""
     logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
@@ -55,6 +67,19 @@ def _causal_lm(model_cls, config):
     return loss, (model.params, tokens(1))
 
 
+def _padded_causal_lm(model_cls, config, side: str):
+    """A transformers causal LM called with an int ``attention_mask`` input (what its
+    tokenizer returns for a padded batch); padded positions hold token 0."""
+    model = model_cls(config, seed=0)
+    mask = padding(side)
+
+    def loss(params, ids, attention_mask):
+        logits = model(ids, attention_mask=attention_mask, params=params).logits
+        return next_token_loss(logits, ids)
+
+    return loss, (model.params, tokens(1) * mask, mask)
+
+
 def llama():
     """transformers' ``FlaxLlamaForCausalLM`` (RoPE, GQA, RMSNorm, SwiGLU)."""
     t = _transformers()
@@ -70,6 +95,32 @@ def mistral():
         vocab_size=VOCAB, hidden_size=DIM, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=HEADS, num_key_value_heads=HEADS, max_position_embeddings=SEQ,
         sliding_window=None))
+
+
+def llama_padded():
+    """transformers' Llama on a left-padded batch: the key-padding mask is data
+    (``attention_mask != 0`` broadcast against the causal mask, added as a bias)."""
+    t = _transformers()
+    return _padded_causal_lm(t.FlaxLlamaForCausalLM, t.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=SEQ), "left")
+
+
+def gpt2_padded():
+    """transformers' GPT-2 on a right-padded batch."""
+    t = _transformers()
+    return _padded_causal_lm(t.FlaxGPT2LMHeadModel, t.GPT2Config(
+        vocab_size=VOCAB, n_embd=DIM, n_layer=2, n_head=HEADS, n_positions=SEQ,
+        embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0), "right")
+
+
+def mistral_window_padded():
+    """transformers' Mistral with a sliding window on a right-padded batch."""
+    t = _transformers()
+    return _padded_causal_lm(t.FlaxMistralForCausalLM, t.MistralConfig(
+        vocab_size=VOCAB, hidden_size=DIM, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=SEQ,
+        sliding_window=8), "right")
 
 
 def gpt_neo():
@@ -202,12 +253,38 @@ def gemma():
     return loss, (params, ids)
 
 
+def gemma_padded():
+    """DeepMind's gemma with the padding mask an input (left padding): positions from its
+    ``cumsum``, the mask from ``make_causal_attn_mask``."""
+    transformer, modules = _deepmind_gemma()
+    config = transformer.TransformerConfig(
+        num_layers=2, num_embed=VOCAB, embed_dim=DIM, hidden_dim=64, num_heads=HEADS,
+        head_dim=8, num_kv_heads=2, final_logit_softcap=30.0, use_post_attn_norm=True,
+        use_post_ffw_norm=True, max_cache_length=None, use_qk_norm=True,
+        attention_types=(modules.AttentionType.LOCAL_SLIDING, modules.AttentionType.GLOBAL),
+        sliding_window_size=8)
+    model = transformer.Transformer(config)
+    mask = padding("left") != 0
+
+    def loss(params, ids, input_mask):
+        positions = transformer.build_positions_from_mask(input_mask)
+        attn_mask = transformer.make_causal_attn_mask(input_mask)
+        logits, _ = model.apply({"params": params}, ids, positions, None, attn_mask)
+        return next_token_loss(logits, ids)
+
+    ids = tokens(7) * mask
+    params = model.init(jax.random.key(0), ids, jnp.zeros_like(ids), None,
+                        jnp.ones((BATCH, SEQ, SEQ), bool))["params"]
+    return loss, (params, ids, mask)
+
+
 # -- keras-hub (Keras 3 on JAX) --------------------------------------------------------------
 
-def _keras_causal_lm(name: str, **config):
+def _keras_causal_lm(name: str, padded: bool = False, **config):
     """keras-hub's ``<name>CausalLM`` on a tiny ``<name>Backbone``; the loss calls the model
     statelessly (``stateless_call``) on the trainable variables, with the padding mask the
-    library's preprocessors give (``token_ids != 0``)."""
+    library's preprocessors give (``token_ids != 0``; ``padded``: a right-padded batch whose
+    boolean mask is an input, as a dataset of preprocessed batches hands it over)."""
     os.environ.setdefault("KERAS_BACKEND", "jax")  # read when Keras is first imported
     keras_hub = pytest.importorskip("keras_hub")
     import keras
@@ -220,12 +297,23 @@ def _keras_causal_lm(name: str, **config):
     model = getattr(keras_hub.models, f"{name}CausalLM")(backbone=backbone, preprocessor=None)
     frozen = [v.value for v in model.non_trainable_variables]
 
+    weights = [v.value for v in model.trainable_variables]
+    if padded:
+        mask = padding("right") != 0
+
+        def padded_loss(params, ids, padding_mask):
+            logits, _ = model.stateless_call(params, frozen,
+                                             {"token_ids": ids, "padding_mask": padding_mask})
+            return next_token_loss(logits, ids)
+
+        return padded_loss, (weights, tokens(6) * mask, mask)
+
     def loss(params, ids):
         logits, _ = model.stateless_call(params, frozen,
                                          {"token_ids": ids, "padding_mask": ids != 0})
         return next_token_loss(logits, ids)
 
-    return loss, ([v.value for v in model.trainable_variables], tokens(6))
+    return loss, (weights, tokens(6))
 
 
 def keras_llama():
@@ -248,6 +336,10 @@ FAMILIES = {
     "llama": llama, "mistral": mistral, "gpt_neo": gpt_neo, "bart": bart, "t5": t5,
     "penzai": lambda: penzai_llama(False), "penzai_stack": lambda: penzai_llama(True),
     "gemma": gemma, "keras_llama": keras_llama, "keras_gemma": keras_gemma,
+    # padded batches, the padding mask an input as tokenizers and datasets give it
+    "llama_padded": llama_padded, "gpt2_padded": gpt2_padded,
+    "mistral_window_padded": mistral_window_padded, "gemma_padded": gemma_padded,
+    "keras_llama_padded": lambda: _keras_causal_lm("Llama", padded=True),
 }
 
 #: The schedules each family is checked under: (schedule, load_balance).

@@ -1,7 +1,8 @@
 """Masks built the way public model libraries build them stay analytic (no S×S operand):
 transformers' precomputed ``make_causal_mask`` cut to the sequence, GPT-Neo / Mistral
 local windows, keras-hub's int masks merged with ``minimum``, Keras' post-softmax zeroing
-(``empty_rows="zero"``), padding spelled ``data > 0``, and a scanned layer whose fill value
+(``empty_rows="zero"``), padding spelled ``data > 0`` or tested after a broadcast
+(transformers' int ``attention_mask``), and a scanned layer whose fill value
 is closed over (penzai's layer stack). Small self-contained reproductions of each spelling;
 matched masks checked, then loss and every gradient against one device per schedule."""
 import flax.linen as nn
@@ -108,6 +109,16 @@ def data_padding(q, k, v, tokens):
     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(keep, s, -jnp.inf)), v)
 
 
+def pad_id_after_broadcast(q, k, v, tokens):
+    """A key padding mask tested after it is broadcast to the logits' shape
+    (``tokens[:, None, None, :] != PAD``): the test reads the ``[B, T]`` data, not an
+    ``S×S`` value."""
+    keep = (jnp.broadcast_to(tokens[:, None, None, :], (B, 1, T, T)) != PAD) \
+        & jnp.tril(jnp.ones((T, T), bool))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(keep, s, -1e9)), v)
+
+
 def scanned_layers(q, k, v, valid):
     """Two layers under ``lax.scan`` whose fill value and mask are closed over (what a
     penzai layer stack traces to): they reach the body as scan constants."""
@@ -134,7 +145,15 @@ CASES = {
     "keras_bitwise_and": (keras_bitwise_and, (None, 0), True, "zero", 1),
     "data_padding": (data_padding, (None, 0), True, "nan", 1),
     "scanned_layers": (scanned_layers, (None, 0), True, "uniform", 1),
+    # transformers' attention_mask as its tokenizer returns it (int), or as float data:
+    # combine_masks tests it against 0 after broadcasting it to the logits' shape
+    "hf_int_attention_mask": (hf_slice, (None, 0), True, "uniform", 1),
+    "hf_float_attention_mask": (mistral_sliding, (-WINDOW, 0), True, "uniform", 1),
+    "pad_id_after_broadcast": (pad_id_after_broadcast, (None, 0), True, "uniform", 1),
 }
+
+#: The token id ``pad_id_after_broadcast`` pads with.
+PAD = 3
 
 
 def inputs(rng, name):
@@ -146,6 +165,13 @@ def inputs(rng, name):
     if name == "data_padding":
         tokens = rng.integers(1, 50, (B, T)) * valid
         return q, k, v, jnp.asarray(tokens, jnp.int32)
+    if name == "pad_id_after_broadcast":
+        return q, k, v, jnp.asarray(np.where(valid, rng.integers(4, 50, (B, T)), PAD),
+                                    jnp.int32)
+    if name.startswith("hf_int"):
+        return q, k, v, jnp.asarray(valid, jnp.int32)
+    if name.startswith("hf_float"):
+        return q, k, v, jnp.asarray(valid, jnp.float32)
     return q, k, v, jnp.asarray(valid)
 
 
@@ -186,7 +212,8 @@ SCHEDULES = {"ring": dict(schedule="ring", load_balance="zigzag"),
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("name", ["hf_slice", "gpt_neo_local", "mistral_sliding",
                                   "tril_difference", "keras_minimum", "data_padding",
-                                  "scanned_layers"])
+                                  "scanned_layers", "hf_int_attention_mask",
+                                  "pad_id_after_broadcast"])
 def test_loss_and_grads_match_one_device(rng, name, schedule):
     fn = CASES[name][0]
     args = inputs(rng, name)

@@ -33,7 +33,9 @@ NOISE = 1e-8
 CI_SAMPLE = {"llama": "ring_zigzag", "mistral": "auto", "gpt_neo": "allgather",
              "bart": "ring_zigzag", "t5": "ring_zigzag", "penzai": "ulysses",
              "penzai_stack": "auto", "gemma": "ring_zigzag", "keras_llama": "ulysses",
-             "keras_gemma": "auto"}
+             "keras_gemma": "auto", "llama_padded": "ring_zigzag", "gpt2_padded": "allgather",
+             "mistral_window_padded": "auto", "gemma_padded": "ring_zigzag",
+             "keras_llama_padded": "ring_zigzag"}
 
 #: What a family does not reach yet, asserted exactly as it stands (a fix fails the test
 #: until its entry goes). Attentions whose mask keeps a dense part: none (DeepMind gemma's

@@ -421,6 +421,9 @@ class MaskAnalyzer:
             chunk = _chunk(a, b, here)
             if chunk is not None:
                 return chunk
+        for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
+            if isinstance(x, Opaque) and isinstance(y, Scalar):
+                return Dense(source=x, test=(o, y.value), origin=here)
         return Dense(source=here, origin=here)
 
     def _select(self, p: Pred, on_false: Any, on_true: Any, atom: Any, here: Opaque) -> Any:

@@ -151,10 +151,14 @@ def same_line(a: Pred, b: Pred) -> bool:
 
 @dataclass(frozen=True)
 class Dense(Pred):
-    """Data: the boolean value ``source`` (negated if ``negated``)."""
+    """Data: the boolean value ``source`` (negated if ``negated``), or, with a ``test``
+    ``(op, value)``, the data ``source op value`` (``attention_mask != 0`` of an int
+    padding mask: the source keeps the data's own dims, ``[B, S]``, not the ``S×S`` of
+    the compare, so a padding mask stays a per-token operand)."""
 
     source: Opaque | None = None
     negated: bool = False
+    test: tuple = ()
 
 
 #: The label of a top-k indices value's ``k`` dim in its :class:`Opaque` dim map (it is
@@ -262,5 +266,5 @@ def p_not(a: Pred, origin: Opaque) -> Pred:
     if isinstance(a, (Band, CoordinateBand)):
         return dataclasses.replace(a, intervals=complement(a.intervals), origin=origin)
     if isinstance(a, Dense):
-        return Dense(source=a.source, negated=not a.negated, origin=origin)
+        return Dense(source=a.source, negated=not a.negated, test=a.test, origin=origin)
     return Dense(source=origin, origin=origin)

@@ -111,11 +111,19 @@ def _sinks(x, dims: Sequence[tuple], target: Sequence, sizes: dict):
     return arrange(x, labels, target, sizes)
 
 
+#: The compares a dense part's ``test`` names (``source op value``).
+_COMPARE = {"eq": lax.eq, "ne": lax.ne, "lt": lax.lt, "le": lax.le, "gt": lax.gt, "ge": lax.ge}
+
+
 def _all_of(parts, values, target, sizes, full):
     """The conjunction of dense mask parts, each arranged to ``target`` (boolean)."""
     mask = None
     for d, val in zip(parts, values):
-        val = val if val.dtype == jnp.bool_ else lax.ne(val, jnp.zeros((), val.dtype))
+        if d.test:
+            op, value = d.test
+            val = _COMPARE[op](val, jnp.asarray(value, val.dtype))
+        elif val.dtype != jnp.bool_:
+            val = lax.ne(val, jnp.zeros((), val.dtype))
         val = lax.bitwise_not(val) if d.negated else val
         val = arrange(val, d.source.dims, target, sizes, full)
         mask = val if mask is None else lax.bitwise_and(mask, val)
