@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 
 from conftest import assert_tree_close, needs_halo
 from test_arguments_and_meshes import dropout_attention
@@ -154,24 +155,39 @@ def test_nnx_dropout_state_across_steps_of_a_jitted_train_step():
 
 
 @pytest.mark.slow
-def test_under_jax_set_mesh_the_call_matches_and_gradients_are_refused(data):
-    mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4])
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_under_jax_set_mesh_the_call_and_its_gradient_match(data, axis_type):
+    """Under ``jax.set_mesh`` the call matches one device, jitted or not; so does its
+    gradient on an Auto-axes mesh. On an Explicit-axes mesh the gradient is refused, with
+    the two ways out (Auto axes, or ``grad`` outside the block)."""
+    mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4],
+                         axis_types=(getattr(AxisType, axis_type),))
     f = context_parallel(loss, mesh=mesh)
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(f(*data), loss(*data), rtol=RTOL)
         np.testing.assert_allclose(jax.jit(f)(*data), loss(*data), rtol=RTOL)
-        with pytest.raises(ContextParallelError, match="outside the `with jax.set_mesh"):
-            jax.grad(f)(*data)
+        if axis_type == "Auto":
+            assert_tree_close(jax.grad(f)(*data), jax.grad(loss)(*data))
+            assert_tree_close(jax.jit(jax.grad(f))(*data), jax.grad(loss)(*data))
+        else:
+            with pytest.raises(ContextParallelError,
+                               match="Explicit axes.*AxisType.Auto.*outside the `with"):
+                jax.grad(f)(*data)
     assert_tree_close(jax.grad(f)(*data), jax.grad(loss)(*data))
 
 
 @pytest.mark.slow
 def test_inputs_committed_to_one_device_are_moved_onto_the_mesh(data):
+    """The call and its gradient (``grad`` of an eager call sees the committed array under
+    its tracer); the gradient lands on the input's device, as on one device."""
     x, w = data
     f = context_parallel(loss, cp=4)
     for device in (jax.devices()[3], jax.devices()[6]):
-        np.testing.assert_allclose(f(jax.device_put(x, device), jax.device_put(w, device)),
-                                   loss(x, w), rtol=RTOL)
+        args = (jax.device_put(x, device), jax.device_put(w, device))
+        np.testing.assert_allclose(f(*args), loss(x, w), rtol=RTOL)
+        grads = jax.grad(f, argnums=(0, 1))(*args)
+        assert_tree_close(grads, jax.grad(loss, argnums=(0, 1))(x, w))
+        assert grads[0].sharding.device_set == {device}
 
 
 @pytest.fixture

@@ -336,28 +336,37 @@ def _tracing(name: str):
 
 
 def _on_mesh(leaves: list, mesh) -> list:
-    """Concrete arrays committed to devices outside ``mesh`` (``jax.device_put(x,
-    jax.devices()[3])``) copied onto it, replicated; the program shards them from there."""
+    """Arrays committed to devices outside ``mesh`` (``jax.device_put(x,
+    jax.devices()[3])``) copied onto it, replicated; the program shards them from there.
+    Under ``grad`` / ``jvp`` of an eager call the copy is of the tracer whose primal is so
+    committed: ``device_put`` is differentiable, and its transpose brings the gradient back
+    to the input's device, as on one device."""
     devices = set(mesh.devices.flat)
     replicated = NamedSharding(mesh, PartitionSpec())
-    return [jax.device_put(x, replicated)
-            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-            and x.committed and x.sharding.device_set != devices else x
-            for x in leaves]
+
+    def elsewhere(x) -> bool:
+        value = compat.concrete_primal(x)
+        return isinstance(value, jax.Array) and value.committed \
+            and value.sharding.device_set != devices
+
+    return [jax.device_put(x, replicated) if elsewhere(x) else x for x in leaves]
 
 
 def refuse_set_mesh_gradients(name: str, leaves: list) -> None:
-    """Raise when differentiated inside a ``jax.set_mesh`` context: JAX builds the
-    cotangents of the transformed program's outputs against the context's mesh, which is not
-    the transform's CP mesh (the forward call alone works there)."""
-    axes = compat.context_mesh_axes()
-    if axes and compat.differentiated(leaves):
+    """Raise when differentiated inside a ``jax.set_mesh`` context whose mesh has Explicit
+    axes: JAX builds the cotangents of the transformed program's outputs with the
+    program's shardings (over its Auto CP mesh) under that context, which it refuses (the
+    forward call alone works there, and so does a gradient under an Auto-axes mesh)."""
+    explicit = compat.context_mesh_explicit_axes()
+    if explicit and compat.differentiated(leaves):
         raise ContextParallelError(
-            f"{name} is differentiated inside `with jax.set_mesh(...)` (a mesh with axes "
-            f"{axes}): the gradient would be built against that mesh, not the transform's "
-            "CP mesh. Apply jax.grad / jax.value_and_grad / jax.jvp outside the "
-            "`with jax.set_mesh(...)` block (calling the function inside it works), and give "
-            "the mesh as context_parallel(..., mesh=mesh)")
+            f"{name} is differentiated inside `with jax.set_mesh(...)` whose mesh has "
+            f"Explicit axes {explicit}: the gradient's cotangents would be built over the "
+            "transform's CP mesh (Auto axes) under that context, which JAX refuses. Make the "
+            "mesh's axes Auto (jax.make_mesh(..., axis_types=(AxisType.Auto, ...))), or apply "
+            "jax.grad / jax.value_and_grad / jax.jvp outside the `with jax.set_mesh(...)` "
+            "block (calling the function inside it works), giving the mesh as "
+            "context_parallel(..., mesh=mesh)")
 
 
 def refuse_forward_over_reverse(name: str, leaves: list) -> None:

@@ -462,10 +462,15 @@ def no_mesh_context() -> Iterator[None]:
             yield
 
 
-def context_mesh_axes() -> tuple[str, ...]:
-    """The axis names of the mesh a ``jax.set_mesh`` context holds (empty without one)."""
+def context_mesh_explicit_axes() -> tuple[str, ...]:
+    """The axes of the ``jax.set_mesh`` context's mesh that are not Auto (Explicit or
+    Manual; empty without a context mesh)."""
     from jax._src import mesh as _mesh
-    return tuple(_mesh.get_abstract_mesh().axis_names)
+    from jax.sharding import AxisType
+    abstract = _mesh.get_abstract_mesh()
+    types = getattr(abstract, "axis_types", None) or ()
+    return tuple(name for name, kind in zip(abstract.axis_names, types)
+                 if kind != AxisType.Auto)
 
 
 def differentiated(values) -> bool:
@@ -489,6 +494,17 @@ def _tracer_levels(v):
         if inner is None:
             return
         v = inner
+
+
+def concrete_primal(v):
+    """The concrete array under ``v``'s autodiff tracers (``grad`` / ``jvp`` of an eager
+    call: its ``primal``), ``v`` itself when it is concrete, else ``None`` (staged by
+    ``jit`` or batched: no concrete value, or not of ``v``'s shape)."""
+    while isinstance(v, _core.Tracer):
+        v = getattr(v, "primal", None)
+        if v is None:
+            return None
+    return v
 
 
 def forward_differentiated(values) -> bool:
