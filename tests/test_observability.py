@@ -73,3 +73,48 @@ def test_profile_names_of_the_backward():
     text = jax.jit(jax.grad(_ring())).lower(_operand()).as_text(debug_info=True)
     assert any(n.startswith("cptransform/ring/step/cptransform/kernel/xla/backward/")
                for n in _scope_names(text))
+
+
+def _beside_a_sharded_attention(kind: str):
+    """A causal attention (sharded), then a second one over the same tokens that the
+    matcher leaves whole (``kind``: dropout on its probabilities, or differential attention:
+    two softmaxes subtracted), and a softmax over the vocabulary (no attention)."""
+    s = 32
+    causal = jnp.tril(jnp.ones((s, s), bool))
+
+    def probs(a, b):
+        return jax.nn.softmax(jnp.where(causal, jnp.einsum("bqhd,bkhd->bhqk", a, b), -1e9))
+
+    def loss(q, w, key):
+        o = jax.nn.dot_product_attention(q, q, q, is_causal=True)
+        p = probs(o, q)
+        if kind == "dropout":
+            p = p * jax.random.bernoulli(key, 0.9, p.shape) / 0.9
+        else:
+            p = p - 0.3 * probs(q, o)
+        o = o + jnp.einsum("bhqk,bkhd->bqhd", p, q)
+        return jnp.mean(jax.nn.log_softmax(o @ w, axis=-1))
+
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["dropout", "differential"])
+def test_an_attention_left_whole_beside_sharded_ones_is_logged(caplog, kind):
+    """No attention runs unsharded silently: beside a sharded one, the attention the
+    matcher leaves whole is logged (WARNING) and listed by ``explain``; the vocabulary's
+    softmax, which is no attention, is not; the numbers are one device's."""
+    loss = _beside_a_sharded_attention(kind)
+    q = jax.random.normal(jax.random.key(4), (2, 32, 2, 8))
+    w = jax.random.normal(jax.random.key(5), (8, 11))
+    key = jax.random.key(6)
+    f = context_parallel(loss, cp=4)
+    with caplog.at_level(logging.WARNING, logger="cptransform"):
+        got = jax.value_and_grad(f, argnums=(0, 1))(q, w, key)
+    warned = [r.getMessage() for r in caplog.records if "runs unsharded" in r.getMessage()]
+    assert len(warned) == (1 if kind == "dropout" else 2), warned
+    assert all("test_observability.py" in m for m in warned), warned
+    listed = [line for line in f.explain(q, w, key).splitlines()
+              if "unsharded attention" in line]
+    assert len(listed) == len(warned), listed
+    want = jax.value_and_grad(loss, argnums=(0, 1))(q, w, key)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), got, want)

@@ -21,7 +21,8 @@ class MatchReport:
     (empty when rewritten); ``spec``: the attention it became; ``mask_kind``: the mask
     parts found (``causal``, ``window(4)``, ``segments``, ``dense``, ``bias``, ``full``);
     ``rule``: the softmax pattern that anchored it; ``depth``: nesting level of the
-    (sub-)jaxpr it sits in (0 = top level).
+    (sub-)jaxpr it sits in (0 = top level); ``over_keys``: a refused softmax that
+    normalizes a q·k product over its keys (an attention that runs unsharded).
     """
 
     source: str
@@ -31,6 +32,7 @@ class MatchReport:
     mask_kind: str = ""
     rule: str = ""
     depth: int = 0
+    over_keys: bool = False
 
     @property
     def rewritten(self) -> bool:

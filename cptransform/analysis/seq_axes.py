@@ -114,6 +114,26 @@ class SeqAxes:
         return bool(self.dims(atom))
 
 
+def _add_links(graph: nx.Graph, eqn) -> None:
+    for a, da, b, db in seq_links(eqn) + _body_links(eqn):
+        graph.add_edge((a, da), (b, db))
+
+
+def linked_dims(closed: Any, seeds: Iterable[tuple[Any, int]],
+                candidates: Iterable[tuple[Any, int]]) -> set:
+    """The ``(atom, dim)`` pairs of ``candidates`` that dataflow connects to one of
+    ``seeds`` (the dimension graph of :func:`infer_seq_axes`, over every sub-jaxpr)."""
+    graph = nx.Graph()
+    for eqn in _walk(closed):
+        _add_links(graph, eqn)
+    reached: set = set()
+    for seed in seeds:
+        if seed in graph and seed not in reached:
+            reached |= nx.node_connected_component(graph, seed)
+        reached.add(seed)
+    return {c for c in candidates if c in reached}
+
+
 def _where(seed, attentions) -> str:
     """Where a seed comes from, for errors: the attention it belongs to, or an input."""
     atom, dim = seed
@@ -142,9 +162,7 @@ def infer_seq_axes(closed: Any, overrides: dict[int, tuple[int, ...]] | None = N
     seeds: list[tuple[Any, int]] = []
     attentions = []
     for eqn in _walk(closed):
-        links = seq_links(eqn) + _body_links(eqn)
-        for a, da, b, db in links:
-            graph.add_edge((a, da), (b, db))
+        _add_links(graph, eqn)
         if eqn.primitive is attention_p:
             attentions.append(eqn)
             # The operands of one side are one sequence by the attention's own meaning

@@ -290,8 +290,17 @@ def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipe
 
 def report_unsharded(module: Module, options: Options) -> None:
     """With ``cp > 1`` and no attention found, nothing is sharded: warn with each refused
-    softmax's reason and source line (``strict=True``: raise)."""
-    if module.facts.plan or module.facts.cp <= 1:
+    softmax's reason and source line (``strict=True``: raise). With attentions found, each
+    refused softmax over a q·k product (an attention left whole: dropout on its
+    probabilities, two softmaxes subtracted) is logged as running unsharded."""
+    if module.facts.cp <= 1:
+        return
+    if module.facts.plan:
+        for m in module.facts.matches or ():
+            if not m.rewritten and m.over_keys:
+                log.warning("%s: the attention at %s runs unsharded, its whole S×S work on "
+                            "every device (left alone: %s); use cptransform.attention for "
+                            "it to be sharded", module.name, m.source, m.reason)
         return
     refused = [f"  {m}" for m in module.facts.matches or () if not m.rewritten]
     message = (f"{module.name}: no attention found, so nothing is sharded over cp="

@@ -131,6 +131,8 @@ def _matcher_lines(matches, verbose: bool) -> list[str]:
     refused = [str(m) for m in matches if not m.rewritten]
     lines = [f"  matcher: {len(rewritten)} attention(s) rewritten, {len(refused)} "
              "softmax(es) left alone"]
+    lines += [f"    unsharded attention (whole S×S on every device): {m}"
+              for m in matches if not m.rewritten and m.over_keys]
     if not verbose:
         return lines
     shown = rewritten + refused

@@ -36,11 +36,13 @@ form and empty rows), ``candidate`` (the frozen record of a match and its spec),
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from cptransform.analysis.match_report import MatchReport
 from cptransform.analysis.primitives import INLINABLE
+from cptransform.analysis.seq_axes import linked_dims
 from cptransform.ir import compat
 from cptransform.ir.errors import MatchAttentionError
 from cptransform.ir.facts import Fact
@@ -80,6 +82,8 @@ class MatchAttention(Pass):
         stats = RuleStats()
         reports: list[MatchReport] = []
         refusals: list[tuple[MatchReport, bool]] = []
+        refused_keys: list[tuple[MatchReport, tuple]] = []
+        sequence_dims: list[tuple] = []
         known = _closed_jaxprs(module.jaxpr)
         bound = bound_inputs(module.jaxpr)
 
@@ -89,6 +93,8 @@ class MatchAttention(Pass):
             reps, found = matcher.run()
             reports.extend(found)
             refusals.extend(matcher.refusals)
+            refused_keys.extend(matcher.refused_keys)
+            sequence_dims.extend(matcher.sequence_dims)
             return reps
 
         new = Rewriter(plan=plan, inlinable=INLINABLE).run(module.jaxpr)
@@ -99,8 +105,19 @@ class MatchAttention(Pass):
                     "match-attention{strict=true}: attention not rewritten:\n  " +
                     "\n  ".join(map(str, bad)) +
                     "\nRewrite it with cptransform.attention(...), or drop strict to leave it.")
+        reports = _mark_over_keys(module.jaxpr, reports, refused_keys, sequence_dims)
         hits = sum(r.rewritten for r in reports)
         log = tuple(str(r) for r in reports)
         return PassResult(module.with_jaxpr(new if hits else module.jaxpr,
                                             matches=tuple(reports), match_stats=stats.table),
                           bool(hits), log)
+
+
+def _mark_over_keys(closed, reports: list, refused_keys: list, sequence_dims: list) -> list:
+    """``reports`` with ``over_keys`` set on the refused softmaxes whose keys dataflow links
+    to a rewritten attention's sequence: attentions left to run unsharded."""
+    if not refused_keys or not sequence_dims:
+        return reports
+    linked = linked_dims(closed, sequence_dims, [keys for _, keys in refused_keys])
+    over = {id(report) for report, keys in refused_keys if keys in linked}
+    return [dataclasses.replace(r, over_keys=True) if id(r) in over else r for r in reports]

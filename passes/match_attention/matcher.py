@@ -30,6 +30,10 @@ class Matcher:
         self.chains = ChainReader(graph, MaskAnalyzer(graph), stats)
         #: ``(report, attention_like)`` for every refusal.
         self.refusals: list[tuple[MatchReport, bool]] = []
+        #: ``(report, (k, dim))`` for every refused softmax over a q·k product's keys.
+        self.refused_keys: list[tuple[MatchReport, tuple]] = []
+        #: ``(atom, dim)``: the q and k sequence dims of every rewritten attention.
+        self.sequence_dims: list[tuple] = []
 
     def run(self) -> tuple[list[Replacement], list[MatchReport]]:
         """The replacements to apply and a report per softmax core found."""
@@ -49,6 +53,9 @@ class Matcher:
                 report = MatchReport(src, "refused", str(e), depth=self.depth, rule=e.rule)
                 reports.append(report)
                 self.refusals.append((report, e.attention_like))
+                keys = self._keys(softmax)
+                if keys is not None:
+                    self.refused_keys.append((report, keys))
                 continue
             spec, kinds = candidate.spec(), candidate.kinds
             row_test = find_row_test(self.g, self.chains.masks, candidate)
@@ -57,9 +64,25 @@ class Matcher:
                 kinds += ("row-test",)
                 reps.append(row_test.replacement())
             reps.append(replacement(candidate, spec))
+            self.sequence_dims += [(candidate.q.atom, candidate.q.labels.index(candidate.q_seq)),
+                                   (candidate.k.atom, candidate.k.labels.index(candidate.kv_seq))]
             reports.append(MatchReport(src, "rewritten", "", spec, " ".join(kinds) or "full",
                                        rule.value, self.depth))
         return reps, reports
+
+    def _keys(self, softmax: Softmax) -> tuple | None:
+        """``(k, dim)``: the dim of a q·k product's right operand that a refused softmax
+        normalizes over, or ``None`` when its input is no q·k product. Whether that dim is
+        a sequence (an attention left whole: dropout on its probabilities, two softmaxes
+        subtracted) or not (a loss over the vocabulary, a softmax over heads) dataflow
+        decides: ``match-attention`` links it to the rewritten attentions' sequences."""
+        try:
+            column = split_sink(self.g, softmax.logits, softmax.axis)
+            chain = self.chains.walk(softmax.logits if column is None else column.keys)
+            qk = read_qk_product(self.chains, chain, softmax.axis)
+        except (NotAttention, IndexError, KeyError, ValueError, TypeError):
+            return None
+        return qk.k, qk.k_dims[qk.kv]
 
     def _attention(self, softmax: Softmax) -> tuple[Candidate, Rule]:
         g = self.g
