@@ -71,6 +71,8 @@ PROGRAM_CLASSES = (
     "gathered_keys",    # DeepSeek-V3.2-style keys gathered per query (k[idx]: [B, Q, k, ..])
                         # beside the attention: take_along_axis or indexing, causal picks
     "recurrence",       # a recurrence over the tokens before or after the block (RECURRENCES)
+    "derived_sequence",  # a second block over a slice of the first's output: MTP's
+                         # h[:, :-1] + x[:, 1:], or a dropped prefix h[:, c:]
 )
 #: The calls around the transform: state across steps, static arguments, dtypes.
 CALL_CLASSES = (
@@ -258,6 +260,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "shift_extreme": ("logsumexp_huge", "sqrt_zero"),
         "gathered_keys": ("take_along_axis", "indexing"),
         "recurrence": RECURRENCES,
+        "derived_sequence": ("mtp", "prefix_1", "prefix_3"),
     }.get(cls, ("",))
     variant = choose("variant", variants)
     llama = cls == "llama_block"
@@ -1002,6 +1005,11 @@ def build(case: FuzzCase):
             y = block(case, p, x, inp)
         if recurrent and case.variant.endswith("@output"):
             y = recurrence(case, y, p)
+        if case.cls == "derived_sequence":
+            cut = 1 if case.variant == "mtp" else int(case.variant.rsplit("_", 1)[1])
+            z = y[:, :-1] + 0.5 * x[:, 1:] if case.variant == "mtp" else y[:, cut:]
+            z = block(dataclasses.replace(case, seq=case.seq - cut), p, z, inp)
+            return jnp.mean((y - p["target"]) ** 2) + jnp.mean(jnp.tanh(z) ** 2)
         if case.cls in LAYOUT_CLASSES:
             return layout_loss(case, p, y, inp)
         if case.cls == "cumsum_seq":

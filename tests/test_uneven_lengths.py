@@ -140,3 +140,56 @@ def test_keep_permuted_needs_a_reordered_program():
     x = jax.random.normal(jax.random.key(7), (1, 19, 2, 4))
     with pytest.raises(ReorderError, match="keep_permuted=True .* natural order"):
         context_parallel(hidden, cp=8, load_balance="zigzag", keep_permuted=True)(x)
+
+
+# -- attentions over a sequence derived from the model's by a slice (MTP, a prefix dropped) --
+
+def _derived_sequence_loss(kind: str, b=2, s=32, e=16, vocab=11):
+    """A causal LM whose second block attends over a sequence one slice shorter: DeepSeek-V3's
+    multi-token prediction (``h[:, :-1]`` beside the embeddings of ``tokens[:, 1:]``), or
+    the tokens after a dropped prefix (``h[:, 3:]``)."""
+    def block(x, w):
+        q, k, v = ((x @ w[i]).reshape(x.shape[0], x.shape[1], 2, e // 2) for i in range(3))
+        o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        return x + o.reshape(x.shape[0], x.shape[1], e)
+
+    def nll(logits, targets):
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    def loss(p, tokens):
+        h = block(p["emb"][tokens], p["w1"])
+        main = nll(h[:, :-1] @ p["unemb"], tokens[:, 1:])
+        if kind == "mtp":
+            m = jnp.concatenate([h[:, :-1], p["emb"][tokens[:, 1:]]], axis=-1) @ p["proj"]
+            m = block(m, p["w2"])
+            return main + 0.3 * nll(m[:, :-1] @ p["unemb"], tokens[:, 2:])
+        m = block(h[:, 3:], p["w2"])
+        return main + 0.3 * nll(m @ p["unemb"], tokens[:, 3:])
+
+    keys = jax.random.split(jax.random.key(11), 6)
+    p = {"emb": jax.random.normal(keys[0], (vocab, e)),
+         "w1": jax.random.normal(keys[1], (3, e, e)) / np.sqrt(e),
+         "w2": jax.random.normal(keys[2], (3, e, e)) / np.sqrt(e),
+         "proj": jax.random.normal(keys[3], (2 * e, e)) / np.sqrt(2 * e),
+         "unemb": jax.random.normal(keys[4], (e, vocab)) / np.sqrt(e)}
+    tokens = jax.random.randint(keys[5], (b, s), 0, vocab)
+    return loss, (p, tokens)
+
+
+@pytest.mark.parametrize("kind,load_balance", [
+    ("mtp", "auto"),
+    pytest.param("mtp", "none", marks=pytest.mark.slow),
+    pytest.param("prefix", "auto", marks=pytest.mark.slow),
+])
+def test_attention_over_a_derived_shorter_sequence(kind, load_balance):
+    """The shorter sequence is a second sequence (seeded over size-keeping links, reached
+    by the slice only where no sequence holds a dim), padded inside its attention: both
+    attentions sharded, loss and gradients as on one device."""
+    loss, args = _derived_sequence_loss(kind)
+    f = context_parallel(loss, cp=4, load_balance=load_balance)
+    assert_tree_close(jax.jit(jax.value_and_grad(f))(*args),
+                      jax.jit(jax.value_and_grad(loss))(*args))
+    module = f.module(*args)
+    assert sorted(module.facts.seq_axes.lengths) == sorted([32, 31 if kind == "mtp" else 29])
+    assert len(module.facts.plan) == 2

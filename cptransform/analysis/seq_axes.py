@@ -134,6 +134,66 @@ def linked_dims(closed: Any, seeds: Iterable[tuple[Any, int]],
     return {c for c in candidates if c in reached}
 
 
+def _assign(graph: nx.Graph, seeds: list, attentions: list) -> tuple[dict, list]:
+    """Each connected component holding seeds is one sequence; two seed sizes in one
+    component are refused."""
+    sequence: dict = {}
+    lengths: list[int] = []
+    first_seed: list = []
+    for seed in seeds:
+        size = seed[0].aval.shape[seed[1]]
+        if seed in sequence:
+            index = sequence[seed]
+            if size != lengths[index]:
+                raise _two_lengths(lengths[index], size, first_seed[index], seed, attentions)
+            continue
+        index = len(lengths)
+        lengths.append(size)
+        first_seed.append(seed)
+        members = nx.node_connected_component(graph, seed) if seed in graph else set()
+        for member in members | {seed}:
+            sequence[member] = index
+    return sequence, lengths
+
+
+def _assign_derived(graph: nx.Graph, seeds: list, attentions: list) -> tuple[dict, list]:
+    """Sequences derived from one another by a slice, pad or concatenation (a
+    multi-token-prediction block attending over ``h[:, :-1]`` beside the model's
+    ``h``): each sequence is seeded over the links that keep a dim's size, then extended
+    over the size-changing ones to the dims no sequence holds. One attention whose query
+    and key sides land in two sequences that dataflow connects (keys concatenated to a KV
+    cache) is still refused."""
+    same_size = nx.Graph()
+    same_size.add_nodes_from(graph.nodes)
+    same_size.add_edges_from((a, b) for a, b in graph.edges
+                             if a[0].aval.shape[a[1]] == b[0].aval.shape[b[1]])
+    sequence, lengths = _assign(same_size, seeds, attentions)
+    frontier = sorted(sequence.items(), key=lambda item: item[1])
+    queue = [node for node, _ in frontier]
+    while queue:
+        node = queue.pop(0)
+        for other in graph.neighbors(node) if node in graph else ():
+            if other not in sequence:
+                sequence[other] = sequence[node]
+                queue.append(other)
+    for eqn in attentions:
+        q_side, kv_side = attention_sides(eqn)
+        if q_side and kv_side and sequence[q_side[0]] != sequence[kv_side[0]] \
+                and nx.has_path(graph, q_side[0], kv_side[0]):
+            raise _two_lengths(lengths[sequence[q_side[0]]], lengths[sequence[kv_side[0]]],
+                               q_side[0], kv_side[0], attentions)
+    return sequence, lengths
+
+
+def _two_lengths(have: int, size: int, first, seed, attentions) -> SeqAxisError:
+    return SeqAxisError(
+        f"dataflow connects sequence dims of lengths {have} and {size} "
+        f"({_where(first, attentions)}; {_where(seed, attentions)}):"
+        " one sequence cannot have two lengths (a KV cache or a concatenation of "
+        "sequences feeding one attention); leave that attention out of the "
+        "transformed function, or pass seq_axes= to cut the link")
+
+
 def _where(seed, attentions) -> str:
     """Where a seed comes from, for errors: the attention it belongs to, or an input."""
     atom, dim = seed
@@ -155,8 +215,9 @@ def infer_seq_axes(closed: Any, overrides: dict[int, tuple[int, ...]] | None = N
 
     ``overrides`` maps a flat input index to its sequence dims (``()`` = none); such inputs
     are seeded (or cut off) explicitly, the rest follows from dataflow. Two seeds of one
-    component with different sizes (a KV cache concatenated to the new keys, say) are
-    refused: one sequence has one length.
+    component with different sizes are sequences derived from one another by a slice
+    (:func:`_assign_derived`), unless one attention's queries and keys are the two (a KV
+    cache concatenated to the new keys, say): refused, one sequence has one length.
     """
     graph = nx.Graph()
     seeds: list[tuple[Any, int]] = []
@@ -177,27 +238,9 @@ def infer_seq_axes(closed: Any, overrides: dict[int, tuple[int, ...]] | None = N
         seeds += [(var, d) for d in dims]
         blocked |= {(var, d) for d in range(var.aval.ndim) if d not in dims}
     graph.remove_nodes_from(blocked)
-    sequence: dict = {}
-    lengths: list[int] = []
-    first_seed: list = []
-    for seed in seeds:
-        if seed in blocked:
-            continue
-        size = seed[0].aval.shape[seed[1]]
-        if seed in sequence:
-            index = sequence[seed]
-            if size != lengths[index]:
-                raise SeqAxisError(
-                    f"dataflow connects sequence dims of lengths {lengths[index]} and {size} "
-                    f"({_where(first_seed[index], attentions)}; {_where(seed, attentions)}):"
-                    " one sequence cannot have two lengths (a KV cache or a concatenation of "
-                    "sequences feeding one attention); leave that attention out of the "
-                    "transformed function, or pass seq_axes= to cut the link")
-            continue
-        index = len(lengths)
-        lengths.append(size)
-        first_seed.append(seed)
-        members = nx.node_connected_component(graph, seed) if seed in graph else set()
-        for member in members | {seed}:
-            sequence[member] = index
+    seeds = [seed for seed in seeds if seed not in blocked]
+    try:
+        sequence, lengths = _assign(graph, seeds, attentions)
+    except SeqAxisError:
+        sequence, lengths = _assign_derived(graph, seeds, attentions)
     return SeqAxes(tuple(lengths), sequence, attentions)
