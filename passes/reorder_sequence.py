@@ -269,15 +269,25 @@ class _Reorderer:
         under ``strict``): ``eqn`` acts along the merged sequence dim, or mixes it with
         another order."""
         moved = int(np.prod(value.shape)) * value.dtype.itemsize
-        message = (f"{eqn.primitive.name} at {compat.source_line(eqn)} needs the tokens of a "
-                   f"merged sequence dim in natural order: un-permute ({moved} bytes "
-                   "permuted)")
+        self.unpermuting(eqn, f"{eqn.primitive.name} at {compat.source_line(eqn)} needs the "
+                         f"tokens of a merged sequence dim in natural order: un-permute "
+                         f"({moved} bytes permuted)", moved,
+                         "Keep the op off the flattened tokens, or use load_balance='none'")
+        return self.unmerge(value)
+
+    def unpermuting(self, eqn, message: str, moved: int, fix: str):
+        """Record the un-permute of ``moved`` bytes that ``eqn`` needs (``message`` says
+        where and why; logged and priced), or refuse it under ``strict``, naming ``fix``."""
         if self.strict:
-            raise ReorderError(message + "; strict=True refuses this. Keep the op off the "
-                               "flattened tokens, or use load_balance='none'")
+            raise ReorderError(f"{message}; strict=True refuses this. {fix}")
         self.log.append(message)
         self.priced(eqn, "un-permute", moved)
-        return self.unmerge(value)
+
+    @staticmethod
+    def operand_bytes(eqn, indices) -> int:
+        """The bytes of ``eqn``'s operands ``indices``."""
+        return sum(int(np.prod(eqn.invars[i].aval.shape)) * eqn.invars[i].aval.dtype.itemsize
+                   for i in indices)
 
     def align(self, value, dim: int, st: Merged):
         """``value`` (an operand linked to a merged dim through its ``dim``) in the order
@@ -538,17 +548,13 @@ class _Reorderer:
                    why: str = "is not permutation-equivariant along the sequence"):
         """Run ``eqn`` on natural-order operands (un-permuted first, logged with the bytes
         it costs; refused under ``strict``); its outputs are in natural order."""
-        where = compat.source_line(eqn)
         if PERM in states:
-            moved = sum(int(np.prod(eqn.invars[i].aval.shape)) * eqn.invars[i].aval.dtype.itemsize
-                        for i in carrying if self.get(invals[i]) == PERM)
-            message = (f"{eqn.primitive.name} at {where} {why}: un-permute its operands "
-                       f"first ({moved} bytes permuted)")
-            if self.strict:
-                raise ReorderError(message + "; strict=True refuses this. Rewrite the op to "
-                                   "work on positions, or use load_balance='none'")
-            self.log.append(message)
-            self.priced(eqn, "un-permute", moved)
+            moved = self.operand_bytes(eqn, [i for i in carrying
+                                             if self.get(invals[i]) == PERM])
+            self.unpermuting(eqn, f"{eqn.primitive.name} at {compat.source_line(eqn)} {why}: "
+                             f"un-permute its operands first ({moved} bytes permuted)", moved,
+                             "Rewrite the op to work on positions, or use "
+                             "load_balance='none'")
         invals = [self.to(x, a, NAT) if i in carrying else x
                   for i, (x, a) in enumerate(zip(invals, eqn.invars))]
         outs = compat.bind_eqn(eqn, invals)
@@ -648,19 +654,14 @@ class _Reorderer:
             outs, taken, error = self._attempt(eqn, invals, NAT)
             if error is not None:
                 raise error
-        carrying = [i for i, a in enumerate(eqn.invars) if self.axes.full_dims(a)]
-        moved = sum(int(np.prod(eqn.invars[i].aval.shape)) * eqn.invars[i].aval.dtype.itemsize
-                    for i in carrying if self.get(invals[i]) not in (NAT, INV))
+        moved = self.operand_bytes(eqn, [i for i, a in enumerate(eqn.invars)
+                                         if self.axes.full_dims(a)
+                                         and self.get(invals[i]) not in (NAT, INV)])
         if moved:
-            message = (f"{eqn.primitive.name} at {compat.source_line(eqn)} runs in token "
-                       f"order: {why}: un-permute its operands first ({moved} bytes "
-                       "permuted)")
-            if self.strict:
-                raise ReorderError(message + "; strict=True refuses this. Write the "
-                                   "recurrence with lax.associative_scan, or use "
-                                   "load_balance='none'")
-            self.log.append(message)
-            self.priced(eqn, "un-permute", moved)
+            self.unpermuting(eqn, f"{eqn.primitive.name} at {compat.source_line(eqn)} runs in "
+                             f"token order: {why}: un-permute its operands first ({moved} "
+                             "bytes permuted)", moved, "Write the recurrence with "
+                             "lax.associative_scan, or use load_balance='none'")
         self._keep(taken)
         return outs
 

@@ -38,6 +38,11 @@ class MatchReport:
     def rewritten(self) -> bool:
         return self.status == "rewritten"
 
+    @property
+    def runs_unsharded(self) -> bool:
+        """An attention the matcher left whole (refused, over a sequence's keys)."""
+        return not self.rewritten and self.over_keys
+
     def describe_spec(self) -> str:
         return self.spec.describe() if self.spec is not None else ""
 

@@ -12,6 +12,7 @@ dataflow connects it to attention, and two sequences of equal length stay two.
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -168,17 +169,20 @@ def _assign_derived(graph: nx.Graph, seeds: list, attentions: list) -> tuple[dic
     same_size.add_edges_from((a, b) for a, b in graph.edges
                              if a[0].aval.shape[a[1]] == b[0].aval.shape[b[1]])
     sequence, lengths = _assign(same_size, seeds, attentions)
-    frontier = sorted(sequence.items(), key=lambda item: item[1])
-    queue = [node for node, _ in frontier]
+    # Breadth first from every dim the sequences hold at once: a dim reached from two
+    # joins the one fewest links away (the lower sequence on a tie).
+    queue = collections.deque(node for node, _ in sorted(sequence.items(),
+                                                         key=lambda item: item[1]))
     while queue:
-        node = queue.pop(0)
+        node = queue.popleft()
         for other in graph.neighbors(node) if node in graph else ():
             if other not in sequence:
                 sequence[other] = sequence[node]
                 queue.append(other)
     for eqn in attentions:
         q_side, kv_side = attention_sides(eqn)
-        if q_side and kv_side and sequence[q_side[0]] != sequence[kv_side[0]] \
+        if q_side and kv_side and q_side[0] in sequence and kv_side[0] in sequence \
+                and sequence[q_side[0]] != sequence[kv_side[0]] \
                 and nx.has_path(graph, q_side[0], kv_side[0]):
             raise _two_lengths(lengths[sequence[q_side[0]]], lengths[sequence[kv_side[0]]],
                                q_side[0], kv_side[0], attentions)

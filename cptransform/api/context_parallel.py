@@ -297,7 +297,7 @@ def report_unsharded(module: Module, options: Options) -> None:
         return
     if module.facts.plan:
         for m in module.facts.matches or ():
-            if not m.rewritten and m.over_keys:
+            if m.runs_unsharded:
                 log.warning("%s: the attention at %s runs unsharded, its whole S×S work on "
                             "every device (left alone: %s); use cptransform.attention for "
                             "it to be sharded", module.name, m.source, m.reason)

@@ -132,7 +132,7 @@ def _matcher_lines(matches, verbose: bool) -> list[str]:
     lines = [f"  matcher: {len(rewritten)} attention(s) rewritten, {len(refused)} "
              "softmax(es) left alone"]
     lines += [f"    unsharded attention (whole S×S on every device): {m}"
-              for m in matches if not m.rewritten and m.over_keys]
+              for m in matches if m.runs_unsharded]
     if not verbose:
         return lines
     shown = rewritten + refused
