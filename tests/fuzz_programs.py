@@ -73,6 +73,8 @@ PROGRAM_CLASSES = (
     "recurrence",       # a recurrence over the tokens before or after the block (RECURRENCES)
     "derived_sequence",  # a second block over a slice of the first's output: MTP's
                          # h[:, :-1] + x[:, 1:], or a dropped prefix h[:, c:]
+    "combined_maps",    # attention maps combined linearly before one value product
+                        # (differential attention, COMBINATIONS), instead of the attention
 )
 #: The calls around the transform: state across steps, static arguments, dtypes.
 CALL_CLASSES = (
@@ -141,6 +143,11 @@ RECURRENCE_KINDS = ("scan_linear", "scan_reverse", "scan_rnn", "scan_state", "fo
 RECURRENCES = tuple(f"{kind}@{place}" for kind in RECURRENCE_KINDS
                     for place in ("input", "output"))
 
+#: How ``combined_maps`` combines attention maps: two softmaxes and a scalar λ, one softmax
+#: over twice the heads viewed ``[B, H, 2, Q, K]`` (the Diff Transformer's reference code),
+#: a per-head λ, three maps, maps added, and a product of two maps (no linear combination:
+#: left whole, exact).
+COMBINATIONS = ("two", "viewed", "per_head", "three", "added", "product")
 SPELLINGS = ("jnn", "einsum", "matmul")
 SCHEDULES = ("ring", "ulysses", "allgather", "auto")
 LOAD_BALANCES = ("none", "zigzag", "striped", "auto")
@@ -261,6 +268,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "gathered_keys": ("take_along_axis", "indexing"),
         "recurrence": RECURRENCES,
         "derived_sequence": ("mtp", "prefix_1", "prefix_3"),
+        "combined_maps": COMBINATIONS,
     }.get(cls, ("",))
     variant = choose("variant", variants)
     llama = cls == "llama_block"
@@ -682,6 +690,8 @@ def make_data(case: FuzzCase):
         picks = (rng.random((b, s, 3)) * (np.arange(s)[None, :, None] + 1)).astype(np.int32)
         picks[..., 0] = np.arange(s)[None, :]
         inp["picks"] = picks
+    if case.cls == "combined_maps":
+        p["lam"] = _normal(rng, (h,))
     if case.cls == "recurrence":
         p["w_rec"] = _normal(rng, (e, e), 0.5 / math.sqrt(e))
         p["a_rec"] = _normal(rng, (e,))
@@ -846,7 +856,10 @@ def block(case: FuzzCase, p: dict, x, inputs: dict):
         q, k, v = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     if case.cls == "dtype_fp16":
         q, k, v = q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16)
-    o = attend(case, q, k, v, p, inputs).astype(x.dtype)
+    if case.cls == "combined_maps":
+        o = combined_maps(case, q, k, v, p, inputs).astype(x.dtype)
+    else:
+        o = attend(case, q, k, v, p, inputs).astype(x.dtype)
     if case.cls == "gathered_keys":
         o = o + gathered_attention(case, q, k, v, inputs["picks"]).astype(x.dtype)
     if case.cls == "seq_contract":
@@ -870,6 +883,40 @@ def block(case: FuzzCase, p: dict, x, inputs: dict):
         hy = rmsnorm(y, p["g"])
         y = y + (jax.nn.silu(hy @ p["w1"]) * (hy @ p["w3"])) @ p["w2"]
     return y
+
+
+def combined_maps(case: FuzzCase, q, k, v, params, inputs):
+    """Attention maps of the case's mask combined linearly (``case.variant`` in
+    :data:`COMBINATIONS`) before one value product: q/k [B,S,H,D], v [B,S,K,Dv]."""
+    h = q.shape[2]
+    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+    allowed = _allowed(case, inputs)
+    fill = _fill_value(case.fill, softmax_dtype(q.dtype))
+
+    def maps(a, b):
+        s = jnp.einsum("bqhd,bkhd->bhqk", a, b).astype(softmax_dtype(a.dtype))
+        s = s / math.sqrt(a.shape[-1])
+        return jax.nn.softmax(s if allowed is None else _masked(case, s, allowed, fill), -1)
+
+    lam = jax.nn.sigmoid(params["lam"])
+    q2, k2 = q[..., ::-1], jnp.tanh(k)
+    if case.variant == "viewed":
+        both = maps(jnp.concatenate([q, q2], 2), jnp.concatenate([k, k2], 2))
+        both = both.reshape(both.shape[0], h, 2, *both.shape[2:])
+        p = both[:, :, 0] - lam[0] * both[:, :, 1]
+    elif case.variant == "per_head":
+        p = maps(q, k) - lam[:, None, None] * maps(q2, k2)
+    elif case.variant == "three":
+        p = maps(q, k) - lam[0] * maps(q2, k2) + 0.25 * maps(q2, k)
+    elif case.variant == "added":
+        p = 0.5 * (maps(q, k) + maps(q2, k2))
+    elif case.variant == "product":
+        p = maps(q, k) - lam[0] * maps(q, k) * maps(q2, k2)
+    else:
+        p = maps(q, k) - lam[0] * maps(q2, k2)
+    if case.spelling == "matmul":
+        return (p.astype(v.dtype) @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
 
 
 def gathered_attention(case: FuzzCase, q, k, v, picks):

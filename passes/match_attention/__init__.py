@@ -32,7 +32,9 @@ The modules, in the order a match uses them: ``anchor`` (the softmax core), ``ch
 form and empty rows), ``candidate`` (the frozen record of a match and its spec),
 ``row_test`` (a select after the attention that zeroes its empty rows, folded into
 ``empty_rows="zero"``), ``emit`` (the replacement), ``matcher`` (one jaxpr), ``stats``
-(refusals and per-rule counts), ``walk`` (use-def helpers).
+(refusals and per-rule counts), ``walk`` (use-def helpers), and ``distribute``, run before
+the match: a value product of a linear combination of softmaxes (differential attention)
+distributed over it, so each softmax is an attention.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ from cptransform.ir.module import Module
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import Rewriter
 from cptransform.passes.match_attention.bound_constants import BoundGraph, bound_inputs
+from cptransform.passes.match_attention.distribute import distribute_value_products
 from cptransform.passes.match_attention.matcher import Matcher
 from cptransform.passes.match_attention.stats import RuleStats
 
@@ -69,7 +72,10 @@ class MatchAttention(Pass):
     """Replace every attention subgraph with one ``attention_p`` (run after canonicalize).
 
     ``strict``: raise when a softmax between a q·k and a p·v product cannot be rewritten,
-    instead of leaving it and reporting why.
+    instead of leaving it and reporting why. ``distribute``: first distribute a value
+    product over a linear combination of softmaxes (differential attention), so each is an
+    attention (:mod:`~cptransform.passes.match_attention.distribute`; ``False`` keeps the
+    combination whole, and unsharded).
     """
 
     name = "match-attention"
@@ -77,15 +83,18 @@ class MatchAttention(Pass):
     ensures = (Fact.MATCHES,)
 
     strict: bool = False
+    distribute: bool = True
 
     def run(self, module: Module) -> PassResult:
+        closed, distributed = distribute_value_products(module.jaxpr) if self.distribute \
+            else (module.jaxpr, 0)
         stats = RuleStats()
         reports: list[MatchReport] = []
         refusals: list[tuple[MatchReport, bool]] = []
         refused_keys: list[tuple[MatchReport, tuple]] = []
         sequence_dims: list[tuple] = []
-        known = _closed_jaxprs(module.jaxpr)
-        bound = bound_inputs(module.jaxpr)
+        known = _closed_jaxprs(closed)
+        bound = bound_inputs(closed)
 
         def plan(jaxpr):
             closed, depth = known.get(id(jaxpr), (jaxpr, 0))
@@ -97,7 +106,7 @@ class MatchAttention(Pass):
             sequence_dims.extend(matcher.sequence_dims)
             return reps
 
-        new = Rewriter(plan=plan, inlinable=INLINABLE).run(module.jaxpr)
+        new = Rewriter(plan=plan, inlinable=INLINABLE).run(closed)
         if self.strict:
             bad = [r for r, attention_like in refusals if attention_like]
             if bad:
@@ -105,9 +114,12 @@ class MatchAttention(Pass):
                     "match-attention{strict=true}: attention not rewritten:\n  " +
                     "\n  ".join(map(str, bad)) +
                     "\nRewrite it with cptransform.attention(...), or drop strict to leave it.")
-        reports = _mark_over_keys(module.jaxpr, reports, refused_keys, sequence_dims)
+        reports = _mark_over_keys(closed, reports, refused_keys, sequence_dims)
         hits = sum(r.rewritten for r in reports)
         log = tuple(str(r) for r in reports)
+        if distributed and hits:
+            log = (f"match-attention: {distributed} value product(s) distributed over a "
+                   "linear combination of softmaxes",) + log
         return PassResult(module.with_jaxpr(new if hits else module.jaxpr,
                                             matches=tuple(reports), match_stats=stats.table),
                           bool(hits), log)
