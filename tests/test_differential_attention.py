@@ -8,6 +8,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -180,3 +181,18 @@ def test_the_distributed_program_equals_the_written_one():
         assert count == 1, name
         np.testing.assert_allclose(module(*args), layer(*args), rtol=1e-5, atol=1e-6,
                                    err_msg=name)
+
+
+@pytest.mark.slow
+def test_differential_attention_inside_a_scan_over_layers():
+    """The distribution reaches bodies: a scan over two stacked differential layers."""
+    def loss(x, w, lam):
+        def layer(h, wl):
+            return h + 0.5 * jnp.tanh(two_softmaxes(h, wl, lam).reshape(h.shape)), None
+        return jnp.mean(lax.scan(layer, x, jnp.stack([w, w[::-1]]))[0] ** 2)
+
+    args = _args(5)
+    f = context_parallel(loss, cp=4)
+    assert sum(m.rewritten for m in f.module(*args).facts.matches) == 2
+    assert_tree_close(jax.value_and_grad(f, argnums=(0, 1, 2))(*args),
+                      jax.value_and_grad(loss, argnums=(0, 1, 2))(*args), rtol=2e-5)

@@ -421,23 +421,20 @@ def distribute_value_products(closed: Any) -> tuple[Any, int]:
     """``closed`` (a closed jaxpr) with every value product of a linear combination of
     softmax probabilities distributed over it, and how many were; ``closed`` itself when
     none was (then nothing is re-traced)."""
-    if not any(_combines(j) for j in _jaxprs(closed)):
+    plans = {}
+    for jaxpr in _jaxprs(closed):
+        if _combines(jaxpr):
+            graph = Graph(jaxpr)
+            probs = _probabilities(graph)
+            reps = [r for e in graph.eqns if e.primitive.name == "dot_general"
+                    for r in [_distribution(graph, probs, e)] if r is not None] \
+                if probs else []
+            if reps:
+                plans[id(jaxpr)] = reps
+    if not plans:
         return closed, 0
-    count = 0
-
-    def plan(jaxpr):
-        nonlocal count
-        if not _combines(jaxpr):
-            return []
-        graph = Graph(jaxpr)
-        probs = _probabilities(graph)
-        reps = [r for e in graph.eqns if e.primitive.name == "dot_general"
-                for r in [_distribution(graph, probs, e)] if r is not None] if probs else []
-        count += len(reps)
-        return reps
-
-    new = Rewriter(plan=plan, inlinable=INLINABLE).run(closed)
-    return (new, count) if count else (closed, 0)
+    new = Rewriter(plan=lambda jaxpr: plans.get(id(jaxpr), ()), inlinable=INLINABLE).run(closed)
+    return new, sum(map(len, plans.values()))
 
 
 def _jaxprs(closed: Any):
