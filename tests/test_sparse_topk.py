@@ -4,7 +4,10 @@ The reference against the dense mask a scatter builds, the matcher turning that 
 into ``topk_indices``, every schedule × layout against one device (forward and the
 gradients of q, k, v and the indexer's parameters), the chunked kernel's block skipping,
 top-k larger than the causal keys, duplicate indices, and the indexer (indices or its dense
-data mask) through the Pallas kernels.
+data mask) through the Pallas kernels. The XLA kernel's gather path (``topk_gather``: the
+k picks of each query, not the keys): against the reference with every other mask operand,
+NaN and Inf of keys it never reads, no ``[Tq, Tkv]`` array, repeated key positions, and
+under every schedule with cp=8.
 """
 import sys
 from pathlib import Path
@@ -17,11 +20,15 @@ from jax import lax
 
 from conftest import make_mesh
 from cptransform import attention, context_parallel
+from cptransform.ir.module import iter_eqns
 from cptransform.lowering.block import Block
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
+from cptransform.lowering.kernels import topk_gather
 from cptransform.lowering.kernels.chunked import ChunkedKernel, chunk_kinds
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_reference import attend
+from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.op.layouts import SequenceLayout
 from cptransform.op.mask_terms import BlockKind
 from test_match_support import assert_close, randn, rewrite, specs
 
@@ -274,3 +281,188 @@ def test_pallas_table_skips_tiles_no_index_reaches(rng):
     assert not (table[0, 0, :, 0] == BlockKind.SKIP).any()
     np.testing.assert_array_equal(np.asarray(ops.picked[..., :13, :11]) != 0,
                                   np.asarray(selected(idx, kv_pos)))
+
+
+# The gather path (lowering/kernels/topk_gather.py): each query's picks looked up among a
+# call's keys, logits over the k picks only, dK/dV scatter-added. Against the reference's
+# dense mask: forward, and the VJP of ``o`` (the dense backward's formulas) for q, k, v, bias.
+
+BTHD = Layout.parse("BTHD")
+
+
+def gather_case(rng, *, b=2, tq=37, tkv=50, heads=(4, 2), k=6, per_head=False, terms=(),
+                softcap=None):
+    """``(block, spec)``: random data, shuffled key positions (no layout keeps one range),
+    query positions around them, picks that repeat, fall outside the keys (negative, past
+    the last) and past the causal range."""
+    h, hkv = heads
+    q, kk, v = randn(rng, b, tq, h, D), randn(rng, b, tkv, hkv, D), randn(rng, b, tkv, hkv, D + 2)
+    kv_pos = jnp.asarray(rng.permutation(tkv) + 3, jnp.int32)[None]
+    q_pos = jnp.asarray(rng.integers(0, tkv + 6, (1, tq)), jnp.int32)
+    idx = rng.integers(-2, tkv + 6, (b, h if per_head else 1, tq, k))
+    idx[..., -1] = idx[..., 0]
+    extra = {}
+    if "segments" in terms:
+        extra.update(q_seg=jnp.asarray(rng.integers(0, 2, (b, tq)), jnp.int32),
+                     kv_seg=jnp.asarray(rng.integers(0, 2, (b, tkv)), jnp.int32))
+    if "bias" in terms:
+        extra["bias"] = randn(rng, 1, h, tq, tkv)
+    if "dense" in terms:
+        extra["mask"] = jnp.asarray(rng.random((b, 1, tq, tkv)) < 0.7)
+    block = Block(q=q, k=kk, v=v, q_pos=q_pos, kv_pos=kv_pos, topk=jnp.asarray(idx, jnp.int32),
+                  **extra)
+    mask = MaskSpec(causal=True, topk=True, segments="segments" in terms, bias="bias" in terms,
+                    dense="dense" in terms)
+    spec = AttentionSpec(BTHD, BTHD, BTHD, scale=D ** -0.5, softcap=softcap, groups=h // hkv,
+                         mask=mask, positions=True)
+    return block, spec
+
+
+def reference_step(block, spec, *diff):
+    """``attend`` on ``block`` as a function of the fields ``diff`` (for its VJP)."""
+    def run(*xs):
+        blk = block.replace(**dict(zip(diff, xs)))
+        return attend(spec, blk.q, blk.k, blk.v, blk.q_pos, blk.kv_pos, blk.q_seg, blk.kv_seg,
+                      blk.mask, blk.bias, blk.topk)
+    return run
+
+
+def assert_matches(got, want, rtol=RTOL):
+    """:func:`assert_close` with infinities (``lse = -inf`` of empty rows) where ``want``
+    has them; the tolerance scales with the finite entries."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    infinities = lambda x: np.where(np.isinf(x), x, 0)  # noqa: E731
+    np.testing.assert_array_equal(infinities(got), infinities(want))
+    finite = ~np.isinf(want)
+    assert_close(got[finite], want[finite], rtol)
+
+
+def check_gather(block, spec, distinct=True, do=None):
+    """The gather kernel's forward and backward (cotangent ``do``, default random) against
+    the reference. ``distinct``: the key positions never repeat, as a layout's (the kernel
+    then skips its run-time check)."""
+    kernel = ChunkedKernel(chunk=8)
+    assert topk_gather.applies(block, spec)
+    if distinct:
+        spec = spec.replace(kv_positions_layout=SequenceLayout("contiguous", 1, 1))
+    diff = ("q", "k", "v") + (("bias",) if block.bias is not None else ())
+    if do is None:
+        do = randn(np.random.default_rng(1), *block.q.shape[:3], block.v.shape[-1])
+
+    @jax.jit
+    def reference(block):
+        out, vjp = jax.vjp(reference_step(block, spec, *diff), *(getattr(block, n) for n in diff))
+        return out, vjp((do, jnp.zeros_like(out[1])))
+
+    (o, lse), want = reference(block)
+    got_o, got_lse = jax.jit(lambda b: kernel.forward(b, spec))(block)
+    assert_matches(got_o, o)
+    assert_matches(got_lse, lse)
+    got = jax.jit(lambda b: kernel.backward(b, o, lse, do, spec))(block)
+    for g, w in zip(got, want):
+        assert_matches(g, w)
+
+
+def test_gather_matches_reference(rng):
+    """Per-head picks, GQA 2, with every other mask operand (segment ids, a dense mask, a
+    bias under a soft-cap) evaluated at the picks. (Picks shared by the heads: below.)"""
+    check_gather(*gather_case(rng, per_head=True, terms=("segments", "dense", "bias"),
+                              softcap=5.0))
+
+
+def test_gather_keeps_nan_and_inf_as_dense(rng):
+    """Picks shared by the heads, GQA 2, causal. A NaN in V and an Inf in K at keys no
+    query picks, a NaN query row, an Inf in V at a key some rows see (those rows get Inf,
+    the others ``0·Inf = NaN``) and an Inf in dO (the keys its row sees get Inf in dV, the
+    others NaN) reach the output and the gradients as in the dense softmax, though the
+    gather never reads most keys."""
+    block, spec = gather_case(rng, b=1, tq=20, tkv=24, k=5)
+    positions, picks = np.asarray(block.kv_pos)[0], np.asarray(block.topk)
+    unpicked = np.flatnonzero(~np.isin(positions, picks))
+    seen = int(np.flatnonzero(positions == picks[0, 0, -1, 0])[0])   # the last row sees it
+    assert unpicked.size
+    block = block.replace(v=block.v.at[0, int(unpicked[0]), 1, 3].set(jnp.nan)
+                          .at[0, seen, 0, 4].set(jnp.inf),
+                          k=block.k.at[0, int(unpicked[-1]), 0, 2].set(jnp.inf),
+                          q=block.q.at[0, 5, 2, 1].set(jnp.nan))
+    do = randn(rng, *block.q.shape[:3], block.v.shape[-1]).at[0, 19, 0, 2].set(-jnp.inf)
+    check_gather(block, spec, do=do)
+
+
+def test_gather_cost_follows_the_picks(rng):
+    """Forward and backward build no ``[Tq, Tkv]`` array: every intermediate is sized by
+    the picks or by one side."""
+    block, spec = gather_case(rng, b=1, tq=96, tkv=160, k=4)
+    # Key positions of a layout: no run-time check, so no sweep to fall back to.
+    spec = spec.replace(kv_positions_layout=SequenceLayout("contiguous", 160, 1))
+    kernel = ChunkedKernel()
+
+    def step(b):
+        o, lse = kernel.forward(b, spec)
+        return kernel.backward(b, o, lse, o, spec)
+
+    shapes = {tuple(v.aval.shape) for eqn in iter_eqns(jax.make_jaxpr(step)(block).jaxpr)
+              for v in eqn.outvars}
+    square = [s for s in shapes if 96 in s and 160 in s]
+    assert not square, square
+    assert not topk_gather.applies(block.replace(topk=block.topk[..., :1].repeat(160, -1)), spec)
+
+
+@pytest.mark.slow
+def test_repeated_key_positions_take_the_sweep(rng):
+    """The caller's key positions may repeat (one pick then names several keys): the call
+    checks at run time and sweeps, which the reference's set membership agrees with."""
+    block, spec = gather_case(rng, b=1, tq=16, tkv=24, k=5)
+    block = block.replace(kv_pos=block.kv_pos // 2, topk=block.topk // 2)
+    check_gather(block, spec, distinct=False)
+
+
+@pytest.fixture
+def gathers(monkeypatch):
+    """Counts the calls (traces) of the gather path's forward and backward."""
+    calls = []
+    for name in ("_forward", "_backward"):
+        real = getattr(topk_gather, name)
+        monkeypatch.setattr(topk_gather, name,
+                            lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("schedule,layout,seq", [
+    ("ring", "zigzag", 128),
+    pytest.param("ring", "contiguous", 128, marks=pytest.mark.slow),
+    pytest.param("ring", "striped", 128, marks=pytest.mark.slow),
+    pytest.param("ring", "zigzag", 120, marks=pytest.mark.slow),   # padded to 128
+    pytest.param("allgather", "zigzag", 128, marks=pytest.mark.slow),
+    pytest.param("allgather", "contiguous", 128, marks=pytest.mark.slow),
+    pytest.param("ulysses", "striped", 128, marks=pytest.mark.slow),
+    pytest.param("hybrid", "zigzag", 128, marks=pytest.mark.slow),
+])
+def test_gather_under_schedules(rng, gathers, schedule, layout, seq):
+    """cp=8, 128 tokens (16 keys a ring step, 6 picks a query): per-head picks with
+    repeats, negative and past-the-end picks and picks beyond the causal keys, GQA 4,
+    through the gather path, against the undecorated attention."""
+    q, k, v = randn(rng, 2, seq, 8, D), randn(rng, 2, seq, 2, D), randn(rng, 2, seq, 2, D)
+    idx = jnp.asarray(rng.integers(-3, seq + 12, (2, 8, seq, 6)), jnp.int32)
+    idx = idx.at[..., -1].set(idx[..., 0])
+    spec = jax.make_jaxpr(lambda *a: attention(*a, topk_indices=idx, causal=True))(
+        q, k, v).eqns[-1].params["spec"]
+
+    axes = ("uly", "ring") if schedule == "hybrid" else ("cp",)
+    mesh = make_mesh((2, 4) if schedule == "hybrid" else (8,), axes)
+
+    def sharded(q, k, v):
+        return context_parallel_attention(q, k, v, idx, spec=spec, mesh=mesh, axes=axes,
+                                          schedule=schedule, layout=layout)
+
+    def one_device(q, k, v):
+        return attention(q, k, v, topk_indices=idx, causal=True)
+
+    def value_and_grads(f):
+        loss = lambda *a: jnp.sum(jnp.sin(f(*a)) * jnp.cos(a[0]))  # noqa: E731
+        value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+        return (value, *grads)
+
+    got, want = value_and_grads(sharded), value_and_grads(one_device)
+    assert all(relative(g, w) <= RTOL for g, w in zip(got, want))
+    assert {"_forward", "_backward"} <= set(gathers)

@@ -113,6 +113,19 @@ def zero_times(x):
     return x.astype(accumulator_dtype(x.dtype)) * 0.0
 
 
+def pad_axis(x, axis: int, to: int, value=None):
+    """``x`` padded along ``axis`` to length ``to``: repeating its last entry (``value``
+    ``None``, which keeps min/max ranges unchanged) or with ``value``; ``None`` stays
+    ``None``."""
+    if x is None or x.shape[axis] == to:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, to - x.shape[axis])
+    if value is None:
+        return jnp.pad(x, widths, mode="edge")
+    return jnp.pad(x, widths, constant_values=value)
+
+
 def sum_to(x, shape):
     """Sum the dims of ``x`` that ``shape`` broadcasts (size 1) back down to ``shape``."""
     axes = tuple(i for i, (xs, s) in enumerate(zip(x.shape, shape)) if s == 1 and xs != 1)

@@ -20,6 +20,10 @@ merged ``lse`` and ``delta = rowsum(dO∘O) - dlse`` computed once per call. Wor
 is one pair's ``[B, Hkv, G·cq, ck]`` tile plus O(T) state, so it grows linearly with the
 local length, and compile time does not grow with the grid.
 
+A top-k mask whose queries pick fewer keys than the call holds skips all of this: its
+picks alone are gathered and computed (:mod:`~cptransform.lowering.kernels.topk_gather`),
+so its cost follows ``k``, not the keys.
+
 GQA/MQA fold the query-head group into the rows (``q [B, T, H, D] → [B, Hkv, G·T, D]``),
 so every product is a plain batched matmul over ``(B, Hkv)``.
 
@@ -40,27 +44,14 @@ from jax import lax
 
 from cptransform.analysis.block_work import DEFAULT_CHUNK, kernel_grid
 from cptransform.lowering.block import Block
-from cptransform.lowering.kernels import register_kernel, row_delta, sum_to, zero_times
+from cptransform.lowering.kernels import pad_axis, register_kernel, row_delta, sum_to, \
+    topk_gather, zero_times
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.lowering.kernels.capabilities import Capabilities
 from cptransform.op import mask_terms
 from cptransform.op.mask_terms import BlockKind
 from cptransform.op.attention_reference import capped_logits, empty_rows_of, visible
 from cptransform.op.attention_spec import AttentionSpec
-
-
-
-def _pad(x, axis: int, to: int, value=None):
-    """``x`` padded along ``axis`` to length ``to``: repeating its last entry (``value``
-    ``None``, which keeps min/max ranges unchanged) or with ``value``."""
-    if x is None or x.shape[axis] == to:
-        return x
-    extra = to - x.shape[axis]
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    if value is None:
-        return jnp.pad(x, widths, mode="edge")
-    return jnp.pad(x, widths, constant_values=value)
 
 
 def _grid(block: Block, target: int):
@@ -134,15 +125,15 @@ class _Problem:
         (cq, nq), (ck, nk) = _grid(block, target)
         kinds = chunk_kinds(block, spec, target)
         tqp, tkp = cq * nq, ck * nk
-        pad_rows = lambda x: _pad(_pad(x, 2, tqp), 3, tkp)  # noqa: E731
+        pad_rows = lambda x: pad_axis(pad_axis(x, 2, tqp), 3, tkp)  # noqa: E731
         padded = block.replace(
-            q_pos=_pad(block.q_pos, 1, tqp), kv_pos=_pad(block.kv_pos, 1, tkp),
-            q_seg=_pad(block.q_seg, 1, tqp), kv_seg=_pad(block.kv_seg, 1, tkp),
+            q_pos=pad_axis(block.q_pos, 1, tqp), kv_pos=pad_axis(block.kv_pos, 1, tkp),
+            q_seg=pad_axis(block.q_seg, 1, tqp), kv_seg=pad_axis(block.kv_seg, 1, tkp),
             mask=None if block.mask is None else pad_rows(block.mask),
             bias=None if block.bias is None else pad_rows(block.bias),
-            topk=_pad(block.topk, 2, tqp), q_coord=_pad(block.q_coord, 1, tqp))
-        return cls(padded, spec, _pad(block.q, 1, tqp, 0), _pad(block.k, 1, tkp, 0),
-                   _pad(block.v, 1, tkp, 0), cq, nq, ck, nk, block.k.shape[1], kinds)
+            topk=pad_axis(block.topk, 2, tqp), q_coord=pad_axis(block.q_coord, 1, tqp))
+        return cls(padded, spec, pad_axis(block.q, 1, tqp, 0), pad_axis(block.k, 1, tkp, 0),
+                   pad_axis(block.v, 1, tkp, 0), cq, nq, ck, nk, block.k.shape[1], kinds)
 
     @property
     def acc(self):
@@ -288,9 +279,9 @@ class _BackwardRows:
         accum = pb.acc
         tqp = pb.cq * pb.nq
         # Padded query rows: lse = +inf makes their probabilities 0, do = 0 their dV terms.
-        lse = _pad(lse.astype(accum), 2, tqp, jnp.inf)
+        lse = pad_axis(lse.astype(accum), 2, tqp, jnp.inf)
         nan = jnp.where(jnp.isnan(lse), jnp.nan, 0.0).astype(accum)
-        return cls(lse, _pad(delta.astype(accum), 2, tqp, 0), nan, _pad(do, 1, tqp, 0))
+        return cls(lse, pad_axis(delta.astype(accum), 2, tqp, 0), nan, pad_axis(do, 1, tqp, 0))
 
     def at(self, pb: _Problem, i):
         """Query chunk ``i``'s ``(lse, delta, nan)`` as ``[B, Hkv, G·cq]`` and ``do`` as
@@ -347,10 +338,14 @@ def _dbias_unfolded(pb: _Problem, block: Block, dbias):
 @dataclass(frozen=True)
 class ChunkedKernel:
     """Flash-style local step in plain JAX; see the module doc. ``chunk`` is the target
-    chunk length for queries and keys (:func:`~cptransform.analysis.block_work.chunk_size`)."""
+    chunk length for queries and keys (:func:`~cptransform.analysis.block_work.chunk_size`).
+    ``gather_topk``: a top-k mask whose queries pick fewer keys than the call holds is
+    computed over the picks alone (:mod:`~cptransform.lowering.kernels.topk_gather`, cost
+    ``Tq·k``) instead of swept chunk by chunk (``False``: always swept)."""
 
     chunk: int = DEFAULT_CHUNK
     name: str = "xla"
+    gather_topk: bool = True
     #: Every mask term, dtype, head dim and backend; plain JAX needs no self-check.
     capabilities = Capabilities()
 
@@ -359,6 +354,12 @@ class ChunkedKernel:
         ``running``, when given, is a partial ``(o, lse)`` over other keys: each row's
         online softmax starts from it (``m = lse``, ``l = 1``, ``acc = o``), so the merged
         result is written into its buffers in place."""
+        if self.gather_topk and topk_gather.applies(block, spec):
+            return topk_gather.forward(block, spec, running, self._swept_forward)
+        return self._swept_forward(block, spec, running)
+
+    def _swept_forward(self, block: Block, spec: AttentionSpec, running=None):
+        """:meth:`forward` chunk pair by chunk pair (the module doc)."""
         pb = _Problem.build(block, spec, self.chunk)
         b, tqp, h, _ = pb.q.shape
         dv = pb.v.shape[-1]
@@ -414,8 +415,8 @@ class ChunkedKernel:
             out = (jnp.zeros_like(pb.q, accum, (b, tqp, h, dv)),
                    jnp.full_like(pb.q, -jnp.inf, accum, (b, h, tqp)))
         else:
-            out = (_pad(running[0].astype(accum), 1, tqp, 0),
-                   _pad(running[1].astype(accum), 2, tqp, -jnp.inf))
+            out = (pad_axis(running[0].astype(accum), 1, tqp, 0),
+                   pad_axis(running[1].astype(accum), 2, tqp, -jnp.inf))
         o, lse = lax.fori_loop(0, pb.nq, q_chunk, out)
         tq = block.q.shape[1]
         return o[:, :tq], lse[:, :, :tq]
@@ -426,6 +427,14 @@ class ChunkedKernel:
         :func:`row_delta` of the merged output (then ``o`` and ``dlse`` are not read);
         ``dq``, ``dk`` and ``dv``, when given, are the running sums the loops add to in
         place (no second buffer)."""
+        if self.gather_topk and topk_gather.applies(block, spec):
+            return topk_gather.backward(block, o, lse, do, spec, dlse, delta, dq, dk, dv,
+                                        self._swept_backward)
+        return self._swept_backward(block, o, lse, do, spec, dlse, delta, dq, dk, dv)
+
+    def _swept_backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None,
+                        delta=None, dq=None, dk=None, dv=None):
+        """:meth:`backward` chunk pair by chunk pair (the module doc)."""
         pb = _Problem.build(block, spec, self.chunk)
         accum = pb.acc
         if delta is None:
@@ -468,7 +477,7 @@ class ChunkedKernel:
             return (dq, pb.put_keys(dk, dk_j, j), pb.put_keys(dv, dv_j, j)), dbias_col
 
         start = tuple(jnp.zeros_like(x, accum) if running is None else
-                      _pad(running.astype(accum), 1, x.shape[1], 0)
+                      pad_axis(running.astype(accum), 1, x.shape[1], 0)
                       for x, running in ((pb.q, dq), (pb.k, dk), (pb.v, dv)))
         add_q, add_k, add_v = _skipped_gradients(pb, rows)
         (dq, dk, dv), dbias = lax.scan(k_chunk, (start[0] + add_q, *start[1:]),
