@@ -38,8 +38,9 @@ class PallasKernel:
     Args:
       variant: ``"tpu"`` or ``"gpu"``; ``None`` follows the backend (on CPU:
         ``$CPTRANSFORM_PALLAS_VARIANT``, default ``tpu``).
-      block_q, block_kv: tile sizes; ``None`` is ``min(T, 128)`` (the GPU variant rounds up
-        to a power of two, at least 16, as Triton needs). Lengths are padded to a multiple.
+      block_q, block_kv: tile sizes; ``None`` is ``min(T, 128)`` on the TPU variant and
+        ``min(T, pallas_gpu.table_block(D, itemsize))`` on the GPU one (which rounds up to a
+        power of two, at least 16, as Triton needs). Lengths are padded to a multiple.
       interpret: run in interpret mode; ``None`` means exactly when the backend is CPU.
     """
 
@@ -75,15 +76,16 @@ class PallasKernel:
             interpret = pltpu.InterpretParams()
         return variant, VARIANTS[variant], interpret
 
-    def _block(self, given: int | None, length: int, variant: str) -> int:
-        size = given or min(length, 128)
-        if variant == "gpu":
-            size = max(16, 1 << (size - 1).bit_length())
-        return size
+    def _block(self, given: int | None, length: int, variant: str, block: Block) -> int:
+        if variant != "gpu":
+            return given or min(length, 128)
+        size = given or min(length, pallas_gpu.table_block(
+            max(block.q.shape[-1], block.v.shape[-1]), block.q.dtype.itemsize))
+        return max(16, 1 << (size - 1).bit_length())
 
     def _operands(self, block: Block, spec: AttentionSpec, variant: str):
-        return prepare(block, spec, self._block(self.block_q, block.q.shape[1], variant),
-                       self._block(self.block_kv, block.k.shape[1], variant))
+        return prepare(block, spec, self._block(self.block_q, block.q.shape[1], variant, block),
+                       self._block(self.block_kv, block.k.shape[1], variant, block))
 
     def forward(self, block: Block, spec: AttentionSpec, running=None):
         """``(o [B, Tq, H, Dv] f32, lse [B, H, Tq] f32)`` of ``block``; see the protocol."""
