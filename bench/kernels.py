@@ -10,7 +10,11 @@ of them in its own and the previous 128-block, half anywhere before), for
   ``topk_indices`` (the kernels' selection of each call's keys, tiles no index reaches
   skipped);
 * ``cudnn`` / ``xla``: ``jax.nn.dot_product_attention(implementation=...)``, ``jax.grad`` for
-  the backward (the block-sparse and top-k masks go in as dense boolean masks).
+  the backward (the block-sparse and top-k masks go in as dense boolean masks);
+* ``cudnn-step`` (on a GPU): this package's ``"cudnn"`` kernel, forward then backward from
+  the forward's ``o``/``lse`` as a schedule runs it (cuDNN's backward fed that o and lse,
+  plus the kernel's step classification and its ``0·V`` terms of masked keys); causal and
+  full masks only (it hands the others to the XLA kernel).
 
 FLOPs count only the visible fraction of the score matrix (causal ½, block-sparse the drawn
 density): forward ``4·B·H·S²·D·fraction``, backward 2.5× that (the flash-attention
@@ -20,6 +24,14 @@ Reference points on an H200: cuDNN forward 490–590 TFLOP/s, fwd+bwd 420–550.
 
     python bench/kernels.py                      # on the GPU
     python bench/kernels.py --interpret --small  # on CPU: tiny shapes, Pallas interpreted
+
+The Pallas kernel runs with its own tile choice (``pallas_gpu.table_block``: 64 at D=128 in
+bf16) unless ``--kernel-block`` sets one. Issue 32's table (S=8K, causal and full, fwd and
+fwd+bwd, against cuDNN; before the GPU kernels' loop split and tuning, at 128-tiles: Pallas
+67 / 51 / 137 / 61 TFLOP/s, cuDNN 328 / 387 / 567 / 540) is re-measured on an H200 by
+
+    python bench/kernels.py --seqs 8192 --masks causal,full --iters 20
+    python bench/kernels.py --seqs 8192 --masks causal,full --iters 20 --kernel-block 128
 
 Each row also states its compile time (forward and forward+backward together).
 
@@ -44,6 +56,7 @@ import numpy as np  # noqa: E402
 
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec  # noqa: E402
 from cptransform.lowering.block import Block  # noqa: E402
+from cptransform.lowering.kernels.cudnn import CudnnKernel  # noqa: E402
 from cptransform.lowering.kernels.pallas import PallasKernel  # noqa: E402
 
 BTHD = Layout.parse("BTHD")
@@ -60,12 +73,13 @@ def block_sparse_mask(seq: int, block: int, density: float, seed: int = 0):
     return jnp.asarray(dense)[None, None], float(tiles.mean())
 
 
-def topk_mask(seq: int, block: int, seed: int = 0):
+def topk_mask(seq: int, block: int, seed: int = 0, k: int | None = None):
     """``(indices [1, 1, S, k] int32, the same as a dense bool [1, 1, S, S], density)``:
-    ``k = max(S // 64, 2)`` causal keys per query, half drawn from its own and the previous
-    ``block`` keys, half from all earlier ones (an indexer's mix of local and far picks)."""
+    ``k`` (default ``max(S // 64, 2)``) causal keys per query, half drawn from its own and
+    the previous ``block`` keys, half from all earlier ones (an indexer's mix of local and
+    far picks; a query with fewer earlier keys repeats some)."""
     rng = np.random.default_rng(seed)
-    k = max(seq // 64, 2)
+    k = max(seq // 64, 2) if k is None else k
     rows = np.arange(seq)[:, None]
     near = rows - (rng.random((seq, k // 2)) * np.minimum(rows + 1, 2 * block)).astype(int)
     far = (rng.random((seq, k - k // 2)) * (rows + 1)).astype(int)
@@ -89,8 +103,9 @@ def problem(seq: int, heads: int, dim: int, mask: str, block: int, dtype):
     return q, k, v, None, None, 0.5 if mask == "causal" else 1.0
 
 
-def pallas_fns(kernel: PallasKernel, mask: str, seq: int, scale: float):
-    """``(forward, forward+backward)`` of the Pallas kernel on ``(q, k, v, dense, topk)``;
+def pallas_fns(kernel, mask: str, seq: int, scale: float):
+    """``(forward, forward+backward)`` of a local-step kernel (the Pallas kernel, or the
+    cuDNN one) on ``(q, k, v, dense, topk)``;
     the top-k mask reads ``topk`` (indices, an argument: as a closed-over constant XLA
     spends tens of seconds constant-folding its sort) and ignores ``dense``."""
     spec = AttentionSpec(BTHD, BTHD, BTHD, scale=scale, positions=True,
@@ -144,7 +159,8 @@ def measure(seqs, masks, heads, dim, block, kernel, iters, budget_s=None):
     """``(rows, failures)``: each (implementation, S, mask) forward checked against XLA's,
     then its forward and forward+backward compile time and median run time. Rows past
     ``budget_s`` seconds are recorded as skipped, not run."""
-    impls = ["xla", "pallas"] + ([] if jax.default_backend() == "cpu" else ["cudnn"])
+    impls = ["xla", "pallas"] + ([] if jax.default_backend() == "cpu" else
+                                 ["cudnn", "cudnn-step"])
     rows, failures, start = [], [], time.perf_counter()
     for seq in seqs:
         for mask in masks:
@@ -158,8 +174,12 @@ def measure(seqs, masks, heads, dim, block, kernel, iters, budget_s=None):
                 if budget_s is not None and time.perf_counter() - start > budget_s:
                     rows.append(dict(row, skipped=f"past the {budget_s:.0f} s budget"))
                     continue
-                fns = pallas_fns(kernel, mask, seq, scale) if impl == "pallas" else \
-                    nn_fns(impl, mask, scale)
+                if impl == "cudnn-step" and mask not in ("causal", "full"):
+                    rows.append(dict(row, skipped="the cuDNN kernel hands this mask to XLA"))
+                    continue
+                local = {"pallas": kernel, "cudnn-step": CudnnKernel()}.get(impl)
+                fns = nn_fns(impl, mask, scale) if local is None else \
+                    pallas_fns(local, mask, seq, scale)
                 fwd, fwd_bwd = (jax.jit(f) for f in fns)
                 args = (q, k, v, dense, topk)
                 try:
@@ -186,10 +206,10 @@ def measure(seqs, masks, heads, dim, block, kernel, iters, budget_s=None):
 
 def table(rows) -> str:
     """The rows as a fixed-width table."""
-    lines = [f"{'impl':8} {'S':>6} {'mask':13} {'compile s':>9} {'fwd ms':>9} {'fwd TF/s':>9} "
+    lines = [f"{'impl':10} {'S':>6} {'mask':13} {'compile s':>9} {'fwd ms':>9} {'fwd TF/s':>9} "
              f"{'f+b ms':>9} {'f+b TF/s':>9}  err"]
     for r in rows:
-        head = f"{r['impl']:8} {r['seq']:6} {r['mask']:13}"
+        head = f"{r['impl']:10} {r['seq']:6} {r['mask']:13}"
         if "error" in r or "skipped" in r:
             lines.append(f"{head} {r.get('error') or 'skipped: ' + r['skipped']}")
             continue
@@ -211,6 +231,8 @@ def main(argv=None) -> int:
                         help=f"comma-separated masks among {', '.join(MASKS)}")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="skip the rows that would start after this many seconds")
+    parser.add_argument("--kernel-block", type=int, default=None,
+                        help="the Pallas kernel's block_q = block_kv (default: its own choice)")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -222,7 +244,8 @@ def main(argv=None) -> int:
     if args.seqs:
         seqs = tuple(int(x) for x in args.seqs.split(","))
     iters = args.iters or (1 if args.small else 10)
-    kernel = PallasKernel(block_q=block, block_kv=block,
+    kernel_block = args.kernel_block or (block if args.small else None)
+    kernel = PallasKernel(block_q=kernel_block, block_kv=kernel_block,
                           interpret=True if args.interpret else None)
     device = jax.devices()[0].device_kind.replace(" ", "_")
     rows, failures = measure(seqs, masks, heads, dim, block, kernel, iters, args.budget_s)
@@ -231,6 +254,7 @@ def main(argv=None) -> int:
     out = Path(args.out or ROOT / "bench" / "results" / f"kernels-{device}-{date}.json")
     out.write_text(json.dumps(dict(date=date, device=device, backend=jax.default_backend(),
                                    jax=jax.__version__, heads=heads, dim=dim, block=block,
+                                   kernel_block=kernel_block,
                                    interpret=args.interpret, rows=rows), indent=1))
     print(f"wrote {out}")
     for failure in failures:

@@ -151,6 +151,61 @@ def test_auto_self_check_passes_on_the_device():
     assert self_check(get_kernel("pallas")) is None
 
 
+def _positions(*runs):
+    return jnp.asarray(np.concatenate([np.arange(*r) for r in runs]), jnp.int32)[None]
+
+
+#: The cuDNN kernel's step kinds on the device (T = 256 per block): (name, query positions,
+#: key positions, mask as ``MaskSpec`` fields, q heads, kv heads).
+CUDNN_CASES = [
+    ("diagonal", _positions((0, 256)), _positions((0, 256)), dict(causal=True), 8, 2),
+    ("full", _positions((256, 512)), _positions((0, 256)), dict(causal=True), 8, 8),
+    ("skipped", _positions((0, 256)), _positions((256, 512)), dict(causal=True), 4, 1),
+    ("zigzag-split", _positions((256, 384), (640, 768)), _positions((0, 128), (896, 1024)),
+     dict(causal=True), 8, 2),
+    ("zigzag-diagonal", _positions((128, 256), (768, 896)), _positions((128, 256), (768, 896)),
+     dict(causal=True), 8, 2),
+    ("window", _positions((0, 256)), _positions((0, 256)), dict(causal=True, window=(100, 0)),
+     8, 2),
+    ("delegated", _positions((8, 264)), _positions((0, 256)), dict(causal=True), 8, 2),
+    ("no-mask", _positions((0, 200)), _positions((0, 328)), dict(), 4, 4),
+]
+
+
+@pytest.mark.skipif(BACKEND not in ("gpu", "cuda"), reason="cuDNN runs on NVIDIA GPUs only")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name, q_pos, kv_pos, mask, h, hkv", CUDNN_CASES,
+                         ids=[c[0] for c in CUDNN_CASES])
+def test_cudnn_kernel_on_the_device_matches_the_float32_reference(name, q_pos, kv_pos, mask,
+                                                                   h, hkv, dtype):
+    """The real cuDNN kernel (JAX's private cuDNN attention, forward then backward from the
+    merged o/lse) per step kind, against the float32 host reference."""
+    from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+    bthd = Layout.parse("BTHD")
+    spec = AttentionSpec(bthd, bthd, bthd, scale=128 ** -0.5, groups=h // hkv,
+                         mask=MaskSpec(**mask))
+    keys = jax.random.split(jax.random.key(zlib.crc32(name.encode())), 4)
+    tq, tkv = q_pos.shape[1], kv_pos.shape[1]
+    q, k, v = (jax.random.normal(key, shape, dtype) for key, shape in zip(
+        keys, ((2, tq, h, 128), (2, tkv, hkv, 128), (2, tkv, hkv, 128))))
+    do = jax.random.normal(keys[3], (2, tq, h, 128), jnp.float32)
+    block, kernel = Block(q, k, v, q_pos, kv_pos), get_kernel("cudnn")
+
+    @jax.jit
+    def run(do, b: Block):
+        o, lse = kernel.forward(b, spec)
+        return (o, lse) + tuple(kernel.backward(b, o, lse, do, spec)[:3])
+
+    want = reference(block, spec, do)
+    for label, g, w in zip(("o", "lse", "dq", "dk", "dv"), run(do, block), want):
+        assert_close(label, g, w, TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(BACKEND not in ("gpu", "cuda"), reason="cuDNN runs on NVIDIA GPUs only")
+def test_cudnn_self_check_passes_on_the_device():
+    assert self_check(get_kernel("cudnn")) is None
+
+
 def _model(name: str):
     """``(loss, args)``: the README demo's Llama (``lax.scan`` over layers, GQA, RoPE) or a
     stock Flax NNX decoder (``nnx.MultiHeadAttention``, ``nnx.make_causal_mask``)."""

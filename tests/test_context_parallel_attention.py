@@ -123,7 +123,8 @@ def _run(case, **kw):
 @pytest.mark.parametrize("option,value,message", [
     ("schedule", "spiral", r"unknown schedule 'spiral'; use one of .*ring"),
     ("layout", "diagonal", r"unknown layout 'diagonal'; use one of contiguous, zigzag, striped"),
-    ("kernel", "cuda", r"unknown kernel 'cuda'; use one of auto, pallas, xla"),
+    ("kernel", "cuda", r"unknown kernel 'cuda' \(did you mean 'cudnn'\?\); use one of auto, cudnn, "
+                         r"pallas, xla"),
     ("axes", "model", r"CP axes \('model',\) must be .* mesh axes \('cp',\)"),
 ])
 def test_unknown_options_list_the_known_ones(small, option, value, message):

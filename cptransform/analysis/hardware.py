@@ -22,6 +22,10 @@ Sources (vendor spec sheets):
   float32 matmuls run as TF32 on the tensor cores (JAX's default precision on GPU).
 * Kernel efficiency: FlashAttention-2 reaches 50–73% of A100 peak (Dao 2023, §4.1) and
   FlashAttention-3 about 75% of H100 peak (Shah et al. 2024); 0.5 is used throughout.
+  Measured rates of the local-step kernels, where we have them, are in ``kernel_tflops``
+  (:meth:`Hardware.kernel_flops_per_s`): the H200's from ``bench/kernels.py`` at S=8K,
+  B=1, H=16, D=128, bf16 (TFLOP/s of visible work: cuDNN 328 causal forward, 387 causal
+  forward+backward, 567 and 540 unmasked; the Pallas kernel on Triton 67, 51, 137, 61).
 * ``cpu-sim``: 8 XLA host devices simulated on the 2 cores of this machine, fit by
   ``python bench/planner.py --calibrate`` to the forward and backward times of
   ``bench/results/peers.json``
@@ -30,7 +34,7 @@ Sources (vendor spec sheets):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 GB = 10 ** 9
 GiB = 2 ** 30
@@ -71,6 +75,18 @@ class Hardware:
     # The same for the backward's tiles (dQ, dK, dV of folded rows), which fare otherwise:
     # fitted where measurements exist (cpu-sim: 0.865, where the forward's are 1.13).
     grouped_backward_efficiency: float = 1.0
+    # Measured TFLOP/s of visible work per (kernel, mask, pass): mask "causal" or "full",
+    # pass "forward" or "forward+backward" (bench/kernels.py); empty for the rows without.
+    kernel_tflops: dict = field(default_factory=dict)
+
+    def kernel_flops_per_s(self, kernel: str, mask: str, backward: bool = False
+                           ) -> float | None:
+        """The measured FLOP/s of visible work of ``kernel`` ("cudnn", "pallas") on a
+        ``mask`` ("causal", "full") attention, forward or forward+backward (``backward``);
+        ``None`` where this row has no measurement."""
+        rate = self.kernel_tflops.get((kernel, mask, "forward+backward" if backward
+                                       else "forward"))
+        return None if rate is None else rate * TERA
 
     def compute_s(self, slowest_flops: float, balance: float, dtype_bytes: int,
                   calls: int = 1, grouped: bool = False, backward: bool = False) -> float:
@@ -105,10 +121,20 @@ def _tpu(name, bf16_tflops, hbm_gb, ici_gbps_bidirectional, pod, dcn_gbps_per_ch
                      LinkClass("dcn", dcn_gbps_per_chip / 8 * GB, 50e-6)))
 
 
-def _gpu(name, bf16_tflops, tf32_tflops, hbm_gb, nvlink_gbytes_bidirectional, ib_gbps):
+def _gpu(name, bf16_tflops, tf32_tflops, hbm_gb, nvlink_gbytes_bidirectional, ib_gbps,
+         kernel_tflops=None):
     return Hardware(name, {2: bf16_tflops * TERA, 4: tf32_tflops * TERA}, int(hbm_gb * GB),
                     (LinkClass("nvlink", nvlink_gbytes_bidirectional / 2 * GB, 10e-6, 8),
-                     LinkClass("infiniband", ib_gbps / 8 * GB, 20e-6)))
+                     LinkClass("infiniband", ib_gbps / 8 * GB, 20e-6)),
+                    kernel_tflops=kernel_tflops or {})
+
+
+def _measured(**rates):
+    """``kernel_tflops`` from ``kernel=(causal forward, causal forward+backward, full
+    forward, full forward+backward)`` TFLOP/s."""
+    return {(kernel, mask, step): rate for kernel, four in rates.items()
+            for (mask, step), rate in zip([(m, p) for m in ("causal", "full")
+                                           for p in ("forward", "forward+backward")], four)}
 
 
 #: The hardware table by name.
@@ -121,7 +147,8 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     # name     bf16 / TF32 TFLOPS dense, HBM GB, NVLink GB/s (bidir.), IB Gb/s per GPU
     _gpu("a100", 312, 156, 80, 600, 200),
     _gpu("h100", 989, 495, 80, 900, 400),
-    _gpu("h200", 989, 495, 141, 900, 400),
+    _gpu("h200", 989, 495, 141, 900, 400,
+         _measured(cudnn=(328, 387, 567, 540), pallas=(67, 51, 137, 61))),
     # Fit to the 40 forward times of bench/results/peers.json (2K-16K tokens, MHA and GQA,
     # causal; see the module doc), per simulated device, with compute priced on the mean
     # device (they share the cores). The "bandwidth" absorbs the per-byte work around a

@@ -523,7 +523,8 @@ def context_parallel(fn: Callable | None = None, **options) -> Any:
     auto; auto prices each feasible schedule, halo included, and
     takes the fastest), ``load_balance`` (zigzag | striped | none | auto: the layout with
     the least predicted time over all attentions; "documents" is refused), ``kernel``
-    (pallas | xla | auto), ``seq_axes`` (override: a tuple
+    (cudnn | pallas | xla | auto: per attention the fastest that runs it), ``seq_axes``
+    (override: a tuple
     mirroring the positional arguments with an int dim, a tuple of dims, or None per
     argument, or a pytree prefix of the argument with those as leaves, as ``jax.vmap``'s
     ``in_axes``), ``strict`` (refuse non-equivariant ops instead of wrapping them, and a

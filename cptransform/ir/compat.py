@@ -13,6 +13,8 @@ from typing import Any, Callable, Iterator
 
 import jax
 
+from cptransform.ir.errors import KernelError
+
 #: The JAX releases cptransform is tested on: at least the first, below the second (the first
 #: untested minor release). ``pyproject.toml`` states the same bound for pip.
 SUPPORTED_JAX = ((0, 10, 2), (0, 13))
@@ -565,3 +567,34 @@ def _core_mesh_axis_names() -> tuple[str, ...]:
     """The axis names, in mesh order, of the mesh a ``shard_map`` body runs under."""
     from jax._src import mesh as _mesh
     return tuple(_mesh.get_abstract_mesh().axis_names)
+
+
+def cudnn_missing() -> str | None:
+    """Why this JAX cannot serve :func:`cudnn_attention` (and the fix); ``None`` if it can."""
+    fa = None
+    with contextlib.suppress(ImportError):
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+    gone = ", ".join(n for n in ("dot_product_attention", "MaskType", "AttentionLayout",
+                                 "_dot_product_attention_bwd_p_wrapper") if not hasattr(fa, n))
+    return gone and (f"kernel 'cudnn' needs {gone} of jax._src.cudnn.fused_attention_stablehlo"
+                     f", absent from JAX {_jax_version()}: use kernel='pallas'/'xla'") or None
+
+
+def cudnn_attention(*args, backward: bool = False, scale: float, causal: bool, window=None):
+    """cuDNN attention (JAX's private module) of ``[B, T, H, D]`` 16-bit operands, unmasked or
+    causal top-left (query ``i`` sees keys ``i - window < j <= i``): ``(q, k, v) -> (o, lse f32
+    [B, H, T])``, never differentiated; ``backward``: ``(q, k, v, o, lse, do) -> (dq, dk, dv)``
+    fed the rows' merged ``o``/``lse`` (``rowsum(dO∘O)`` inside)."""
+    if cudnn_missing():
+        raise KernelError(cudnn_missing())
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    if not backward:
+        return tuple(fa.dot_product_attention(*args, scale=scale, mask_type=mask,
+                                              sliding_window_length=window, return_residual=True))
+    extra = {"score_mod": None} if jax_release() >= (0, 12) else {}  # 0.12: flex attention
+    unused = jax.numpy.zeros((0,), args[0].dtype)  # bias, seqlens, offsets, page tables
+    return tuple(fa._dot_product_attention_bwd_p_wrapper.bind(
+        *args[:3], *[unused] * 7, args[4], args[3], args[5], scale=scale, seed=42,
+        dropout_rate=0.0, variadic_args=(False, False), mask_type=mask,
+        layout=fa.AttentionLayout.BTNH.value, sliding_window_length=window, **extra))
