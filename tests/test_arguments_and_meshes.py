@@ -211,3 +211,25 @@ def test_nnx_scan_over_layers_writes_its_state_back(data):
     np.testing.assert_allclose(got, want, rtol=RTOL)
     for g, w in zip(jax.tree_util.tree_leaves(got_g), jax.tree_util.tree_leaves(want_g)):
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=RTOL * np.abs(w).max())
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_inputs_sharded_over_a_data_axis_of_an_explicit_mesh(data, jit):
+    """What the idle-devices warning suggests: ``jax.make_mesh((2, 4), ('data', 'cp'))``
+    (Explicit axes by default) and the batch placed over ``'data'``. The gradient, eager
+    or under ``jit``, is one device's and keeps the input's sharded type (it once ended in
+    JAX's "Expected cotangent type float32[2@data,...]")."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    x, w = data
+    mesh = jax.make_mesh((2, 4), ("data", "cp"))
+    xs = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
+
+    def loss(x, w):
+        return jnp.mean(attend(x, w) ** 2)
+
+    grad = jax.value_and_grad(context_parallel(loss, mesh=mesh, axis="cp"), argnums=(0, 1))
+    got = (jax.jit(grad) if jit else grad)(xs, w)
+    want = jax.value_and_grad(loss, argnums=(0, 1))(x, w)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=RTOL, atol=1e-7), got,
+                 want)
+    assert jax.typeof(got[1][0]).sharding.spec == jax.typeof(xs).sharding.spec

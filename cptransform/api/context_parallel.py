@@ -291,8 +291,9 @@ def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipe
 def report_unsharded(module: Module, options: Options) -> None:
     """With ``cp > 1`` and no attention found, nothing is sharded: warn with each refused
     softmax's reason and source line (``strict=True``: raise). With attentions found, each
-    refused softmax over a q·k product (an attention left whole: dropout on its
-    probabilities, two softmaxes subtracted) is logged as running unsharded."""
+    refused softmax over a q·k product (an attention left whole: its probabilities
+    multiplied by data, a softmax combined with a non-softmax) is logged as running
+    unsharded."""
     if module.facts.cp <= 1:
         return
     if module.facts.plan:
@@ -346,7 +347,8 @@ def _tracing(name: str):
 
 def _on_mesh(leaves: list, mesh) -> list:
     """Arrays committed to devices outside ``mesh`` (``jax.device_put(x,
-    jax.devices()[3])``) copied onto it, replicated; the program shards them from there.
+    jax.devices()[3])``) copied onto it, replicated, and arrays typed with Explicit mesh
+    axes moved to ``mesh`` (Auto axes); the program shards them from there.
     Under ``grad`` / ``jvp`` of an eager call the copy is of the tracer whose primal is so
     committed: ``device_put`` is differentiable, and its transpose brings the gradient back
     to the input's device, as on one device."""
@@ -358,7 +360,31 @@ def _on_mesh(leaves: list, mesh) -> list:
         return isinstance(value, jax.Array) and value.committed \
             and value.sharding.device_set != devices
 
-    return [jax.device_put(x, replicated) if elsewhere(x) else x for x in leaves]
+    def explicit(x):
+        """The spec of ``x``'s Explicit sharding type (``2@data``) on ``mesh``'s Auto
+        axes, or ``None`` when its type has no Explicit axes."""
+        try:
+            sharding = jax.typeof(x).sharding
+        except (TypeError, AttributeError):
+            return None
+        kinds = dict(zip(sharding.mesh.axis_names, getattr(sharding.mesh, "axis_types", ())))
+        named = [a for part in sharding.spec if part is not None
+                 for a in (part if isinstance(part, tuple) else (part,))]
+        if not named or all(kinds.get(a) == AxisType.Auto for a in named):
+            return None
+        return sharding.spec if set(named) <= set(mesh.axis_names) else PartitionSpec()
+
+    def placed(x):
+        # An input typed with Explicit axes (sharded over a data axis of the mesh
+        # jax.make_mesh builds) moves to the same spec on the Auto CP mesh: the program is
+        # built there, and under grad device_put's transpose gives the cotangent the
+        # input's own type back.
+        spec = explicit(x)
+        if spec is not None:
+            return jax.device_put(x, NamedSharding(mesh, spec))
+        return jax.device_put(x, replicated) if elsewhere(x) else x
+
+    return [placed(x) for x in leaves]
 
 
 def refuse_set_mesh_gradients(name: str, leaves: list) -> None:
