@@ -22,6 +22,9 @@ Shapes (``B`` = all batch dims flattened, a heads dim always present):
 * ``q_coord`` int32 ``[B|1, Tq]`` or ``None``: the queries' data coordinates of a
   coordinate band (``MaskSpec.coordinate_band``), compared with the keys' positions. It
   belongs to the queries like ``q_seg``.
+* ``dropout`` uint32 ``[B|1, H, 4]`` or ``None``: the dropout seed of each (batch entry,
+  query head) (:mod:`~cptransform.op.dropout`); replicated over the CP devices like the
+  sinks, but read by the kernels, which draw each tile's bits from it and the positions.
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ KEY_FIELDS = ("k", "v", "kv_pos", "kv_seg")
 @dataclass(frozen=True)
 class Block:
     """Queries, keys, values, their positions and segment ids, a dense mask, a bias, the
-    sinks, top-k key positions and the queries' coordinates."""
+    sinks, top-k key positions, the queries' coordinates and the dropout seed."""
 
     q: Any = None
     k: Any = None
@@ -55,6 +58,7 @@ class Block:
     sinks: Any = None
     topk: Any = None
     q_coord: Any = None
+    dropout: Any = None
 
     def replace(self, **fields) -> "Block":
         """This block with ``fields`` replaced."""

@@ -135,7 +135,8 @@ def _natural_block(a: dict, q, k, v, nb: int, batch_shape, q_layout: SequenceLay
                  topk=None if a["topk_indices"] is None
                  else flat(a["topk_indices"]).astype(jnp.int32),
                  q_coord=None if a["q_coordinates"] is None
-                 else flat(a["q_coordinates"]).astype(jnp.int32))
+                 else flat(a["q_coordinates"]).astype(jnp.int32),
+                 dropout=flat(a["dropout_seed"]))
 
 
 def _sharded(record, block: Block, spec: AttentionSpec, *, mesh, axes: tuple[str, ...],
@@ -145,9 +146,9 @@ def _sharded(record, block: Block, spec: AttentionSpec, *, mesh, axes: tuple[str
     ``[B, Tq, H, Dv]`` sharded on its sequence dim over ``axes``."""
     seq = sequence_mesh_axes(axes)
     # Token operands are sharded on their sequence dim (1), per-pair ones on their rows (2);
-    # the sinks have no sequence dim: every device holds them all.
+    # the sinks and the dropout seed have no sequence dim: every device holds them all.
     sharding = block.replace(**{
-        name: P() if name == "sinks" else
+        name: P() if name in ("sinks", "dropout") else
         P(None, None, seq) if name in ("mask", "bias", "topk") else P(None, seq)
         for name, x in vars(block).items() if x is not None})
     # Positions built here (the program gave none) are, padded or not, those of the
@@ -164,6 +165,8 @@ def _sharded(record, block: Block, spec: AttentionSpec, *, mesh, axes: tuple[str
             # backward sums their per-device gradients once at their own [B|1, H] size,
             # not at the size of the first per-row value they are broadcast into.
             local = local.replace(sinks=lax.pcast(local.sinks, axes, to="varying"))
+        if local.dropout is not None:
+            local = local.replace(dropout=lax.pcast(local.dropout, axes, to="varying"))
         return record.run(local, spec=local_spec, axes=axes, kernel=local_kernel)
 
     return jax.shard_map(run, mesh=mesh, in_specs=(sharding,), out_specs=P(None, seq),

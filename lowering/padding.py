@@ -106,5 +106,6 @@ def pad_block(block: Block, spec: AttentionSpec, tq: int, tkv: int) -> tuple[Blo
         sinks=block.sinks, topk=_pad_rows(block.topk, tq, kv_pos[:, :1]),
         q_coord=None if block.q_coord is None else _extend(
             jnp.broadcast_to(block.q_coord, (_batch_of(block.q_coord, kv_pos), real_q)), tq,
-            kv_pos[:, :1] - _inside(*spec.mask.coordinate_band)))
+            kv_pos[:, :1] - _inside(*spec.mask.coordinate_band)),
+        dropout=block.dropout)
     return padded, spec.replace(mask=spec.mask.replace(segments=True), real_keys=real_kv)

@@ -82,8 +82,9 @@ def dense_to_heads(x, axis: str, n: int):
 
 
 def heads_of(sinks, axis: str, n: int):
-    """The sinks ``[B|1, H]`` of the query heads this device holds after
-    :func:`sequence_to_heads` over ``axis`` (device ``j``: heads ``[j·H/n, (j+1)·H/n)``)."""
+    """The sinks ``[B|1, H]`` (or dropout seeds ``[B|1, H, 4]``) of the query heads this
+    device holds after :func:`sequence_to_heads` over ``axis`` (device ``j``: heads
+    ``[j·H/n, (j+1)·H/n)``)."""
     if sinks is None:
         return None
     width = sinks.shape[1] // n
@@ -111,7 +112,8 @@ def ulysses_around(inner, block: Block, *, spec, axis: str):
         kv_pos=gather_sequence(block.kv_pos, axis), q_seg=gather_sequence(block.q_seg, axis),
         kv_seg=gather_sequence(block.kv_seg, axis), mask=dense_to_heads(block.mask, axis, n),
         bias=dense_to_heads(block.bias, axis, n), sinks=heads_of(block.sinks, axis, n),
-        topk=dense_to_heads(block.topk, axis, n), q_coord=gather_sequence(block.q_coord, axis))
+        topk=dense_to_heads(block.topk, axis, n), q_coord=gather_sequence(block.q_coord, axis),
+        dropout=heads_of(block.dropout, axis, n))
     o = inner(heads_sharded, spec)
     return heads_to_sequence(o.astype(block.q.dtype), axis)
 

@@ -92,7 +92,8 @@ class AttentionPlan:
     first (empty when no hardware row applies); ``runner_up``: the next feasible one under
     ``auto``; ``source`` the nearest frame in the user's code, ``library_source`` the
     installed library's frame that emitted the attention when there is one (Flax's);
-    ``kernel``: the local-step kernel and why, one line (``choose_kernel``).
+    ``kernel``: the local-step kernel and why, one line (``choose_kernel``); ``dropout``:
+    whether its probabilities go through dropout (drawn per block by the kernel).
     """
 
     index: int
@@ -107,6 +108,7 @@ class AttentionPlan:
     layout: str = "contiguous"
     library_source: str | None = None
     kernel: str = ""
+    dropout: bool = False
 
     def describe(self) -> str:
         mib = {k: f"{v / MiB:.2f} MiB" for k, v in self.bytes_per_device.items()}
@@ -371,6 +373,7 @@ class PlanContextParallel(Pass):
         _, kernel = choose_kernel(self.kernel, spec, q.dtype, (q.shape[spec.q.feature],
                                                              v.shape[spec.v.feature]), kernels())
         plan = partial(AttentionPlan, index=index, source=where, mask=spec.mask, shape=shape,
+                       dropout=spec.dropout is not None,
                        layout=layout, library_source=library, kernel=kernel,
                        bytes_per_device=costs, predictions=ranked)
         if self.schedule != "auto":

@@ -75,6 +75,8 @@ PROGRAM_CLASSES = (
                          # h[:, :-1] + x[:, 1:], or a dropped prefix h[:, c:]
     "combined_maps",    # attention maps combined linearly before one value product
                         # (differential attention, COMBINATIONS), instead of the attention
+    "dropout_probs",    # dropout drawn with jax.random on the probabilities (DROPOUTS),
+                        # instead of the attention
 )
 #: The calls around the transform: state across steps, static arguments, dtypes.
 CALL_CLASSES = (
@@ -148,6 +150,12 @@ RECURRENCES = tuple(f"{kind}@{place}" for kind in RECURRENCE_KINDS
 #: a per-head λ, three maps, maps added, and a product of two maps (no linear combination:
 #: left whole, exact).
 COMBINATIONS = ("two", "viewed", "per_head", "three", "added", "product")
+#: How ``dropout_probs`` drops probabilities: ``where(keep, p / keep, 0)``, ``p * keep /
+#: keep`` (a bool cast by the product), flax's multiplier broadcast over batch and heads
+#: (bits ``[1, 1, Q, K]``), probabilities transposed to ``[B, Q, H, K]`` before the bits are
+#: drawn in that order, ``uniform(key) < keep`` written out, a key folded from the given one,
+#: and a legacy raw ``uint32[2]`` key.
+DROPOUTS = ("select", "multiply", "broadcast", "heads_after", "uniform", "folded", "raw_key")
 SPELLINGS = ("jnn", "einsum", "matmul")
 SCHEDULES = ("ring", "ulysses", "allgather", "auto")
 LOAD_BALANCES = ("none", "zigzag", "striped", "auto")
@@ -269,6 +277,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "recurrence": RECURRENCES,
         "derived_sequence": ("mtp", "prefix_1", "prefix_3"),
         "combined_maps": COMBINATIONS,
+        "dropout_probs": DROPOUTS,
     }.get(cls, ("",))
     variant = choose("variant", variants)
     llama = cls == "llama_block"
@@ -692,6 +701,8 @@ def make_data(case: FuzzCase):
         inp["picks"] = picks
     if case.cls == "combined_maps":
         p["lam"] = _normal(rng, (h,))
+    if case.cls == "dropout_probs":
+        inp["dropout_key"] = np.asarray(jax.random.key_data(jax.random.key(case.seed)))
     if case.cls == "recurrence":
         p["w_rec"] = _normal(rng, (e, e), 0.5 / math.sqrt(e))
         p["a_rec"] = _normal(rng, (e,))
@@ -858,6 +869,8 @@ def block(case: FuzzCase, p: dict, x, inputs: dict):
         q, k, v = q.astype(jnp.float16), k.astype(jnp.float16), v.astype(jnp.float16)
     if case.cls == "combined_maps":
         o = combined_maps(case, q, k, v, p, inputs).astype(x.dtype)
+    elif case.cls == "dropout_probs":
+        o = dropped_attention(case, q, k, v, inputs).astype(x.dtype)
     else:
         o = attend(case, q, k, v, p, inputs).astype(x.dtype)
     if case.cls == "gathered_keys":
@@ -914,6 +927,41 @@ def combined_maps(case: FuzzCase, q, k, v, params, inputs):
         p = maps(q, k) - lam[0] * maps(q, k) * maps(q2, k2)
     else:
         p = maps(q, k) - lam[0] * maps(q2, k2)
+    if case.spelling == "matmul":
+        return (p.astype(v.dtype) @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
+
+
+def dropped_attention(case: FuzzCase, q, k, v, inputs):
+    """Attention of the case's mask whose probabilities go through dropout drawn with
+    ``jax.random`` (``case.variant`` in :data:`DROPOUTS`): q/k [B,S,H,D], v [B,S,K,Dv]."""
+    h, keep = q.shape[2], 0.75
+    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+    allowed = _allowed(case, inputs)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(softmax_dtype(q.dtype)) / math.sqrt(
+        q.shape[-1])
+    if allowed is not None:
+        s = _masked(case, s, allowed, _fill_value(case.fill, s.dtype))
+    p = jax.nn.softmax(s, axis=-1)
+    raw = inputs["dropout_key"]
+    key = raw if case.variant == "raw_key" else jax.random.wrap_key_data(raw)
+    if case.variant == "folded":
+        key = jax.random.fold_in(key, 7)
+    if case.variant == "heads_after":
+        p = p.transpose(0, 2, 1, 3)
+    shape = (1, 1, *p.shape[2:]) if case.variant == "broadcast" else p.shape
+    if case.variant == "uniform":
+        kept = jax.random.uniform(key, shape) < keep
+    else:
+        kept = jax.random.bernoulli(key, keep, shape)
+    if case.variant in ("select", "folded", "raw_key"):
+        p = jnp.where(kept, p / keep, 0.0)
+    elif case.variant == "broadcast":
+        p = p * (kept.astype(p.dtype) / jnp.asarray(keep, p.dtype))
+    else:
+        p = p * kept / keep
+    if case.variant == "heads_after":
+        return jnp.einsum("bqhk,bkhd->bqhd", p.astype(v.dtype), v)
     if case.spelling == "matmul":
         return (p.astype(v.dtype) @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v)

@@ -51,7 +51,9 @@ def test_returned_weights(rng):
 
 
 @pytest.mark.slow
-def test_dropout_on_probabilities(rng):
+def test_a_keep_mask_given_as_data(rng):
+    """A multiplier of the probabilities that is data (no bits drawn with ``jax.random``,
+    which ``test_dropout_attention`` shards): left whole."""
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     keep = jnp.asarray(rng.random((B, H, T, T)) > 0.1)
 
@@ -59,7 +61,7 @@ def test_dropout_on_probabilities(rng):
         p = jax.nn.softmax(scores(q, k)) * keep / 0.9
         return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
-    check_refused(fn, q, k, v, keep, reason="dropout")
+    check_refused(fn, q, k, v, keep, reason="go through mul before the value product")
 
 
 @pytest.mark.parametrize("spelling", ["take_along_axis", "indexing"])

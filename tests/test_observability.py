@@ -77,7 +77,8 @@ def test_profile_names_of_the_backward():
 
 def _beside_a_sharded_attention(kind: str):
     """A causal attention (sharded), then a second one over the same tokens (``kind``:
-    with dropout on its probabilities, which the matcher leaves whole, or differential
+    with its probabilities multiplied by a mask given as data, which the matcher leaves
+    whole, or differential
     attention: two softmaxes subtracted, two attentions once the value product is
     distributed), and a softmax over the vocabulary (no attention)."""
     s = 32
@@ -89,8 +90,8 @@ def _beside_a_sharded_attention(kind: str):
     def loss(q, w, key):
         o = jax.nn.dot_product_attention(q, q, q, is_causal=True)
         p = probs(o, q)
-        if kind == "dropout":
-            p = p * jax.random.bernoulli(key, 0.9, p.shape) / 0.9
+        if kind == "given_mask":
+            p = p * (jnp.sin(w[0, :1] * jnp.arange(s)) > 0) / 0.9
         else:
             p = p - 0.3 * probs(q, o)
         o = o + jnp.einsum("bhqk,bkhd->bqhd", p, q)
@@ -99,10 +100,10 @@ def _beside_a_sharded_attention(kind: str):
     return loss
 
 
-@pytest.mark.parametrize("kind", ["dropout", "differential"])
+@pytest.mark.parametrize("kind", ["given_mask", "differential"])
 def test_an_attention_left_whole_beside_sharded_ones_is_logged(caplog, kind):
     """No attention runs unsharded silently: beside a sharded one, the attention the
-    matcher leaves whole (dropout) is logged (WARNING) and listed by ``explain``;
+    matcher leaves whole (a mask given as data) is logged (WARNING) and listed by ``explain``;
     differential attention is sharded, so nothing is logged; the vocabulary's softmax,
     which is no attention, is not either; the numbers are one device's."""
     loss = _beside_a_sharded_attention(kind)
@@ -113,7 +114,7 @@ def test_an_attention_left_whole_beside_sharded_ones_is_logged(caplog, kind):
     with caplog.at_level(logging.WARNING, logger="cptransform"):
         got = jax.value_and_grad(f, argnums=(0, 1))(q, w, key)
     warned = [r.getMessage() for r in caplog.records if "runs unsharded" in r.getMessage()]
-    assert len(warned) == (1 if kind == "dropout" else 0), warned
+    assert len(warned) == (1 if kind == "given_mask" else 0), warned
     assert all("test_observability.py" in m for m in warned), warned
     listed = [line for line in f.explain(q, w, key).splitlines()
               if "unsharded attention" in line]

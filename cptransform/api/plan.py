@@ -118,7 +118,8 @@ def build_plan(module: Module, passes: tuple[PassTiming, ...] = ()) -> Plan:
         entry = dict(source=p.source, library_source=p.library_source, schedule=p.schedule,
                      reason=p.reason, layout=p.layout,
                      kernel=p.kernel.split(":", 1)[0],
-                     kernel_reason=p.kernel.split(":", 1)[-1].strip(), mask=p.mask.describe(),
+                     kernel_reason=p.kernel.split(":", 1)[-1].strip(),
+                     mask=p.mask.describe() + (" dropout" if p.dropout else ""),
                      shape=p.shape, bytes_per_device=dict(p.bytes_per_device),
                      predictions=tuple(p.predictions), runner_up=p.runner_up)
         key = tuple((k, tuple(sorted(v.items())) if isinstance(v, dict) else v)

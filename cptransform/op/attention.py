@@ -96,6 +96,13 @@ def _check_shapes(spec: AttentionSpec, avals) -> None:
     coords = a["q_coordinates"]
     if coords is not None and not jnp.issubdtype(coords.dtype, jnp.integer):
         raise AttentionShapeError(f"q_coordinates must be integer, got {coords.dtype}")
+    seed = a["dropout_seed"]
+    if seed is not None:
+        if seed.dtype != jnp.uint32 or seed.shape[-2:] != (hq, 4):
+            raise AttentionShapeError(
+                f"dropout_seed has {seed.dtype}{list(seed.shape)}; expected uint32 "
+                f"(*batch, {hq} heads, 4)")
+        expect("dropout_seed", "(*batch, heads, 4)", (hq, 4))
 
 
 def _abstract_eval(*avals, spec: AttentionSpec):

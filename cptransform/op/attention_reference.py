@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from cptransform.op.accumulation import accumulator_dtype
-from cptransform.op import mask_terms
+from cptransform.op import dropout, mask_terms
 from cptransform.op.attention_spec import AttentionSpec, MaskSpec
 
 
@@ -96,13 +96,14 @@ def logits_and_tanh(spec: AttentionSpec, q, k, bias=None):
 
 
 def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
-           mask=None, bias=None, topk=None, q_coord=None):
+           mask=None, bias=None, topk=None, q_coord=None, seed=None):
     """One block of attention in canonical layout; returns ``(o, lse)``.
 
     ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``, ``v [B,Tkv,Hkv,Dv]``; positions, segment ids
     and query coordinates ``[B|1, T]``; ``mask``/``bias`` ``[B|1, H|1, Tq, Tkv]`` or
     ``None``; ``topk``
-    ``[B|1, H|1, Tq, k]`` selected key positions or ``None``. ``o`` is float32
+    ``[B|1, H|1, Tq, k]`` selected key positions or ``None``; ``seed`` the dropout seed
+    ``[B|1, H, 4]`` (with ``spec.dropout``). ``o`` is float32
     ``[B,Tq,H,Dv]`` normalised within this block; ``lse`` is float32 ``[B,H,Tq]``.
     ``spec.mask.empty_rows`` is not applied: that is a property of the whole row, see
     :func:`fill_empty_rows`.
@@ -129,6 +130,8 @@ def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
     l_safe = jnp.where(l == 0, 1.0, l)
     b, tkv, hkv, dv = v.shape
     h = q.shape[2]
+    if spec.dropout is not None:
+        p = dropout.applied(spec.dropout, p, dropout.multiplier(spec.dropout, seed, q_pos, kv_pos))
     pg = (p / l_safe).reshape(b, hkv, h // hkv, q.shape[1], tkv)
     o = jnp.einsum("bhgqk,bkhd->bqhgd", pg, v.astype(s.dtype),
                    preferred_element_type=s.dtype).reshape(b, q.shape[1], h, dv)
@@ -259,7 +262,8 @@ def split_operands(spec: AttentionSpec, operands):
     named = dict(zip(spec.operand_names(), operands))
     return {name: named.get(name) for name in
             ("q", "k", "v", "q_positions", "kv_positions", "q_segment_ids",
-             "kv_segment_ids", "mask", "bias", "sinks", "topk_indices", "q_coordinates")}
+             "kv_segment_ids", "mask", "bias", "sinks", "topk_indices", "q_coordinates",
+             "dropout_seed")}
 
 
 def flatten_batch(x, nb: int, batch_shape):
@@ -293,7 +297,8 @@ def attention_reference(*operands, spec: AttentionSpec):
     kv_pos = bcast(kv_pos) if kv_pos is not None else jnp.arange(tkv, dtype=jnp.int32)[None]
     o, lse = attend(spec, q, k, v, q_pos, kv_pos, bcast(a["q_segment_ids"]),
                     bcast(a["kv_segment_ids"]), bcast(a["mask"]), bcast(a["bias"]),
-                    bcast(a["topk_indices"]), bcast(a["q_coordinates"]))
+                    bcast(a["topk_indices"]), bcast(a["q_coordinates"]),
+                    bcast(a["dropout_seed"]))
     if spec.sinks:
         o, lse = merge_sinks(o, lse, bcast(a["sinks"]))
     v_mean = jnp.mean(v.astype(accumulator_dtype(q.dtype)), axis=1, keepdims=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from cptransform.ir.spelled_enum import SpelledEnum
 from cptransform.op import mask_terms
+from cptransform.op.dropout import DropoutSpec
 from cptransform.op.layouts import SequenceLayout
 
 
@@ -223,14 +224,20 @@ class AttentionSpec:
     Operands, in order: ``q, k, v``, then ``q_positions, kv_positions`` if ``positions``,
     ``q_segment_ids, kv_segment_ids`` if ``mask.segments``, ``mask`` if ``mask.dense``,
     ``bias`` if ``mask.bias``, ``sinks`` if ``sinks``, ``topk_indices`` if ``mask.topk``,
-    ``q_coordinates`` if ``mask.coordinate_band``. The output has q's layout with v's feature size.
+    ``q_coordinates`` if ``mask.coordinate_band``, ``dropout_seed`` if ``dropout``. The
+    output has q's layout with v's feature size.
 
     Shapes of the optional operands, with ``nb = len(q.batch)`` leading batch dims that
     follow q's batch dims in order and may be 1 (broadcast):
     positions, segment ids and query coordinates ``(*batch, T)`` (int); mask and bias
     ``(*batch, heads|1, Tq, Tkv)``; sinks ``(*batch, heads)`` (float; ``heads`` is 1 for q
     without a heads dim); top-k indices ``(*batch, heads|1, Tq, k)`` (int32, key
-    positions). Without ``positions`` they are ``arange(T)``.
+    positions); the dropout seed ``(*batch, heads, 4)`` (uint32, see
+    :mod:`~cptransform.op.dropout`). Without ``positions`` they are ``arange(T)``.
+
+    ``dropout`` (:class:`~cptransform.op.dropout.DropoutSpec`): the probabilities are
+    multiplied by the dropout multiplier of the bits the program draws, before the value
+    product; the normaliser is not.
 
     ``logits = softcap(scale * q·k) + bias``; ``groups`` query heads share one KV head
     (query head ``h`` reads KV head ``h // groups``).
@@ -273,6 +280,7 @@ class AttentionSpec:
     layout: str | None = None
     real_keys: int | None = None
     kv_positions_layout: SequenceLayout | None = None
+    dropout: DropoutSpec | None = None
 
     def operand_names(self) -> tuple[str, ...]:
         names = ["q", "k", "v"]
@@ -290,6 +298,8 @@ class AttentionSpec:
             names.append("topk_indices")
         if self.mask.coordinate_band is not None:
             names.append("q_coordinates")
+        if self.dropout is not None:
+            names.append("dropout_seed")
         return tuple(names)
 
     def describe(self) -> str:
@@ -303,6 +313,8 @@ class AttentionSpec:
             parts.append("positions")
         if self.sinks:
             parts.append("sinks")
+        if self.dropout is not None:
+            parts.append(self.dropout.describe())
         if self.schedule is not None:
             parts.append(f"schedule={self.schedule} layout={self.layout}")
         layouts = {self.q.letters(), self.k.letters(), self.v.letters()}

@@ -44,7 +44,8 @@ class Capabilities:
     """What a kernel runs: ``mask_terms`` (term classes), ``dtypes`` (q/k/v dtype names),
     ``head_dims`` (a predicate on a head dim of q/k or v and the backend), ``backends``,
     ``needs_check``: the backends where ``"auto"`` takes it only after a passed
-    :func:`self_check` on the device kind, and ``refuses``: the kernel's own further
+    :func:`self_check` on the device kind, ``dropout``: whether it draws the dropout bits
+    of a tile (:mod:`~cptransform.op.dropout`), and ``refuses``: the kernel's own further
     refusal ``(spec, head_dims) -> why | None`` (what the other fields cannot state: a
     soft-cap, a bias, a band shape, a missing library)."""
 
@@ -53,6 +54,7 @@ class Capabilities:
     head_dims: Callable[[int, str], bool] = field(default=lambda d, backend: d > 0)
     backends: frozenset = frozenset(PREFERENCE)
     needs_check: frozenset = frozenset()
+    dropout: bool = True
     refuses: Callable[[AttentionSpec, tuple], str | None] | None = None
 
     def refusal(self, spec: AttentionSpec, dtype, head_dims: tuple[int, ...],
@@ -68,6 +70,8 @@ class Capabilities:
             return f"it does not support head dim {bad[0]} on the {backend} backend"
         if backend not in self.backends:
             return f"it does not run on the {backend} backend"
+        if spec.dropout is not None and not self.dropout:
+            return "it does not draw dropout bits (the chunked XLA kernel does)"
         return None if self.refuses is None else self.refuses(spec, tuple(head_dims))
 
 

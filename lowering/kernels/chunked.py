@@ -48,7 +48,7 @@ from cptransform.lowering.kernels import pad_axis, register_kernel, row_delta, s
     topk_gather, zero_times
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.lowering.kernels.capabilities import Capabilities
-from cptransform.op import mask_terms
+from cptransform.op import dropout, mask_terms
 from cptransform.op.mask_terms import BlockKind
 from cptransform.op.attention_reference import capped_logits, empty_rows_of, visible
 from cptransform.op.attention_spec import AttentionSpec
@@ -245,6 +245,17 @@ class _Problem:
                                                           self.groups)
         return capped_logits(spec, s, bias)
 
+    def dropout(self, i, j):
+        """The dropout multiplier ``[B|1, Hkv, G·cq, ck]`` of pair ``(i, j)`` (the bits one
+        device draws for those pairs), or ``None`` without dropout."""
+        if self.spec.dropout is None:
+            return None
+        blk = self.block
+        q_pos = lax.dynamic_slice_in_dim(blk.q_pos, i * self.cq, self.cq, axis=1)
+        kv_pos = lax.dynamic_slice_in_dim(blk.kv_pos, j * self.ck, self.ck, axis=1)
+        return _rows(dropout.multiplier(self.spec.dropout, blk.dropout, q_pos, kv_pos),
+                     self.groups)
+
     def visible(self, i, j):
         """Bool ``[B|1, Hkv|1, G·cq, ck]``: the mask of pair ``(i, j)`` (padded keys off)."""
         blk, cq, ck = self.block, self.cq, self.ck
@@ -309,8 +320,12 @@ def _pair_gradients(pb: _Problem, rows: _BackwardRows, spec: AttentionSpec, i, j
         ok = pb.visible(i, j)
         p = jnp.where(ok, p, 0.0)
     p = p + nan_i[..., None]
-    g_v = jnp.einsum("bhqk,bhqd->bhkd", p, do_i, preferred_element_type=accum)
+    # Dropout (o = Σ p·M·v): dV = (P∘M)ᵀ dO and dP = (dO Vᵀ)∘M; delta is unchanged.
+    drop = pb.dropout(i, j)
+    g_v = jnp.einsum("bhqk,bhqd->bhkd", dropout.applied(spec.dropout, p, drop), do_i,
+                     preferred_element_type=accum)
     dp = jnp.einsum("bhqd,bhkd->bhqk", do_i, vc.astype(accum), preferred_element_type=accum)
+    dp = dropout.applied(spec.dropout, dp, drop)
     ds = p * (dp - delta_i[..., None])
     if masked:  # a masked logit's gradient is an exact 0
         ds = jnp.where(ok, ds, 0.0)
@@ -374,27 +389,29 @@ class ChunkedKernel:
             state = (m0, jnp.ones_like(m0), pb.rows(out[0], i),
                      ~empty_rows_of(m0))
 
-            def update(state, s, vc):
+            def update(state, s, vc, j):
                 m, l, acc, seen = state
                 m_new = jnp.maximum(m, jnp.max(s, axis=-1))
                 # A row that has seen no key yet keeps m = -inf; shift it by 0 instead.
                 m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
                 alpha = jnp.exp(m - m_safe)
                 p = jnp.exp(s - m_safe[..., None])
-                pv = jnp.einsum("bhqk,bhkd->bhqd", p, vc.astype(accum), preferred_element_type=accum)
+                # Dropout scales the numerator only: the row sum l is of p itself.
+                pm = dropout.applied(spec.dropout, p, pb.dropout(i, j))
+                pv = jnp.einsum("bhqk,bhkd->bhqd", pm, vc.astype(accum), preferred_element_type=accum)
                 return m_new, alpha * l + jnp.sum(p, axis=-1), alpha[..., None] * acc + pv, seen
 
             def full(j, state):
                 kc, vc = pb.kv(j)
                 s, _ = pb.logits(qc, kc, i, j)
-                m, l, acc, seen = update(state, s, vc)
+                m, l, acc, seen = update(state, s, vc, j)
                 return m, l, acc, seen | True
 
             def partial(j, state):
                 kc, vc = pb.kv(j)
                 s, _ = pb.logits(qc, kc, i, j)
                 ok = pb.visible(i, j)
-                m, l, acc, seen = update(state, jnp.where(ok, s, -jnp.inf), vc)
+                m, l, acc, seen = update(state, jnp.where(ok, s, -jnp.inf), vc, j)
                 return m, l, acc, seen | jnp.any(ok, axis=-1)
 
             def step(j, state):

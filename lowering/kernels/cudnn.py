@@ -320,7 +320,7 @@ class CudnnKernel:
         mask_terms=frozenset({mask_terms.Band}), dtypes=DTYPES,
         head_dims=lambda d, backend: d > 0 and d % 8 == 0 and d <= head_dim_limit(),
         backends=frozenset({"gpu", "cuda"}), needs_check=frozenset({"gpu", "cuda"}),
-        refuses=refusal)
+        dropout=False, refuses=refusal)
 
     @property
     def _cudnn(self) -> CudnnCalls:

@@ -61,8 +61,8 @@ def applies(block: Block, spec: AttentionSpec) -> bool:
     """Whether a call takes the gather: a top-k mask whose queries pick fewer keys each than
     the call holds (with as many picks as keys the gather saves nothing; ``bench/topk.py``
     on a CPU measures the two even at ``k = Tkv/2``, as the sweep looks every key up in
-    the picks)."""
-    return bool(spec.mask.topk) and block.topk is not None \
+    the picks). Dropout is drawn by the sweep only."""
+    return bool(spec.mask.topk) and block.topk is not None and spec.dropout is None \
         and block.topk.shape[-1] < block.k.shape[1]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from cptransform.op import dropout
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import attend, empty_rows_of, logits_and_tanh, visible
 from cptransform.op.attention_spec import AttentionSpec
@@ -32,7 +33,8 @@ class XlaKernel:
 
     def forward(self, block: Block, spec: AttentionSpec):
         return attend(spec, block.q, block.k, block.v, block.q_pos, block.kv_pos, block.q_seg,
-                      block.kv_seg, block.mask, block.bias, q_coord=block.q_coord)
+                      block.kv_seg, block.mask, block.bias, q_coord=block.q_coord,
+                      seed=block.dropout)
 
     def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None):
         q, k, v, bias = block.q, block.k, block.v, block.bias
@@ -52,10 +54,14 @@ class XlaKernel:
         if dlse is not None:
             delta = delta - dlse.astype(accum)
         dog = do32.reshape(b, tq, hkv, h // hkv, dv_dim)
-        dv = jnp.einsum("bhgqk,bqhgd->bkhd", _grouped(p, hkv), dog,
+        drop = None if spec.dropout is None else dropout.multiplier(
+            spec.dropout, block.dropout, block.q_pos, block.kv_pos)
+        dv = jnp.einsum("bhgqk,bqhgd->bkhd", _grouped(dropout.applied(spec.dropout, p, drop),
+                                                      hkv), dog,
                         preferred_element_type=accum)
         dp = jnp.einsum("bqhgd,bkhd->bhgqk", dog, v.astype(accum),
                         preferred_element_type=accum).reshape(b, h, tq, tkv)
+        dp = dropout.applied(spec.dropout, dp, drop)
         # A masked logit's gradient is an exact 0 (the fill does not depend on it), even
         # where dp or delta is NaN.
         ds = jnp.where(ok, p * (dp - delta[..., None]), 0.0)

@@ -19,6 +19,7 @@ from cptransform.analysis.mask_values import And, Pred, as_dense, conjuncts
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.passes.match_attention import dropout
 from cptransform.passes.match_attention.logits import empty_rows, fill_added, visible_form
 from cptransform.passes.match_attention.qk_product import QKProduct
 from cptransform.passes.match_attention.sink import SinkColumn, sink_source
@@ -56,7 +57,8 @@ class Candidate:
     from (None without a sink column); ``visible``: the visibility predicates of the
     logits' masks (a pair is visible where all hold), as the mask analysis read them;
     ``coordinates``: the query coordinates of a coordinate band (an :class:`Opaque`) and
-    ``coordinate_band`` its bounds (or None).
+    ``coordinate_band`` its bounds (or None); ``dropout``: the dropout on the probabilities
+    (a :class:`~cptransform.passes.match_attention.dropout.DropoutPlan`) or None.
     """
 
     root: Any
@@ -89,6 +91,7 @@ class Candidate:
     visible: tuple = ()
     coordinates: Any = None
     coordinate_band: tuple | None = None
+    dropout: dropout.DropoutPlan | None = None
 
     @property
     def heads(self) -> tuple:
@@ -101,7 +104,8 @@ class Candidate:
         return tuple(k for k in self.mask_kinds if (k != "dense" or self.dense)
                      and (k != "topk" or self.topk is not None)) \
             + (("padding",) if self.q_pads or self.kv_pads else ()) \
-            + (("bias",) if self.biases else ()) + (("sinks",) if self.sink else ())
+            + (("bias",) if self.biases else ()) + (("sinks",) if self.sink else ()) \
+            + (("dropout",) if self.dropout else ())
 
     def spec(self) -> AttentionSpec:
         """The spec of the ``attention_p`` equation: operands as ``(*batch, T, H, D)``."""
@@ -124,7 +128,8 @@ class Candidate:
             coordinate_band=self.coordinate_band)
         return AttentionSpec(q=canonical, k=k_layout, v=k_layout, scale=float(self.scale),
                              softcap=self.softcap, groups=self.groups, mask=mask,
-                             sinks=self.sink is not None)
+                             sinks=self.sink is not None,
+                             dropout=None if self.dropout is None else self.dropout.spec)
 
 
 def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
@@ -172,6 +177,9 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     heads = ((kv_head,) if kv_head is not None else ()) + group
     sink = None if column is None else _sink_operand(graph, column, qk, batch, q_seq, heads)
 
+    drop = None if pv.dropout is None else dropout.plan(
+        pv.dropout, qk.labels, qk.merged, qk.sizes, q_seq, qk.kv, set(batch) | set(heads),
+        rows, _rows_may_be_empty(parts, qk.sizes[q_seq], qk.sizes[qk.kv]))
     v_in, v_dims, v_feature, dv = _value_operand(pv, p_dims, shared, qk)
     sizes = {**qk.sizes, V_FEATURE: dv}
     if kv_head is not None and not group and kv_head in v_dims:
@@ -213,7 +221,15 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         groups=hq // hk, mask_kinds=kinds, sink=sink,
         topk=None if topk is None else topk.indices, chunk=parts.chunk, visible=tuple(preds),
         coordinates=parts.coordinates[0] if parts.coordinates else None,
-        coordinate_band=parts.coordinates[1] if parts.coordinates else None)
+        coordinate_band=parts.coordinates[1] if parts.coordinates else None, dropout=drop)
+
+
+def _rows_may_be_empty(parts: MaskParts, q_len: int, kv_len: int) -> bool:
+    """Whether a query row may see no key: unless the mask is a band around the diagonal
+    (causal, windows, chunks) of as many queries as keys, data decides."""
+    lo, hi = parts.band or (None, None)
+    return bool(parts.dense or parts.segments or parts.topk or parts.coordinates) \
+        or q_len != kv_len or (lo is not None and lo > 0) or (hi is not None and hi < 0)
 
 
 def _zeroed_rows(preds: list, zeroing: Sequence[Pred], column: SinkColumn | None) -> str:

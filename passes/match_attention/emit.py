@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -17,6 +18,7 @@ from cptransform.ir.rewrite import Replacement
 from cptransform.op.attention import attention_p
 from cptransform.analysis.mask_values import TOPK_DIM
 from cptransform.op.attention_spec import AttentionSpec
+from cptransform.op.dropout import offsets
 from cptransform.passes.match_attention.candidate import (K_FEATURE, Q_FEATURE, V_FEATURE,
                                                           Candidate)
 
@@ -24,7 +26,8 @@ from cptransform.passes.match_attention.candidate import (K_FEATURE, Q_FEATURE, 
 def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     """The rewrite of ``c.root``: one ``attention_p`` with ``spec`` and the arranging around
     it. Its inputs are q, k, v, then the segment ids, the padding and dense mask parts, the
-    biases, the sink source, the top-k indices and the query coordinates, in that order."""
+    biases, the sink source, the top-k indices, the query coordinates and the dropout key,
+    in that order."""
     sizes, nbl = c.sizes, len(c.batch)
     batch, heads = list(c.batch), c.heads
     q_target = [*batch, c.q_seq, heads, Q_FEATURE]
@@ -81,6 +84,10 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
         if c.coordinates is not None:
             operands.append(arrange(lax.convert_element_type(vals[0], jnp.int32),
                                     c.coordinates.dims, q_seq_target, sizes, (c.q_seq,)))
+            vals = vals[1:]
+        if c.dropout is not None:
+            operands.append(_dropout_seed(vals[0], dict(c.dropout.strides), sizes, batch,
+                                          heads))
         out = attention_p.bind(*operands, spec=spec)
         split = out.shape[:nbl + 1] + tuple(sizes[lab] for lab in heads) + out.shape[-1:]
         if split != out.shape:
@@ -96,7 +103,17 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     sides += [] if c.sink is None else [c.sink.atom]
     sides += [c.topk.var] if c.topk is not None else []
     sides += [c.coordinates.var] if c.coordinates is not None else []
+    sides += [c.dropout.key] if c.dropout is not None else []
     return Replacement(c.root, (c.q.atom, c.k.atom, c.v.atom, *sides), build)
+
+
+def _dropout_seed(key, strides: dict, sizes: dict, batch: list, heads: tuple):
+    """The ``(*batch, H, 4)`` uint32 dropout seed: the key's two words, then the offset of
+    each (batch entry, head) in the flat index of the bits (:mod:`cptransform.op.dropout`)."""
+    where = offsets(strides, sizes, batch, heads)
+    data = jax.random.key_data(key).astype(jnp.uint32)
+    data = lax.broadcast_in_dim(data, where.shape, (len(where.shape) - 1,))
+    return lax.concatenate([data, jnp.asarray(where)], len(where.shape) - 1)
 
 
 def _sinks(x, dims: Sequence[tuple], target: Sequence, sizes: dict):

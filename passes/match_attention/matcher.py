@@ -73,8 +73,8 @@ class Matcher:
     def _keys(self, softmax: Softmax) -> tuple | None:
         """``(k, dim)``: the dim of a q·k product's right operand that a refused softmax
         normalizes over, or ``None`` when its input is no q·k product. Whether that dim is
-        a sequence (an attention left whole: dropout on its probabilities, two softmaxes
-        subtracted) or not (a loss over the vocabulary, a softmax over heads) dataflow
+        a sequence (an attention left whole: its probabilities multiplied by data, a
+        softmax combined with a non-softmax) or not (a loss over the vocabulary, a softmax over heads) dataflow
         decides: ``match-attention`` links it to the rewritten attentions' sequences."""
         try:
             column = split_sink(self.g, softmax.logits, softmax.axis)

@@ -4,8 +4,11 @@ The probabilities may only be cast, transposed, reshaped by size-1 dims or have 
 on the way (grouped-query attention viewing ``[B, T, K·G, S]`` as ``[B, T, K, G, S]``: each
 part is a :class:`Split`, resolved against the logits' merged dims once both products are
 read), and nothing else may read them. With a sink column (:mod:`~cptransform.passes.
-match_attention.sink`), exactly one slice that drops it, and nothing else, is on the way. Where the normalisation is deferred
-(``(e @ v) / sum``), the division after the product is the attention's output.
+match_attention.sink`), exactly one slice that drops it, and nothing else, is on the way.
+Dropout on the way (a multiplier or a keep-mask drawn with ``jax.random``, and scalar
+scales) is read by :mod:`~cptransform.passes.match_attention.dropout`. Where the
+normalisation is deferred (``(e @ v) / sum``), the division after the product is the
+attention's output.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.passes.match_attention.anchor import Softmax, is_normalizer
+from cptransform.passes.match_attention.dropout import DropoutReader, Drawn
 from cptransform.passes.match_attention.stats import NotAttention
 from cptransform.passes.match_attention.walk import UNIT_RESHAPES, scalar_value, single_user
 
@@ -53,6 +57,7 @@ class ValueProduct:
     root: Any
     out: Any
     zeroed: tuple = ()
+    dropout: Drawn | None = None
 
     @property
     def p_is_lhs(self) -> bool:
@@ -72,15 +77,15 @@ def normalized(graph: Graph, probs: Any, dims: tuple,
                sink: tuple[int, int] | None = None) -> ValueProduct:
     """``p = e / sum`` then ``p @ v``: the product is the root. ``sink``: ``(softmax axis,
     key count)`` when the last column along the axis is a sink to slice away."""
-    pv, p_dims, p, zeroed = _to_product(graph, probs, dims, sink=sink)
-    return ValueProduct(pv, p, p_dims, pv, pv.outvars[0], zeroed)
+    pv, p_dims, p, zeroed, drawn = _to_product(graph, probs, dims, sink=sink)
+    return ValueProduct(pv, p, p_dims, pv, pv.outvars[0], zeroed, drawn)
 
 
 def deferred(graph: Graph, softmax: Softmax, dims: tuple,
              sink: tuple[int, int] | None = None) -> ValueProduct:
     """``(e @ v) / sum``: the division after the value product is the root (``sink`` as
     in :func:`normalized`)."""
-    pv, p_dims, p, zeroed = _to_product(graph, softmax.e, dims, softmax.sum_eqn, sink)
+    pv, p_dims, p, zeroed, drawn = _to_product(graph, softmax.e, dims, softmax.sum_eqn, sink)
     if zeroed:
         raise NotAttention("unnormalised exponentials are zeroed by a mask before the value "
                            "product")
@@ -89,7 +94,7 @@ def deferred(graph: Graph, softmax: Softmax, dims: tuple,
     if user is None or user.primitive.name != "div" or user.invars[0] is not out:
         raise NotAttention("the value product of unnormalised exponentials is not divided "
                            "by the row sum")
-    product = ValueProduct(pv, p, p_dims, user, user.outvars[0])
+    product = ValueProduct(pv, p, p_dims, user, user.outvars[0], dropout=drawn)
     if not is_normalizer(graph, user.invars[1], softmax, _out_dims(product)):
         raise NotAttention("the value product is divided by something other than the "
                            "row sum")
@@ -104,16 +109,18 @@ def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None,
     row sum, when the normalisation comes after the value product). ``sink``: ``(axis,
     width)``: one slice must keep the first ``width`` entries of softmax-input dim ``axis``
     (and everything else), dropping the sink column. Returns the product, the
-    probabilities' dims there, the probabilities operand and the zeroing masks met.
+    probabilities' dims there, the probabilities operand, the zeroing masks met and the
+    dropout applied (or None).
     """
     zeroed: list = []
+    drops = DropoutReader(graph)
     while True:
         users = [u for u in graph.users(p) if u is not also_read_by]
         also_read_by = None
         user = users[0] if len(users) == 1 and not graph.is_output(p) else None
         if user is None:
             err = NotAttention("the attention probabilities are also used elsewhere "
-                               "(returned weights, dropout, ...)")
+                               "(returned weights, a penalty on them, ...)")
             err.attention_like = any(u.primitive.name == "dot_general"
                                      for u in graph.users(p))
             raise err
@@ -122,10 +129,12 @@ def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None,
             if sink is not None:
                 raise NotAttention("the sink column's probability is not sliced away before "
                                    "the value product")
-            return user, dims, p, tuple(zeroed)
+            return user, dims, p, tuple(zeroed), drops.found()
         if name == "slice" and sink is not None:
             _check_drops_sink(user, dims, *sink)
             sink = None
+        elif drops.read(user, p, dims):
+            pass
         elif _zeroes(graph, user, p):
             if any(isinstance(d, Split) for d in dims):
                 raise NotAttention("the probabilities are zeroed by a mask after a reshape")
@@ -139,7 +148,8 @@ def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None,
                                dims)
         else:
             raise NotAttention(f"the probabilities go through {name} before the value "
-                               "product (dropout or another use), not plain attention")
+                               "product (only casts, moves, masks, scalar scales and "
+                               "dropout drawn with jax.random are read there)")
         p = user.outvars[0]
 
 
