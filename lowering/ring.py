@@ -95,11 +95,13 @@ def unpacked(kv, d: int):
 
 def travelling(spec, block: Block):
     """What moves around the ring: packed K/V, segment ids, and the kv positions only when
-    the mask reads them (a term whose operands name them) and they are the caller's; layout
-    positions are derived on arrival (:func:`_layout_positions`), others not sent are stood
+    the mask (a term whose operands name them) or dropout reads them and they are the
+    caller's; layout positions are derived on arrival (:func:`_layout_positions`), others not sent are stood
     in for by the local ones (:meth:`Block.with_keys`). Top-k indices stay: they belong
     to the queries and are compared with the arriving keys' positions."""
-    reads_positions = any("kv_positions" in term.operands for term in spec.mask.terms())
+    # Dropout draws each pair's bits from the keys' positions too.
+    reads_positions = spec.dropout is not None or any(
+        "kv_positions" in term.operands for term in spec.mask.terms())
     sent = reads_positions and spec.kv_positions_layout is None
     return (packed(block.k, block.v),
             Block(kv_pos=block.kv_pos if sent else None, kv_seg=block.kv_seg))

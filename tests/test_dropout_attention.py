@@ -136,6 +136,34 @@ def test_every_schedule_draws_the_same_bits(options, caplog):
     assert plan.schedule == options["schedule"], plan.schedule
 
 
+@pytest.mark.parametrize("options", [
+    dict(schedule="ring", load_balance="zigzag"),
+    *(pytest.param(o, marks=pytest.mark.slow) for o in (
+        dict(schedule="ring", load_balance="striped"),
+        dict(schedule="allgather", load_balance="zigzag"),
+        dict(schedule="hybrid", load_balance="zigzag")))],
+    ids=lambda o: f"{o['schedule']}-{o['load_balance']}")
+def test_without_a_mask_the_keys_positions_still_travel(options, caplog):
+    """No mask term reads the keys' positions, dropout does: under a permuted layout the
+    ring must send them with the keys (the bits of a pair follow its key's position)."""
+    def layer(q, k, v, key):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+        p = jax.nn.softmax(s, axis=-1)
+        keep = jax.random.bernoulli(key, KEEP, p.shape)
+        return jnp.einsum("bhqk,bkhd->bqhd", jnp.where(keep, p / KEEP, 0.0), v)
+
+    def loss(q, k, v, key):
+        # A causal attention beside it makes the permuted layout worth taking.
+        return jnp.mean(jnp.tanh(layer(q, k, v, key)) ** 2) + jnp.mean(
+            jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)
+
+    f = context_parallel(loss, cp=4, **options)
+    with caplog.at_level(logging.WARNING, logger="cptransform"):
+        got = jax.value_and_grad(f, argnums=(0, 1, 2))(*_args(8))
+    assert not [r for r in caplog.records if "runs unsharded" in r.getMessage()]
+    assert_tree_close(got, jax.value_and_grad(loss, argnums=(0, 1, 2))(*_args(8)), rtol=2e-5)
+
+
 @pytest.mark.slow
 def test_a_length_the_layout_does_not_divide(caplog):
     """Padded queries and keys draw bits past the sequence; they are masked."""
