@@ -116,16 +116,19 @@ class Schedule:
         return _stated(self, shape).overlaps()
 
     def predict(self, shape: AttentionShape, hardware: Hardware,
-                spans: tuple[int, ...] | None = None) -> Prediction:
+                spans: tuple[int, ...] | None = None, kernel: str | None = None) -> Prediction:
         """Its :class:`Prediction` for ``shape`` on ``hardware``; ``spans[i]``: how many
         consecutive devices a group of its mesh axis ``i`` spans (default: Ulysses groups
-        of consecutive devices, the ring across them)."""
+        of consecutive devices, the ring across them); ``kernel``: the local step's kernel,
+        whose measured rates on ``hardware`` are used where the row has them."""
         if spans is None:
             spans = (shape.ulysses, shape.cp) if self.inner is not None else (shape.cp,)
         said = _stated(self, shape)
+        masked = "full" if shape.band == (None, None) else "causal"
         return predict(self.name, said.volume(self.name), _worked(self, shape),
                        said.memory(shape), said.steps(), shape.q_padded,
-                       shape.dtype_bytes, hardware, spans)
+                       shape.dtype_bytes, hardware, spans,
+                       None if kernel is None else (kernel, masked))
 
 
 # The planner asks every schedule about every attention several times (volume, work,

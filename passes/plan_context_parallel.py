@@ -364,14 +364,17 @@ class PlanContextParallel(Pass):
         costs = {name: s.volume(shape).forward_total for name, s in candidates.items()}
         problems = {name: s.feasible(shape) or compat.compiler_crash(name)
                     for name, s in candidates.items()}
+        q, _, v = (x.aval for x in eqn.invars[:3])
+        local, kernel = choose_kernel(self.kernel, spec, q.dtype, (q.shape[spec.q.feature],
+                                                                 v.shape[spec.v.feature]),
+                                      kernels())
+        # The kernel is chosen first: its measured rates (where the hardware row has them)
+        # price every candidate's local steps.
         predictions = {} if hardware is None else {
-            name: s.predict(shape, hardware, spans) for name, s in candidates.items()
-            if problems[name] is None}
+            name: s.predict(shape, hardware, spans, local.name)
+            for name, s in candidates.items() if problems[name] is None}
         ranked = tuple(sorted(predictions.values(), key=lambda p: p.time_s))
         where, library = compat.source_lines(eqn)
-        q, _, v = (x.aval for x in eqn.invars[:3])
-        _, kernel = choose_kernel(self.kernel, spec, q.dtype, (q.shape[spec.q.feature],
-                                                             v.shape[spec.v.feature]), kernels())
         plan = partial(AttentionPlan, index=index, source=where, mask=spec.mask, shape=shape,
                        dropout=spec.dropout is not None,
                        layout=layout, library_source=library, kernel=kernel,

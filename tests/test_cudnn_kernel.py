@@ -468,10 +468,35 @@ def test_the_h200_row_carries_the_measured_kernel_rates():
     from cptransform.analysis.hardware import HARDWARE
     h200 = HARDWARE["h200"]
     assert h200.kernel_flops_per_s("cudnn", "causal") == 328e12
-    assert h200.kernel_flops_per_s("cudnn", "causal", backward=True) == 387e12
-    assert h200.kernel_flops_per_s("cudnn", "full", backward=True) == 540e12
     assert h200.kernel_flops_per_s("pallas", "full") == 137e12
+    # The backward alone: 2.5 forwards' work in the forward+backward time less the forward's.
+    for kernel, mask, fwd, both in (("cudnn", "causal", 328, 387), ("cudnn", "full", 567, 540),
+                                    ("pallas", "causal", 67, 51)):
+        want = 2.5 / (3.5 / both - 1 / fwd) * 1e12
+        np.testing.assert_allclose(h200.kernel_flops_per_s(kernel, mask, backward=True), want)
     assert HARDWARE["a100"].kernel_flops_per_s("cudnn", "causal") is None
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "pallas"])
+@pytest.mark.parametrize("band", [(None, 0), (None, None)], ids=["causal", "full"])
+def test_predictions_price_the_local_steps_at_the_kernels_measured_rates(kernel, band):
+    """On a row with measured kernel rates, a schedule's compute is its forward FLOPs at
+    the kernel's forward rate plus its backward FLOPs at the backward's; a kernel the row
+    has no rate for keeps the row's own."""
+    from cptransform.analysis.attention_shape import AttentionShape
+    from cptransform.analysis.hardware import HARDWARE
+    from cptransform.lowering.schedule import schedules
+    h200, ring = HARDWARE["h200"], schedules()["ring"]
+    shape = AttentionShape(seq_len=32768, heads=16, kv_heads=16, head_dim=128, cp=8,
+                           band=band)
+    plain = ring.predict(shape, h200)
+    assert ring.predict(shape, h200, kernel="xla").compute_s == plain.compute_s
+    total = plain.compute_s * h200.flops_per_s(2)      # forward + backward FLOPs
+    mask = "full" if band == (None, None) else "causal"
+    want = total / 3.5 / h200.kernel_flops_per_s(kernel, mask) \
+        + total * 2.5 / 3.5 / h200.kernel_flops_per_s(kernel, mask, backward=True)
+    np.testing.assert_allclose(ring.predict(shape, h200, kernel=kernel).compute_s, want,
+                               rtol=1e-9)
 
 
 @pytest.mark.slow

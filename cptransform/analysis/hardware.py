@@ -26,6 +26,8 @@ Sources (vendor spec sheets):
   (:meth:`Hardware.kernel_flops_per_s`): the H200's from ``bench/kernels.py`` at S=8K,
   B=1, H=16, D=128, bf16 (TFLOP/s of visible work: cuDNN 328 causal forward, 387 causal
   forward+backward, 567 and 540 unmasked; the Pallas kernel on Triton 67, 51, 137, 61).
+  The planner chooses each attention's kernel first and prices every candidate schedule's
+  local steps at that kernel's rates where the row has them (the row's own otherwise).
 * ``cpu-sim``: 8 XLA host devices simulated on the 2 cores of this machine, fit by
   ``python bench/planner.py --calibrate`` to the forward and backward times of
   ``bench/results/peers.json``
@@ -82,22 +84,32 @@ class Hardware:
     def kernel_flops_per_s(self, kernel: str, mask: str, backward: bool = False
                            ) -> float | None:
         """The measured FLOP/s of visible work of ``kernel`` ("cudnn", "pallas") on a
-        ``mask`` ("causal", "full") attention, forward or forward+backward (``backward``);
-        ``None`` where this row has no measurement."""
-        rate = self.kernel_tflops.get((kernel, mask, "forward+backward" if backward
-                                       else "forward"))
-        return None if rate is None else rate * TERA
+        ``mask`` ("causal", "full") attention in its forward pass, or its backward pass
+        alone (``backward``); ``None`` where this row has no measurement.
+
+        The table holds forward and forward+backward rates (``bench/kernels.py`` counts the
+        backward as 2.5 forwards, as :func:`~cptransform.analysis.block_work.backward_flops`
+        does at ``D = Dv``): the backward's own rate is ``2.5 / (3.5 / r_fb - 1 / r_f)``."""
+        forward = self.kernel_tflops.get((kernel, mask, "forward"))
+        if not backward or forward is None:
+            return None if forward is None else forward * TERA
+        both = self.kernel_tflops.get((kernel, mask, "forward+backward"))
+        alone = None if both is None else 3.5 / both - 1.0 / forward
+        return None if alone is None or alone <= 0 else 2.5 / alone * TERA
 
     def compute_s(self, slowest_flops: float, balance: float, dtype_bytes: int,
-                  calls: int = 1, grouped: bool = False, backward: bool = False) -> float:
+                  calls: int = 1, grouped: bool = False, backward: bool = False,
+                  rate: float | None = None) -> float:
         """Seconds of compute: the slowest device's FLOPs, or with ``shared_compute`` the
         mean device's (the host runs every simulated device's work on the same cores, so
         an imbalance costs nothing there), plus ``calls`` kernel calls' fixed cost;
         ``grouped``: the tiles fold a query-head group (:attr:`grouped_efficiency`, or
-        :attr:`grouped_backward_efficiency` for the ``backward`` pass)."""
+        :attr:`grouped_backward_efficiency` for the ``backward`` pass); ``rate``: the
+        kernel's measured FLOP/s (:meth:`kernel_flops_per_s`) instead of the row's."""
         flops = slowest_flops / balance if self.shared_compute else slowest_flops
-        folded = self.grouped_backward_efficiency if backward else self.grouped_efficiency
-        rate = self.flops_per_s(dtype_bytes) * (folded if grouped else 1.0)
+        if rate is None:
+            folded = self.grouped_backward_efficiency if backward else self.grouped_efficiency
+            rate = self.flops_per_s(dtype_bytes) * (folded if grouped else 1.0)
         return flops / rate + calls * self.call_s
 
     def flops_per_s(self, dtype_bytes: int) -> float:

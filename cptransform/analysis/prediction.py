@@ -95,14 +95,18 @@ def _pass_time(transfers: list[Transfer], compute: float, steps: int, hardware: 
 
 def predict(name: str, volume: CommVolume, work: Work, memory_bytes: int, steps: int,
             seq_len: int, dtype_bytes: int, hardware: Hardware,
-            spans: tuple[int, ...]) -> Prediction:
+            spans: tuple[int, ...], kernel: tuple[str, str] | None = None) -> Prediction:
     """The :class:`Prediction` of schedule ``name`` from its volume, work, memory and steps
-    (``spans[i]``: how many consecutive devices the groups of its mesh axis ``i`` span)."""
+    (``spans[i]``: how many consecutive devices the groups of its mesh axis ``i`` span);
+    ``kernel``: ``(kernel name, "causal" | "full")`` of its local step, whose measured rates
+    (:meth:`Hardware.kernel_flops_per_s`) replace the row's where it has them."""
     grouped = work.group > 1
+    rates = (None, None) if kernel is None else \
+        (hardware.kernel_flops_per_s(*kernel), hardware.kernel_flops_per_s(*kernel, True))
     fwd_compute = hardware.compute_s(work.forward_flops, work.balance, dtype_bytes, work.calls,
-                                     grouped)
+                                     grouped, rate=rates[0])
     bwd_compute = hardware.compute_s(work.backward_flops, work.balance, dtype_bytes,
-                                     work.calls, grouped, backward=True)
+                                     work.calls, grouped, backward=True, rate=rates[1])
     forward = [t for t in volume.transfers if not t.backward]
     backward = [t for t in volume.transfers if t.backward]
     fwd_s, ratio = _pass_time(forward, fwd_compute, steps, hardware, spans)
