@@ -30,17 +30,22 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from typing import Any, Callable
 
 import numpy as np
 
 from cptransform.analysis.dim_rules import unit_reshape_dims
-from cptransform.analysis.intervals import complement, normalize
-from cptransform.analysis.mask_values import (TOPK_DIM, AbsAffine, Affine, And, Band, Chunk,
-                                              Const, CoordinateBand, Dense, DimMap, FloorDiv,
+from cptransform.analysis.intervals import normalize
+from cptransform.analysis.mask_values import (AbsAffine, Affine, And, Band, Const,
+                                              CoordinateBand, Dense, DimMap, FloorDiv,
                                               Indicator, Opaque, Pred, Scalar, Segments, Shifted,
-                                              TopK, is_known, p_and, p_not, p_or)
+                                              is_known, p_and, p_not, p_or)
+from cptransform.analysis.mask_predicates import (FLIP, MAX_CONSTANT_MASK, NP_COMPARE,
+                                                  abs_band, chunk_of, constant_band,
+                                                  coordinate_band, difference_band,
+                                                  floor_division, is_int, non_negative,
+                                                  shifted_data)
+from cptransform.analysis.mask_topk import topk_scatter, unwrapped_index
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
@@ -50,7 +55,8 @@ from cptransform.ir.graph import Graph
 _PASS_THROUGH = moving(Moves.IDENTITY, Moves.BARRIER)
 #: Ops that may only add or drop size-1 dims.
 _UNIT_RESHAPES = moving(Moves.RESHAPE, Moves.SQUEEZE)
-_FLIP = {"ge": "le", "gt": "lt", "le": "ge", "lt": "gt", "eq": "eq", "ne": "ne"}
+#: Ops that move or broadcast a value (read through with the dims mapped back).
+_MOVES = moving(Moves.BROADCAST, Moves.PERMUTE) | _UNIT_RESHAPES
 
 
 class MaskAnalyzer:
@@ -92,7 +98,7 @@ class MaskAnalyzer:
         if eqn is not None and eqn.primitive.name == "not" \
                 and compat.aval_of(eqn.invars[0]).dtype == np.bool_:
             return self.predicate(eqn.invars[0], dims)
-        if eqn is not None and eqn.primitive.name in _NP_COMPARE:
+        if eqn is not None and eqn.primitive.name in NP_COMPARE:
             outcome = _two_valued_compare(eqn.primitive.name,
                                           *(self.analyze(x, dims) for x in eqn.invars))
             if outcome is not None:
@@ -125,28 +131,11 @@ class MaskAnalyzer:
             return self._opaque(atom, here)
         name = eqn.primitive.name
         ins = eqn.invars
-        out_shape = compat.aval_of(atom).shape
-        if name in _PASS_THROUGH:
-            return self.analyze(ins[0], dims)
+        if name in _PASS_THROUGH or name in _MOVES:
+            return self._moved(eqn, atom, dims, here)
         if name == "iota":
             d = dims[eqn.params["dimension"]]
             return Affine(((d, 1),), 0) if d is not None else Affine()
-        if name == "broadcast_in_dim":
-            src_shape = compat.aval_of(ins[0]).shape
-            bdims = eqn.params["broadcast_dimensions"]
-            src_dims = tuple(dims[o] if src_shape[i] == out_shape[o] else None
-                             for i, o in enumerate(bdims))
-            return self.analyze(ins[0], src_dims)
-        if name == "transpose":
-            perm = eqn.params["permutation"]
-            src = [None] * len(perm)
-            for j, p in enumerate(perm):
-                src[p] = dims[j]
-            return self.analyze(ins[0], tuple(src))
-        if name in _UNIT_RESHAPES:
-            src_dims = unit_reshape_dims(compat.aval_of(ins[0]).shape, out_shape, dims)
-            return self._opaque(atom, here) if src_dims is None \
-                else self.analyze(ins[0], src_dims)
         if name == "convert_element_type":
             return self._convert(self.analyze(ins[0], dims), eqn.params["new_dtype"], atom, here)
         if name in ("slice", "dynamic_slice"):
@@ -167,7 +156,7 @@ class MaskAnalyzer:
         if name == "abs":
             inner = self.analyze(ins[0], dims)
             return AbsAffine(inner) if isinstance(inner, Affine) else here
-        if name in _NP_COMPARE:
+        if name in NP_COMPARE:
             return self._compare(name, self.analyze(ins[0], dims), self.analyze(ins[1], dims),
                                  atom, here)
         if name in ("and", "or", "not") and compat.aval_of(atom).dtype == np.bool_:
@@ -175,28 +164,54 @@ class MaskAnalyzer:
             if name == "not":
                 return p_not(ps[0], here)
             return p_and(ps[0], ps[1], here) if name == "and" else p_or(ps[0], ps[1], here)
-        wrapped = _unwrapped_index(g, eqn)
+        found = self._traced_idiom(eqn, atom, dims, here)
+        if found is not None:
+            return found
+        if name == "select_n" and len(ins) == 3 and compat.aval_of(ins[0]).dtype == np.bool_:
+            return self._select(self.predicate(ins[0], dims), self.analyze(ins[1], dims),
+                                self.analyze(ins[2], dims), atom, here)
+        return self._opaque(atom, here)
+
+    def _moved(self, eqn, atom: Any, dims: DimMap, here: Opaque) -> Any:
+        """The value of a move (a pass-through, broadcast, transpose or size-1 reshape):
+        its operand's, read with the dims mapped back."""
+        name, src = eqn.primitive.name, eqn.invars[0]
+        out_shape, src_shape = compat.aval_of(atom).shape, compat.aval_of(src).shape
+        if name in _PASS_THROUGH:
+            return self.analyze(src, dims)
+        if name == "broadcast_in_dim":
+            return self.analyze(src, tuple(dims[o] if src_shape[i] == out_shape[o] else None
+                                           for i, o in enumerate(
+                                               eqn.params["broadcast_dimensions"])))
+        if name == "transpose":
+            moved = [None] * len(dims)
+            for j, p in enumerate(eqn.params["permutation"]):
+                moved[p] = dims[j]
+            return self.analyze(src, tuple(moved))
+        src_dims = unit_reshape_dims(src_shape, out_shape, dims)
+        return self._opaque(atom, here) if src_dims is None else self.analyze(src, src_dims)
+
+    def _traced_idiom(self, eqn, atom: Any, dims: DimMap, here: Opaque) -> Any | None:
+        """The value of what a jnp function traces to over several equations, read from
+        its last: an index wrapped for negative values, an integer floor division, a
+        top-k scatter; None when ``eqn`` ends none of them (or the reading fails)."""
+        wrapped = unwrapped_index(self.graph, eqn)
         if wrapped is not None:
             inner = self.analyze(wrapped, dims)
             # ``x if x >= 0 else x + n`` is ``x`` for an index that cannot be negative.
             if isinstance(inner, Affine) and inner.const >= 0 \
                     and all(c > 0 for _, c in inner.coeffs):
                 return inner
-        floor = _floor_division(g, eqn)
+        floor = floor_division(self.graph, eqn)
         if floor is not None:
             scalar = lambda a: () if not compat.aval_of(a).shape else dims  # noqa: E731
             inner, size = (self.analyze(a, scalar(a)) for a in floor)
-            if _non_negative(inner) and isinstance(size, Scalar) and _is_int(size.value) \
+            if non_negative(inner) and isinstance(size, Scalar) and is_int(size.value) \
                     and int(size.value) > 0:
                 return FloorDiv(inner, int(size.value))
-        if name == "scatter" and compat.aval_of(atom).dtype == np.bool_:
-            found = self._topk_scatter(eqn, dims, here)
-            if found is not None:
-                return found
-        if name == "select_n" and len(ins) == 3 and compat.aval_of(ins[0]).dtype == np.bool_:
-            return self._select(self.predicate(ins[0], dims), self.analyze(ins[1], dims),
-                                self.analyze(ins[2], dims), atom, here)
-        return self._opaque(atom, here)
+        if eqn.primitive.name == "scatter" and compat.aval_of(atom).dtype == np.bool_:
+            return topk_scatter(self, eqn, dims, here)
+        return None
 
     def _slice_starts(self, eqn) -> tuple | None:
         """The start of a unit-stride ``slice`` per operand dim, or of a ``dynamic_slice``
@@ -208,7 +223,7 @@ class MaskAnalyzer:
             return tuple(eqn.params["start_indices"])
         out = compat.aval_of(eqn.outvars[0]).shape
         starts = [self.analyze(x, ()) for x in eqn.invars[1:1 + len(shape)]]
-        if not all(isinstance(x, Scalar) and _is_int(x.value) for x in starts):
+        if not all(isinstance(x, Scalar) and is_int(x.value) for x in starts):
             return None
         return tuple(min(max(int(x.value), 0), n - m) for x, n, m in zip(starts, shape, out))
 
@@ -265,58 +280,6 @@ class MaskAnalyzer:
                 break
         return self._opaque(atom, here)
 
-    def _topk_scatter(self, eqn, dims: DimMap, here: Opaque) -> TopK | None:
-        """The :class:`TopK` a boolean scatter of True into all-False computes, or None.
-
-        Every operand dim must be indexed by one scatter index component: an iota along
-        one update dim (``arange`` broadcast, what advanced indexing and
-        ``put_along_axis`` build) or, for exactly one dim, the indices output of a
-        ``top_k`` whose other dims are those update dims and whose ``k`` dim is the one
-        update dim no iota names. Anything else is data (None).
-        """
-        operand, indices, updates = eqn.invars
-        dn = eqn.params["dimension_numbers"]
-        nd = len(compat.aval_of(operand).shape)
-        upd_shape = compat.aval_of(updates).shape
-        if dn.update_window_dims or dn.operand_batching_dims \
-                or sorted(dn.inserted_window_dims) != list(range(nd)) \
-                or sorted(dn.scatter_dims_to_operand_dims) != list(range(nd)) \
-                or compat.aval_of(indices).shape != (*upd_shape, nd):
-            return None
-        if self.predicate(operand, dims) != Const(value=False) \
-                or self.predicate(updates, (None,) * len(upd_shape)) != Const(value=True):
-            return None
-        components = _index_components(self.graph, indices, nd)
-        if components is None:
-            return None
-        # Update dim u is labelled -1 - u while reading the components (no top dim is < 0).
-        upd_dims = tuple(-1 - u for u in range(len(upd_shape))) + (None,)
-        op_shape = compat.aval_of(operand).shape
-        by_update: dict[int, int] = {}
-        key = None
-        for component, d in zip(components, dn.scatter_dims_to_operand_dims):
-            value = self.analyze(component, upd_dims)
-            if isinstance(value, Affine) and value.const == 0 and len(value.coeffs) == 1 \
-                    and value.coeffs[0][1] == 1 and -1 - value.coeffs[0][0] not in by_update:
-                u = -1 - value.coeffs[0][0]
-                if upd_shape[u] != op_shape[d]:
-                    return None
-                by_update[u] = d
-                continue
-            selected = _topk_indices(self.graph, component, upd_shape)
-            if selected is None or key is not None or dims[d] is None:
-                return None
-            key = (selected, d)
-        if key is None:
-            return None
-        (top_k_indices, k_dim), key_d = key
-        if set(by_update) | {k_dim} != set(range(len(upd_shape))) or k_dim in by_update:
-            return None
-        idx_dims = tuple(TOPK_DIM if u == k_dim else dims[by_update[u]]
-                         for u in range(len(upd_shape)))
-        return TopK(indices=Opaque.of(top_k_indices, idx_dims), key_dim=dims[key_d],
-                    origin=here)
-
     @staticmethod
     def _opaque(atom: Any, here: Opaque) -> Any:
         if compat.aval_of(atom).dtype == np.bool_:
@@ -337,11 +300,11 @@ class MaskAnalyzer:
                 if np.all(steps == steps[0]):
                     return Affine(((dims[nonunit[0]], int(steps[0])),), int(line[0])) \
                         if steps[0] else Affine((), int(line[0]))
-        if array.size <= _MAX_CONSTANT_MASK:
+        if array.size <= MAX_CONSTANT_MASK:
             values = np.unique(array)
             if len(values) <= 2:
                 on_true = values[-1]
-                band = _constant_band(array == on_true, dims, Opaque.of(atom, dims))
+                band = constant_band(array == on_true, dims, Opaque.of(atom, dims))
                 if band is not None:
                     if array.dtype == np.bool_:
                         return band
@@ -368,18 +331,18 @@ class MaskAnalyzer:
             b = Indicator(b, 1, 0)
         if isinstance(a, Scalar) and isinstance(b, Scalar):
             return Scalar(fn(a.value, b.value))
-        shifted = _shifted(op, a, b, here)
+        shifted = shifted_data(op, a, b, here)
         if shifted is not None:
             return shifted
-        if op != "mul" and isinstance(b, Affine) and isinstance(a, Scalar) and _is_int(a.value):
+        if op != "mul" and isinstance(b, Affine) and isinstance(a, Scalar) and is_int(a.value):
             a = Affine((), int(a.value))
-        if op != "mul" and isinstance(a, Affine) and isinstance(b, Scalar) and _is_int(b.value):
+        if op != "mul" and isinstance(a, Affine) and isinstance(b, Scalar) and is_int(b.value):
             b = Affine((), int(b.value))
         if isinstance(a, Affine) and isinstance(b, Affine) and op != "mul":
             return a.plus(b, 1 if op == "add" else -1)
         if op == "mul":
             for x, y in ((a, b), (b, a)):
-                if isinstance(x, Affine) and isinstance(y, Scalar) and _is_int(y.value):
+                if isinstance(x, Affine) and isinstance(y, Scalar) and is_int(y.value):
                     return x.times(int(y.value))
             if isinstance(a, Indicator) and isinstance(b, Indicator) \
                     and (a.on_true, a.on_false, b.on_true, b.on_false) == (1, 0, 1, 0):
@@ -394,34 +357,34 @@ class MaskAnalyzer:
         def affine(x):
             if isinstance(x, Affine):
                 return x
-            if isinstance(x, Scalar) and _is_int(x.value):
+            if isinstance(x, Scalar) and is_int(x.value):
                 return Affine((), int(x.value))
             return None
 
         la, lb = affine(a), affine(b)
         if la is not None and lb is not None:
-            return _band(op, la.plus(lb, -1), here)
-        for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
+            return difference_band(op, la.plus(lb, -1), here)
+        for x, y, o in ((a, b, op), (b, a, FLIP[op])):
             c = affine(y)
             if isinstance(x, AbsAffine) and c is not None and not c.coeffs:
-                return _abs_band(o, x.inner, c.const, here)
+                return abs_band(o, x.inner, c.const, here)
         if isinstance(a, Scalar) and isinstance(b, Scalar):
-            return Const(value=bool(_NP_COMPARE[op](a.value, b.value)), origin=here)
+            return Const(value=bool(NP_COMPARE[op](a.value, b.value)), origin=here)
         outcome = _two_valued_compare(op, a, b)
         if outcome is not None:
             return self.as_pred(outcome, here)
-        for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
-            band = _coordinate_band(o, affine(x), y, here)
+        for x, y, o in ((a, b, op), (b, a, FLIP[op])):
+            band = coordinate_band(o, affine(x), y, here)
             if band is not None:
                 return band
         a, b = (x.value if isinstance(x, Shifted) else x for x in (a, b))
         if op == "eq" and isinstance(a, Opaque) and isinstance(b, Opaque):
             return Segments(a, b, origin=here)
         if op == "eq" and isinstance(a, FloorDiv) and isinstance(b, FloorDiv):
-            chunk = _chunk(a, b, here)
+            chunk = chunk_of(a, b, here)
             if chunk is not None:
                 return chunk
-        for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
+        for x, y, o in ((a, b, op), (b, a, FLIP[op])):
             if isinstance(x, Opaque) and isinstance(y, Scalar):
                 return Dense(source=x, test=(o, y.value), origin=here)
         return Dense(source=here, origin=here)
@@ -467,10 +430,10 @@ def _bool_cast(eqn) -> bool:
 def _two_valued_compare(op: str, a: Any, b: Any) -> Indicator | None:
     """``a op b`` of a two-valued mask (an :class:`Indicator`) and a constant, as the
     indicator of the outcomes on the mask's two values; None for other operands."""
-    for x, y, o in ((a, b, op), (b, a, _FLIP[op])):
+    for x, y, o in ((a, b, op), (b, a, FLIP[op])):
         if isinstance(x, Indicator) and isinstance(y, Scalar):
-            return Indicator(x.pred, bool(_NP_COMPARE[o](x.on_true, y.value)),
-                             bool(_NP_COMPARE[o](x.on_false, y.value)))
+            return Indicator(x.pred, bool(NP_COMPARE[o](x.on_true, y.value)),
+                             bool(NP_COMPARE[o](x.on_false, y.value)))
     return None
 
 
@@ -562,100 +525,6 @@ def _shift(value: Any, shift: dict) -> Any:
                         for lo, hi in ivs)
         return Band(ta, tb, normalize(ivs))
     return None
-def _floor_division(graph: Graph, eqn) -> tuple | None:
-    """``(x, c)`` when ``eqn`` is ``x // c`` as ``jnp.floor_divide`` traces it for integers:
-    ``select_n((sign(x) != sign(c)) & (rem(x, c) != 0), div(x, c), div(x, c) - 1)``."""
-    if eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
-        return None
-    quotient, corrected = (graph.producer(a) for a in eqn.invars[1:])
-    if quotient is None or quotient.primitive.name != "div" or corrected is None \
-            or corrected.primitive.name != "sub" or corrected.invars[0] is not eqn.invars[1]:
-        return None
-    cond = graph.producer(eqn.invars[0])
-    if cond is None or cond.primitive.name != "and":
-        return None
-    rems = [graph.producer(graph.producer(a).invars[0]) for a in cond.invars
-            if graph.producer(a) is not None and graph.producer(a).primitive.name == "ne"]
-    x, c = quotient.invars
-
-    def same(a, b):
-        if compat.is_literal(a) and compat.is_literal(b):
-            return np.array_equal(compat.literal_value(a), compat.literal_value(b))
-        return a is b
-
-    if not any(r is not None and r.primitive.name == "rem" and r.invars[0] is x
-               and same(r.invars[1], c) for r in rems):
-        return None
-    return x, c
-
-
-def _non_negative(value: Any) -> bool:
-    """An index expression that no index makes negative (positive coefficients)."""
-    return isinstance(value, Affine) and value.const >= 0 and all(c > 0 for _, c in value.coeffs)
-
-
-def _chunk(a: FloorDiv, b: FloorDiv, origin: Opaque) -> Chunk | None:
-    """``index[i] // C == index[j] // C`` of two different plain indices, or None."""
-    if a.size != b.size or a.inner.const or b.inner.const \
-            or len(a.inner.coeffs) != 1 or len(b.inner.coeffs) != 1:
-        return None
-    (da, ca), (db, cb) = a.inner.coeffs[0], b.inner.coeffs[0]
-    if ca != 1 or cb != 1 or da == db:
-        return None
-    return Chunk(min(da, db), max(da, db), a.size, origin=origin)
-
-
-def _unwrapped_index(graph: Graph, eqn) -> Any:
-    """``x`` when ``eqn`` is ``select_n(x < 0, x, x + n)`` (how ``jnp`` indexing wraps
-    negative indices), else None."""
-    if eqn.primitive.name != "select_n" or len(eqn.invars) != 3:
-        return None
-    pred, x, wrapped = eqn.invars
-    test, plus = graph.producer(pred), graph.producer(wrapped)
-    if test is None or plus is None or test.primitive.name != "lt" \
-            or plus.primitive.name != "add" or test.invars[0] is not x \
-            or plus.invars[0] is not x or not compat.is_literal(test.invars[1]) \
-            or compat.literal_value(test.invars[1]) != 0 or not compat.is_literal(plus.invars[1]):
-        return None
-    return x
-
-
-def _index_components(graph: Graph, indices: Any, n: int) -> list | None:
-    """The ``n`` scatter index components (each ``[..., 1]``) that a concatenate along the
-    last dim builds ``indices`` from, or None."""
-    eqn = graph.producer(indices)
-    if eqn is None or eqn.primitive.name != "concatenate" \
-            or eqn.params["dimension"] != len(compat.aval_of(indices).shape) - 1 \
-            or any(compat.aval_of(x).shape[-1] != 1 for x in eqn.invars) \
-            or len(eqn.invars) != n:
-        return None
-    return list(eqn.invars)
-
-
-def _topk_indices(graph: Graph, component: Any, upd_shape: tuple) -> tuple | None:
-    """``(indices, k_dim)`` when ``component`` (``[*upd_shape, 1]``) is the indices output
-    of a ``top_k`` of shape ``upd_shape`` (its ``k`` dim ``k_dim``), through the trailing
-    unit dim and the negative-index wrap, else None."""
-    atom = component
-    while True:
-        eqn = graph.producer(atom)
-        if eqn is None:
-            return None
-        name = eqn.primitive.name
-        if name == "broadcast_in_dim" and compat.aval_of(eqn.invars[0]).shape == upd_shape \
-                and tuple(eqn.params["broadcast_dimensions"]) == tuple(range(len(upd_shape))):
-            atom = eqn.invars[0]
-        elif name in _PASS_THROUGH or (name in _UNIT_RESHAPES and compat.aval_of(
-                eqn.invars[0]).shape == upd_shape):
-            atom = eqn.invars[0]
-        elif _unwrapped_index(graph, eqn) is not None:
-            atom = _unwrapped_index(graph, eqn)
-        elif name == "top_k" and atom is eqn.outvars[1] \
-                and compat.aval_of(atom).shape == upd_shape:
-            nd = len(upd_shape)
-            return atom, eqn.params.get("axis", nd - 1) % nd
-        else:
-            return None
 
 
 def _as_bool(value: Any, is_bool: bool) -> Pred | None:
@@ -671,121 +540,3 @@ def _as_bool(value: Any, is_bool: bool) -> Pred | None:
     return None
 
 
-_NP_COMPARE = {"ge": np.greater_equal, "gt": np.greater, "le": np.less_equal,
-               "lt": np.less, "eq": np.equal, "ne": np.not_equal}
-
-
-_MAX_CONSTANT_MASK = 1 << 22
-
-
-def _constant_band(visible: np.ndarray, dims: DimMap, origin: Opaque) -> Band | None:
-    """A constant boolean array that is a function of ``index_b - index_a`` only, as a Band."""
-    nonunit = [i for i, n in enumerate(visible.shape) if n > 1]
-    if len(nonunit) != 2 or any(dims[i] is None for i in nonunit):
-        return None
-    i, j = nonunit if dims[nonunit[0]] < dims[nonunit[1]] else nonunit[::-1]
-    grid = np.moveaxis(visible.reshape([n for n in visible.shape if n > 1]),
-                       (nonunit.index(i), nonunit.index(j)), (0, 1))
-    n_a, n_b = grid.shape
-    t = np.arange(n_b)[None, :] - np.arange(n_a)[:, None]
-    ivs, lo_t, hi_t = [], -(n_a - 1), n_b - 1
-    for diff in range(lo_t, hi_t + 1):
-        cells = grid[t == diff]
-        if cells.min() != cells.max():
-            return None
-        if cells[0]:
-            ivs.append((None if diff == lo_t else diff, None if diff == hi_t else diff))
-    return Band(dims[i], dims[j], normalize(ivs), origin=origin)
-
-
-def _is_int(value: Any) -> bool:
-    try:
-        return float(value) == int(value)
-    except (TypeError, ValueError, OverflowError):
-        return False
-
-
-def _abs_band(op: str, x: Affine, c: int, origin: Opaque) -> Pred:
-    """The predicate ``|x| op c`` for an affine ``x``: ``|x| <= c`` is ``x <= c and
-    -x <= c``, ``|x| >= c`` is ``x >= c or -x >= c``, ``|x| == c`` is ``x == c or
-    x == -c`` (so each side stays a band when ``x`` is a difference of two indices)."""
-    upper = _band(op, x.plus(Affine((), c), -1), origin)           # x op c
-    lower = _band(op, x.times(-1).plus(Affine((), c), -1), origin)  # -x op c
-    if not (isinstance(upper, Band) and isinstance(lower, Band)):
-        return Dense(source=origin, origin=origin)
-    if op in ("le", "lt", "ne"):
-        return p_and(upper, lower, origin)
-    return p_or(upper, lower, origin)
-
-
-def _band(op: str, diff: Affine, origin: Opaque) -> Pred:
-    """The predicate ``diff op 0`` for an affine ``diff``."""
-    coeffs = dict(diff.coeffs)
-    if not coeffs:
-        return Const(value=bool(_NP_COMPARE[op](diff.const, 0)), origin=origin)
-    if len(coeffs) != 2:
-        return Dense(source=origin, origin=origin)
-    (a, ca), (b, cb) = sorted(coeffs.items())
-    if ca != -cb:
-        return Dense(source=origin, origin=origin)
-    # cb * (index_b - index_a) + const  op  0   <=>   t op' r   with t = index_b - index_a
-    r = -diff.const / cb
-    if cb < 0:
-        op = _FLIP[op]
-    return Band(a, b, _solutions(op, r), origin=origin)
-
-
-def _solutions(op: str, r: float) -> tuple:
-    """The integers ``t`` with ``t op r``, as normalised intervals."""
-    if op == "ge":
-        ivs = ((math.ceil(r), None),)
-    elif op == "gt":
-        ivs = ((math.floor(r) + 1, None),)
-    elif op == "le":
-        ivs = ((None, math.floor(r)),)
-    elif op == "lt":
-        ivs = ((None, math.ceil(r) - 1),)
-    elif op == "eq":
-        ivs = ((int(r), int(r)),) if r == int(r) else ()
-    else:
-        ivs = complement(((int(r), int(r)),)) if r == int(r) else ((None, None),)
-    return normalize(ivs)
-
-
-def _integer_data(value: Any) -> bool:
-    """An opaque value of an integer dtype (data a coordinate can be)."""
-    return isinstance(value, Opaque) \
-        and np.issubdtype(compat.aval_of(value.var).dtype, np.integer)
-
-
-def _shifted(op: str, a: Any, b: Any, here: Opaque) -> Shifted | None:
-    """``a op b`` as integer data plus a constant (``x ± c``, ``c + x``), or None."""
-    if op == "mul" or not np.issubdtype(compat.aval_of(here.var).dtype, np.integer):
-        return None
-    # (data, constant, sign of the constant): ``c - x`` is no shift of ``x``.
-    pairs = [(a, b, 1), (b, a, 1)] if op == "add" else [(a, b, -1)]
-    for x, c, sign in pairs:
-        if not isinstance(c, Scalar) or not _is_int(c.value):
-            continue
-        if isinstance(x, Shifted):
-            return Shifted(x.source, x.offset + sign * int(c.value), here)
-        if _integer_data(x):
-            return Shifted(x, sign * int(c.value), here)
-    return None
-
-
-def _coordinate_band(op: str, index: Affine | None, data: Any,
-                     origin: Opaque) -> CoordinateBand | None:
-    """``index op data`` of one index (coefficient 1, plus a constant) and integer data
-    plus a constant, as ``index - coordinate`` in intervals; None for anything else."""
-    if index is None or len(index.coeffs) != 1 or index.coeffs[0][1] != 1:
-        return None
-    if isinstance(data, Shifted):
-        source, offset = data.source, data.offset
-    elif _integer_data(data):
-        source, offset = data, 0
-    else:
-        return None
-    # index + c  op  x + offset   <=>   index - x  op  offset - c
-    return CoordinateBand(coordinate=source, key_dim=index.coeffs[0][0],
-                          intervals=_solutions(op, offset - index.const), origin=origin)

@@ -7,11 +7,11 @@ dim becomes top-k indices, and everything else stays dense (data to be and-ed).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from cptransform.analysis.intervals import intersect, normalize
-from cptransform.analysis.mask_values import (TOPK_DIM, Band, Chunk, Const, CoordinateBand,
+from cptransform.analysis.mask_values import (TOPK_DIM, Band, Chunk, CoordinateBand,
                                               Dense, Opaque, Pred, Segments, TopK, as_dense,
                                               conjuncts)
 
@@ -40,6 +40,82 @@ class MaskParts:
     coordinates: tuple | None = None
 
 
+@dataclass
+class _Reading:
+    """The analytic parts one conjunction yields, read term by term (:data:`_READERS`):
+    at most one of each kind beside any number of bands, all on one query dim."""
+
+    q_dims: Sequence[int]
+    kv_dim: int
+    batch_dims: Sequence[int]
+    q_dim: int | None = None
+    bands: list = field(default_factory=list)
+    segs: list = field(default_factory=list)
+    topks: list = field(default_factory=list)
+    chunks: list = field(default_factory=list)
+    coords: list = field(default_factory=list)
+
+    def on_query_dim(self, qd) -> bool:
+        """Whether ``qd`` can be the query dim (the parts read so far agree), taking it."""
+        if qd not in self.q_dims or self.q_dim not in (None, qd):
+            return False
+        self.q_dim = qd
+        return True
+
+
+def _read_band(r: _Reading, term: Band) -> bool:
+    pair = (term.a, term.b)
+    qd = pair[0] if pair[1] == r.kv_dim else pair[1]
+    if r.kv_dim not in pair or not r.on_query_dim(qd):
+        return False
+    ivs = term.intervals if term.b == r.kv_dim else \
+        normalize(tuple((None if hi is None else -hi, None if lo is None else -lo)
+                        for lo, hi in term.intervals))
+    r.bands.append(Band(qd, r.kv_dim, ivs, origin=term.origin))
+    return True
+
+
+def _read_chunk(r: _Reading, term: Chunk) -> bool:
+    qd = term.a if term.b == r.kv_dim else term.b
+    if r.kv_dim not in (term.a, term.b) or r.chunks or not r.on_query_dim(qd):
+        return False
+    r.chunks.append(term)
+    return True
+
+
+def _read_topk(r: _Reading, term: TopK) -> bool:
+    used = {d for d in term.indices.dims if d not in (None, TOPK_DIM)}
+    if term.key_dim != r.kv_dim or r.kv_dim in used or r.topks \
+            or not used <= set(r.batch_dims) | set(r.q_dims):
+        return False
+    r.topks.append(term)
+    return True
+
+
+def _read_coordinates(r: _Reading, term: CoordinateBand) -> bool:
+    qd = _coordinate_query_dim(term, r.q_dims, r.kv_dim, r.batch_dims)
+    if qd is None or r.coords or len(term.intervals) != 1 or not r.on_query_dim(qd):
+        return False
+    r.coords.append(term)
+    return True
+
+
+def _read_segments(r: _Reading, term: Segments) -> bool:
+    parts = _segment_sides(term, r.q_dims, r.kv_dim, r.batch_dims, r.q_dim)
+    if parts is None or r.segs:
+        return False
+    r.q_dim = parts[0]
+    r.segs.append(Segments(parts[1], parts[2], origin=term.origin))
+    return True
+
+
+#: How each kind of term becomes an analytic part; a term a reader declines (or of a kind
+#: without one, such as a constant) stays dense.
+_READERS: dict[type, Callable[[_Reading, Pred], bool]] = {
+    Band: _read_band, Chunk: _read_chunk, TopK: _read_topk,
+    CoordinateBand: _read_coordinates, Segments: _read_segments}
+
+
 def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[[int], int],
              kv_len: int, batch_dims: Sequence[int]) -> MaskParts:
     """Split a visibility predicate over the logits' dims into MaskSpec parts.
@@ -49,98 +125,47 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
     Parts that cannot be analytic (a band on a heads dim, a band with a gap, a second set
     of segment ids) become dense.
     """
+    r = _Reading(q_dims, kv_dim, batch_dims)
     dense: list[Dense] = []
-    bands: list[Band] = []
-    segs: list[Segments] = []
-    topks: list[TopK] = []
-    chunks: list[Chunk] = []
-    coords: list[CoordinateBand] = []
-    kinds: list[str] = []
-    q_dim: int | None = None
     for term in conjuncts(pred):
-        if isinstance(term, Const):
+        reader = _READERS.get(type(term))
+        if reader is None or not reader(r, term):
             dense.append(as_dense(term, term.origin))
-        elif isinstance(term, Band):
-            pair = (term.a, term.b)
-            ok = kv_dim in pair and (pair[0] if pair[1] == kv_dim else pair[1]) in q_dims
-            qd = pair[0] if pair[1] == kv_dim else pair[1]
-            if ok and q_dim in (None, qd):
-                q_dim = qd
-                ivs = term.intervals if term.b == kv_dim else \
-                    normalize(tuple((None if hi is None else -hi, None if lo is None else -lo)
-                                     for lo, hi in term.intervals))
-                bands.append(Band(qd, kv_dim, ivs, origin=term.origin))
-            else:
-                dense.append(as_dense(term, term.origin))
-        elif isinstance(term, Chunk):
-            qd = term.a if term.b == kv_dim else term.b
-            if kv_dim in (term.a, term.b) and qd in q_dims and q_dim in (None, qd) \
-                    and not chunks:
-                q_dim = qd
-                chunks.append(term)
-            else:
-                dense.append(as_dense(term, term.origin))
-        elif isinstance(term, TopK):
-            used = {d for d in term.indices.dims if d not in (None, TOPK_DIM)}
-            if term.key_dim == kv_dim and kv_dim not in used and not topks \
-                    and used <= set(batch_dims) | set(q_dims):
-                topks.append(term)
-            else:
-                dense.append(as_dense(term, term.origin))
-        elif isinstance(term, CoordinateBand):
-            qd = _coordinate_query_dim(term, q_dims, kv_dim, batch_dims)
-            if qd is not None and q_dim in (None, qd) and not coords \
-                    and len(term.intervals) == 1:
-                q_dim = qd
-                coords.append(term)
-            else:
-                dense.append(as_dense(term, term.origin))
-        elif isinstance(term, Segments):
-            parts = _segment_sides(term, q_dims, kv_dim, batch_dims, q_dim)
-            if parts is not None and not segs:
-                q_dim = parts[0]
-                segs.append(Segments(parts[1], parts[2], origin=term.origin))
-            else:
-                dense.append(as_dense(term, term.origin))
-        else:
-            dense.append(as_dense(term, term.origin))
-    band = None
-    if bands:
-        ivs: tuple = ((None, None),)
-        for b in bands:
-            ivs = intersect(ivs, b.intervals)
-        lo_cut, hi_cut = -(q_len_of(q_dim) - 1), kv_len - 1
-        if len(ivs) == 1:
-            lo, hi = ivs[0]
-            lo = None if lo is None or lo <= lo_cut else lo
-            hi = None if hi is None or hi >= hi_cut else hi
-            if lo is None or lo <= 0:
-                band = (lo, hi)
-        if band is None:
-            dense.extend(as_dense(b, b.origin) for b in bands)
-        else:
-            lo, hi = band
-            if lo is not None and hi is not None and hi > 0:
-                kinds.append(f"window({-lo},{hi})")
-            else:
-                if hi is not None:
-                    kinds.append("causal" if hi == 0 else f"causal({hi:+d})")
-                if lo is not None:
-                    kinds.append(f"window({-lo})")
-    if chunks:
-        kinds.append(f"chunk({chunks[0].size})")
-    if coords:
-        kinds.append("coordinate_band({},{})".format(*coords[0].intervals[0]))
-    if segs:
-        kinds.append("segments")
-    if topks:
-        kinds.append("topk")
-    if dense:
-        kinds.append("dense")
-    return MaskParts(band, q_dim, (segs[0].x, segs[0].y) if segs else None, tuple(dense),
-                     tuple(kinds), topks[0] if topks else None,
-                     chunks[0].size if chunks else None,
-                     (coords[0].coordinate, coords[0].intervals[0]) if coords else None)
+    band = _merged_band(r, q_len_of, kv_len) if r.bands else None
+    if r.bands and band is None:
+        dense.extend(as_dense(b, b.origin) for b in r.bands)
+    kinds = _band_kinds(band) + [f"chunk({c.size})" for c in r.chunks] \
+        + ["coordinate_band({},{})".format(*c.intervals[0]) for c in r.coords] \
+        + ["segments"] * bool(r.segs) + ["topk"] * bool(r.topks) + ["dense"] * bool(dense)
+    return MaskParts(band, r.q_dim, (r.segs[0].x, r.segs[0].y) if r.segs else None,
+                     tuple(dense), tuple(kinds), r.topks[0] if r.topks else None,
+                     r.chunks[0].size if r.chunks else None,
+                     (r.coords[0].coordinate, r.coords[0].intervals[0]) if r.coords else None)
+
+
+def _merged_band(r: _Reading, q_len_of: Callable[[int], int], kv_len: int) -> tuple | None:
+    """The bands' intersection as ``(lo, hi)`` on ``kv - q`` (a side no query reaches past
+    opened), or None when it has a gap or starts after the diagonal (kept dense)."""
+    ivs: tuple = ((None, None),)
+    for b in r.bands:
+        ivs = intersect(ivs, b.intervals)
+    if len(ivs) != 1:
+        return None
+    lo, hi = ivs[0]
+    lo = None if lo is None or lo <= -(q_len_of(r.q_dim) - 1) else lo
+    hi = None if hi is None or hi >= kv_len - 1 else hi
+    return (lo, hi) if lo is None or lo <= 0 else None
+
+
+def _band_kinds(band: tuple | None) -> list[str]:
+    """The report names of a band: a two-sided window, or causal and/or a left window."""
+    if band is None:
+        return []
+    lo, hi = band
+    if lo is not None and hi is not None and hi > 0:
+        return [f"window({-lo},{hi})"]
+    return ([] if hi is None else ["causal" if hi == 0 else f"causal({hi:+d})"]) \
+        + ([] if lo is None else [f"window({-lo})"])
 
 
 def _coordinate_query_dim(term: CoordinateBand, q_dims, kv_dim, batch_dims):

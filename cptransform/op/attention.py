@@ -84,6 +84,11 @@ def _check_shapes(spec: AttentionSpec, avals) -> None:
         expect("sinks", "(*batch, heads)", (hq,))
     if a["mask"] is not None and a["mask"].dtype != jnp.bool_:
         raise AttentionShapeError(f"mask must be boolean, got {a['mask'].dtype}")
+    _check_index_operands(a, expect, hq, tq)
+
+
+def _check_index_operands(a: dict, expect, hq: int, tq: int) -> None:
+    """The integer operands: top-k indices, query coordinates, the dropout seed."""
     topk = a["topk_indices"]
     if topk is not None:
         if topk.ndim < 2 or topk.shape[-2] != tq:
@@ -200,36 +205,10 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
     lay = Layout.parse(layout)
     if lay.heads is None:
         raise AttentionShapeError("attention() needs a heads dim in its layout (e.g. 'BTHD')")
-    nb = len(lay.batch)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[lay.feature])
-    operands: list = [q, k, v]
-
-    def pair(x, what):
-        if isinstance(x, (tuple, list)):
-            if len(x) != 2:
-                raise AttentionShapeError(f"{what} must be an array or a (q, kv) pair")
-            return list(x)
-        return [x, x]
-
-    def lead(x, tail_ndim):
-        x = jnp.asarray(x)
-        while x.ndim < nb + tail_ndim:
-            x = x[None]
-        return x
-
-    if positions is not None:
-        operands += [lead(p, 1).astype(jnp.int32) for p in pair(positions, "positions")]
-    if segment_ids is not None:
-        operands += [lead(s, 1) for s in pair(segment_ids, "segment_ids")]
-    if mask is not None:
-        operands.append(lead(mask, 3).astype(bool))
-    if bias is not None:
-        operands.append(lead(bias, 3))
-    if sinks is not None:
-        operands.append(lead(sinks, 1))
-    if topk_indices is not None:
-        operands.append(lead(topk_indices, 3).astype(jnp.int32))
+    operands = [q, k, v] + _side_operands(len(lay.batch), positions, segment_ids, mask, bias,
+                                          sinks, topk_indices)
     hq = q.shape[lay.heads]
     hk = k.shape[lay.heads]
     if hq % hk:
@@ -245,6 +224,39 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
                       chunk=None if chunk_size is None else int(chunk_size)),
         positions=positions is not None, sinks=sinks is not None)
     return attention_p.bind(*operands, spec=spec)
+
+
+def _side_operands(nb: int, positions, segment_ids, mask, bias, sinks, topk) -> list:
+    """:func:`attention`'s optional operands in ``attention_p``'s order, each given the
+    ``nb`` leading batch dims it lacks (size 1) and its dtype; positions and segment ids
+    may be one array for both sides or a ``(q, kv)`` pair."""
+    def pair(x, what):
+        if isinstance(x, (tuple, list)):
+            if len(x) != 2:
+                raise AttentionShapeError(f"{what} must be an array or a (q, kv) pair")
+            return list(x)
+        return [x, x]
+
+    def lead(x, tail_ndim):
+        x = jnp.asarray(x)
+        while x.ndim < nb + tail_ndim:
+            x = x[None]
+        return x
+
+    out: list = []
+    if positions is not None:
+        out += [lead(p, 1).astype(jnp.int32) for p in pair(positions, "positions")]
+    if segment_ids is not None:
+        out += [lead(s, 1) for s in pair(segment_ids, "segment_ids")]
+    if mask is not None:
+        out.append(lead(mask, 3).astype(bool))
+    if bias is not None:
+        out.append(lead(bias, 3))
+    if sinks is not None:
+        out.append(lead(sinks, 1))
+    if topk is not None:
+        out.append(lead(topk, 3).astype(jnp.int32))
+    return out
 
 
 def attention_specs(jaxpr) -> Sequence[AttentionSpec]:

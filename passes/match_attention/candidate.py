@@ -140,12 +140,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     of the masks that zero the probabilities after the softmax (``pv.zeroed``)."""
     p_dims = _resolve(pv.p_dims, qk)
     shared = list(range(qk.n_batch))
-    # The kv-heads dim: the last shared dim in K's order that is not K's leading dim
-    # (by convention the batch); others are batch. Any choice is exact.
-    k_order = _dims_before_squeeze(graph, qk.k)
-    cand = [lab for lab in shared if k_order[qk.k_dims[lab]] != 0]
-    kv_head = max(cand, key=lambda lab: k_order[qk.k_dims[lab]]) if cand else None
-    batch = [lab for lab in shared if lab != kv_head]
+    kv_head, batch = _kv_heads_and_batch(graph, qk, shared)
 
     q_in, q_scale = strip_scale(graph, qk.q)
     k_in, k_scale = strip_scale(graph, qk.k)
@@ -199,16 +194,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
             != sorted(map(str, want)):
         raise NotAttention("the output dims do not line up with q's dims")
 
-    # Padding masks (a query-only or key-only predicate, e.g. ``tokens != pad``) need no
-    # S×S operand: they are folded into segment ids (see ``emit.padding_ids``).
-    q_pads = tuple(d for d in parts.dense if _only_on(d, batch, q_seq))
-    kv_pads = tuple(d for d in parts.dense if d not in q_pads and _only_on(d, batch, qk.kv))
-    dense = tuple(d for d in parts.dense if d not in q_pads and d not in kv_pads)
-    topk, kinds = parts.topk, parts.kinds
-    if topk is not None and q_seq not in topk.indices.dims:
-        # Indices shared by every query are no per-query selection: keep the mask as data.
-        dense += (as_dense(topk, topk.origin),)
-        topk, kinds = None, kinds if "dense" in kinds else kinds + ("dense",)
+    q_pads, kv_pads, dense, topk, kinds = _data_parts(parts, batch, q_seq, qk.kv)
     return Candidate(
         root=pv.root, out=pv.out,
         q=Operand(q_in, _labels_of(qk.q_dims, qk.q_contract, Q_FEATURE, q_in)),
@@ -222,6 +208,31 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         topk=None if topk is None else topk.indices, chunk=parts.chunk, visible=tuple(preds),
         coordinates=parts.coordinates[0] if parts.coordinates else None,
         coordinate_band=parts.coordinates[1] if parts.coordinates else None, dropout=drop)
+
+
+def _kv_heads_and_batch(graph: Graph, qk: QKProduct, shared: list) -> tuple:
+    """``(kv_head, batch labels)``: the kv-heads dim is the last shared dim in K's order
+    that is not K's leading dim (by convention the batch); the others are batch. Any
+    choice is exact."""
+    k_order = _dims_before_squeeze(graph, qk.k)
+    cand = [lab for lab in shared if k_order[qk.k_dims[lab]] != 0]
+    kv_head = max(cand, key=lambda lab: k_order[qk.k_dims[lab]]) if cand else None
+    return kv_head, [lab for lab in shared if lab != kv_head]
+
+
+def _data_parts(parts: MaskParts, batch: list, q_seq, kv_seq) -> tuple:
+    """``(q_pads, kv_pads, dense, topk, kinds)``: padding masks (a query-only or key-only
+    predicate, e.g. ``tokens != pad``) need no S×S operand: they are folded into segment
+    ids (see ``emit.padding_ids``); top-k indices shared by every query are no per-query
+    selection and stay dense data."""
+    q_pads = tuple(d for d in parts.dense if _only_on(d, batch, q_seq))
+    kv_pads = tuple(d for d in parts.dense if d not in q_pads and _only_on(d, batch, kv_seq))
+    dense = tuple(d for d in parts.dense if d not in q_pads and d not in kv_pads)
+    topk, kinds = parts.topk, parts.kinds
+    if topk is not None and q_seq not in topk.indices.dims:
+        dense += (as_dense(topk, topk.origin),)
+        topk, kinds = None, kinds if "dense" in kinds else kinds + ("dense",)
+    return q_pads, kv_pads, dense, topk, kinds
 
 
 def _rows_may_be_empty(parts: MaskParts, q_len: int, kv_len: int) -> bool:

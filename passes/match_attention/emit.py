@@ -64,13 +64,7 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
             operands.append(_all_of(c.dense, vals[:n_dense], pair_target, sizes, full))
         vals = vals[n_dense:]
         if c.biases:
-            total = None
-            for (b, coef), val in zip(c.biases, vals):
-                term = arrange(lax.convert_element_type(val, jnp.float32), b.dims, pair_target,
-                               sizes, full)
-                term = lax.mul(term, jnp.float32(coef)) if coef != 1 else term
-                total = term if total is None else lax.add(total, term)
-            operands.append(total)
+            operands.append(_bias_sum(c.biases, vals, pair_target, sizes, full))
         vals = vals[len(c.biases):]
         if c.sink is not None:
             operands.append(_sinks(vals[0], c.sink.labels, [*batch, heads], sizes))
@@ -90,12 +84,9 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
                                           heads))
         out = attention_p.bind(*operands, spec=spec)
         split = out.shape[:nbl + 1] + tuple(sizes[lab] for lab in heads) + out.shape[-1:]
-        if split != out.shape:
-            out = lax.reshape(out, split)
-        out = arrange(out, out_target, c.out_labels, sizes)
-        if out.dtype != out_dtype:
-            out = lax.convert_element_type(out, out_dtype)
-        return [out]
+        out = arrange(lax.reshape(out, split) if split != out.shape else out, out_target,
+                      c.out_labels, sizes)
+        return [out if out.dtype == out_dtype else lax.convert_element_type(out, out_dtype)]
 
     sides = [s.var for s in c.segments]
     sides += [d.source.var for d in c.q_pads + c.kv_pads + c.dense]
@@ -105,6 +96,17 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     sides += [c.coordinates.var] if c.coordinates is not None else []
     sides += [c.dropout.key] if c.dropout is not None else []
     return Replacement(c.root, (c.q.atom, c.k.atom, c.v.atom, *sides), build)
+
+
+def _bias_sum(biases, values, target, sizes: dict, full):
+    """The float32 sum of the biases (each ``(operand, coefficient)``), arranged to
+    ``target``."""
+    total = None
+    for (b, coef), val in zip(biases, values):
+        term = arrange(lax.convert_element_type(val, jnp.float32), b.dims, target, sizes, full)
+        term = lax.mul(term, jnp.float32(coef)) if coef != 1 else term
+        total = term if total is None else lax.add(total, term)
+    return total
 
 
 def _dropout_seed(key, strides: dict, sizes: dict, batch: list, heads: tuple):
