@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cptransform.api.cli import main, parse_shapes
+from cptransform.api.cli import main
+from cptransform.api.entry_points import parse_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = str(ROOT / "examples" / "llama.py")

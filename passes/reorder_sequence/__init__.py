@@ -21,8 +21,6 @@ lists what keeps the order and what converts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,9 +29,7 @@ from cptransform.op.attention import attention_p
 from cptransform.ir.module import Module
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import fit_body, interpret, map_bodies, trace_like
-from cptransform.analysis.dim_rules import digit_after_reshape, digit_stride, reshape_dim_map
-from cptransform.analysis.primitives import (CallKind, Family, acting_dims, calls, facts,
-                                             names_of, names_where, seq_links)
+from cptransform.analysis.primitives import acting_dims
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.op.layouts import Conversion, SequenceLayout
 from cptransform.op.seq_window import seq_window_p
@@ -41,79 +37,15 @@ from cptransform.lowering.halo import CHUNKS_PER_RANK
 from cptransform.ir.errors import ReorderError
 from cptransform.ir.facts import Fact
 from cptransform.analysis.seq_axes_summary import analyse
-
-PERM, NAT, INV = "perm", "nat", "inv"
-
-#: Primitives that commute with a permutation of any sequence dim they carry.
-EQUIVARIANT = names_where(lambda row: row.order_safe)
-
-#: Contractions: exact in layout order when both operands' contracted dims share one order.
-CONTRACTIONS = names_of(Family.CONTRACTION)
-
-
-#: Primitives that can work on a shifted value (see :class:`Shift`) without materializing it.
-SHIFTABLE = names_where(lambda row: row.shiftable)
-
-
-@dataclass(frozen=True)
-class Shift:
-    """State of a slice ``x[..., offset:offset+length, ...]`` along the sequence (dim
-    ``dim``) that is *held unsliced*: the value is the full-length array in layout order.
-
-    Next-token losses slice logits and labels by one (``logits[:, :-1]``, ``tokens[:, 1:]``).
-    Materializing those slices would un-permute the logits (an all-gather of the largest
-    activation); instead token-wise ops and reductions run on the full array, differently
-    shifted operands are re-aligned (moving the smaller one), and reductions over the
-    sequence mask out the positions outside the slice.
-    """
-
-    offset: int
-    length: int
-    dim: int
-
-
-@dataclass(frozen=True)
-class Merged:
-    """State of a value whose dim ``dim`` holds the sequence merged with its neighbours,
-    in row-major order: index ``(o * n + s) * inner + i`` for slot ``s`` of ``layout``
-    (``n`` its length). Tokens flattened into rows (``[B*S, D]``: inner 1), folded into
-    features (``[B, S*D]``: inner ``D``), or cut into chunks (``[B, S/c, c, D]``: dim 1 in
-    the layout of the chunks, see :meth:`SequenceLayout.coarsen`). Row-wise ops keep it;
-    an op acting along that dim needs natural order (see :meth:`_Reorderer.merged`)."""
-
-    dim: int
-    inner: int
-    layout: SequenceLayout
-
-
-#: Families whose link rules relate every operand dim an op keeps to its result dims, so
-#: that a merged dim's partners are exactly the dims linked to it.
-LINKED_FAMILIES = (Family.ELEMENTWISE, Family.REDUCTION, Family.CONTRACTION, Family.SHAPE,
-                   Family.CUMULATIVE)
-
-#: Single-array indexing ops whose links cover every kept dim (their other operands are
-#: scalars, indices, or pieces linked through the result).
-LINKED_INDEXING = frozenset({"slice", "dynamic_slice", "pad", "concatenate", "rev",
-                             "gather", "split", "top_k", "unstack"})
-
-#: Call-like primitives (the only ones whose sub-jaxprs are bodies run in their place; a
-#: scatter's update jaxpr is not).
-CALLS = names_of(Family.CALL)
-
-#: Primitives whose bodies are re-traced in layout order and re-bound (loops, branches and
-#: remat keep their structure); other calls are inlined.
-REBUILT = calls(CallKind.CONTROL_FLOW, CallKind.REMAT)
-
-#: Control flow that iterates (its order of iterations can follow the tokens).
-LOOPS = frozenset({"scan", "while"})
-
-#: Calls with a custom derivative rule: kept whole and run in natural order (a positional
-#: op), since the rule is part of the program and may depend on the token order.
-CUSTOM_RULES = calls(CallKind.CUSTOM_DERIVATIVE)
+from cptransform.passes.reorder_sequence.states import (PERM, NAT, INV, EQUIVARIANT,
+                                                        CONTRACTIONS, Shift, Merged, CALLS,
+                                                        REBUILT, LOOPS, CUSTOM_RULES)
+from cptransform.passes.reorder_sequence.merged import MergedOrders
+from cptransform.passes.reorder_sequence.shifted import ShiftedSlices
 
 
 @dataclass
-class _Reorderer:
+class _Reorderer(MergedOrders, ShiftedSlices):
     axes: SeqAxes
     layout: SequenceLayout
     strict: bool
@@ -235,27 +167,6 @@ class _Reorderer:
         params = {**eqn.params, "window": eqn.params["window"].in_layout(self.layout)}
         (out,) = compat.bind_eqn(eqn, invals, params)
         return [self.put(out, PERM)]
-    # -- merged sequence dims (tokens flattened, folded into features, cut into chunks) --
-    def merged_state(self, var, st: Merged):
-        """``st``, or ``PERM`` when it is the program's layout on a full sequence dim that
-        the sequence analysis knows (so the usual rules apply)."""
-        if (st.layout == self.layout and st.inner == 1
-                and var.aval.shape[st.dim] == self.layout.seq_len
-                and self.axes.full_dims(var) == (st.dim,)):
-            return PERM
-        return st
-
-    def unmerge(self, value):
-        """A merged value in natural order (memoized: several consumers share one
-        conversion)."""
-        st = self.get(value)
-        key = ("natural", id(value))
-        cached = self.state.get(key)
-        if cached is not None and cached[0] is value:
-            return cached[1]
-        out = self.put(st.layout.unpermute(value, st.dim, st.inner), NAT)
-        self.state[key] = (value, out)
-        return out
 
     def priced(self, eqn_or_name, kind: str, nbytes: int, where: str | None = None):
         """Record one conversion (what :func:`explain` lists with its bytes)."""
@@ -288,245 +199,6 @@ class _Reorderer:
         """The bytes of ``eqn``'s operands ``indices``."""
         return sum(int(np.prod(eqn.invars[i].aval.shape)) * eqn.invars[i].aval.dtype.itemsize
                    for i in indices)
-
-    def align(self, value, dim: int, st: Merged):
-        """``value`` (an operand linked to a merged dim through its ``dim``) in the order
-        ``st`` describes: a natural operand (a weight over ``[S*D]``, an iota over
-        ``[B*S]``) is permuted the same way."""
-        have = self.get(value)
-        if have == Merged(dim, st.inner, st.layout):
-            return value
-        if isinstance(have, Merged):
-            value = self.unmerge(value)
-        return self.put(st.layout.permute(value, dim, st.inner), Merged(dim, st.inner,
-                                                                        st.layout))
-
-    def reshape_permuted(self, eqn, invals):
-        """A reshape of a layout-order value with one full sequence dim: the sequence digit
-        keeps its flat stride, so it lands merged (rows, features) or chunked; ``None``
-        when it does not sit in one dim or the layout does not move whole chunks."""
-        atom, out = eqn.invars[0], eqn.outvars[0]
-        full = self.axes.full_dims(atom)
-        if len(full) != 1:
-            kept = reshape_dim_map(atom.aval.shape, out.aval.shape)
-            if all(kept.get(d) in self.axes.full_dims(out) for d in full):
-                return self.equivariant(eqn, invals, [0], {PERM})
-            return None
-        return self.reshape_merged(eqn, invals, Merged(full[0], 1, self.layout))
-
-    def reshape_merged(self, eqn, invals, st: Merged):
-        atom, out = eqn.invars[0], eqn.outvars[0]
-        stride = digit_stride(atom.aval.shape, st.dim, st.inner)
-        place = digit_after_reshape(out.aval.shape, stride, st.layout.seq_len)
-        if place is None:
-            return None
-        dim, inner, chunk = place
-        layout = st.layout.coarsen(chunk)
-        if layout is None:
-            return None
-        (y,) = compat.bind_eqn(eqn, invals)
-        return [self.put(y, self.merged_state(out, Merged(dim, inner, layout)))]
-
-    def merged(self, eqn, invals, merged):
-        """Run ``eqn`` keeping merged operands merged, or ``None`` when it needs them in
-        natural order. The dims linked to a merged dim (the primitives table's links) are
-        its partners: operands there are aligned to it, results there are merged like it;
-        acting along it is exact only for order-free reductions and for contractions
-        (whose partner is aligned)."""
-        name = eqn.primitive.name
-        row = facts(name)
-        states = [self.get(x) for x in invals]
-        if any(st == PERM or isinstance(st, Shift) for st in states) or row is None:
-            return None
-        if name == "reshape":
-            return self.reshape_merged(eqn, invals, states[0])
-        if row.family not in LINKED_FAMILIES and name not in LINKED_INDEXING:
-            return None
-        acting = acting_dims(eqn)
-        if acting is None:
-            return None
-        big = max(merged, key=lambda i: np.prod(invals[i].shape))
-        st = states[big]
-        size = eqn.invars[big].aval.shape[st.dim]
-        component = self._linked(eqn, (eqn.invars[big], st.dim))
-        if any((eqn.invars[i], states[i].dim) not in component for i in merged):
-            return None
-        order_free = row.family is Family.CONTRACTION or (
-            row.family is Family.REDUCTION and row.order_safe)
-        invals = list(invals)
-        for i, atom in enumerate(eqn.invars):
-            dims = [d for a, d in component if a is atom]
-            if not dims:
-                continue
-            if len(dims) > 1 or atom.aval.shape[dims[0]] != size:
-                return None
-            if dims[0] in acting[i] and not order_free:
-                return None
-            invals[i] = self.align(invals[i], dims[0], st)
-        outs = compat.bind_eqn(eqn, invals)
-        result = []
-        for out, var in zip(outs, eqn.outvars):
-            dims = [d for a, d in component if a is var]
-            if len(dims) > 1:
-                return None
-            result.append(self.put(out, self.merged_state(var, Merged(dims[0], st.inner,
-                                                                      st.layout))
-                                   if dims else INV))
-        return result
-
-    @staticmethod
-    def _linked(eqn, start) -> set:
-        """The ``(atom, dim)`` pairs of ``eqn`` linked to ``start`` through its links."""
-        edges: dict = {}
-        for a, da, b, db in seq_links(eqn):
-            edges.setdefault((a, da), []).append((b, db))
-            edges.setdefault((b, db), []).append((a, da))
-        seen, todo = {start}, [start]
-        while todo:
-            for nxt in edges.get(todo.pop(), ()):
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        return seen
-
-    def slice_positions(self, eqn, invals):
-        """A slice along the one full sequence dim of a layout-order value, taken by
-        gathering exactly its tokens (their bytes, not the whole value's); the result is in
-        natural order."""
-        x, atom = invals[0], eqn.invars[0]
-        full = self.axes.full_dims(atom)
-        acting = acting_dims(eqn)[0]
-        if self.get(x) != PERM or len(full) != 1 or full[0] not in acting:
-            return None
-        (d,) = full
-        strides = eqn.params.get("strides") or (1,) * atom.aval.ndim
-        start, limit = list(eqn.params["start_indices"]), list(eqn.params["limit_indices"])
-        positions = jnp.arange(start[d], limit[d], strides[d], dtype=jnp.int32)
-        start[d], limit[d] = 0, atom.aval.shape[d]
-        params = {**eqn.params, "start_indices": tuple(start), "limit_indices": tuple(limit),
-                  "strides": tuple(1 if i == d else n for i, n in enumerate(strides))}
-        (rest,) = compat.bind_eqn(eqn, [x], params)
-        out = jnp.take(rest, self.layout.slot_of_position(positions), axis=d)
-        moved = int(np.prod(out.shape)) * out.dtype.itemsize
-        self.log.append(f"slice at {compat.source_line(eqn)} takes {len(positions)} tokens "
-                        f"by position ({moved} bytes gathered)")
-        self.priced(eqn, "gather", moved)
-        return [self.put(out, NAT)]
-
-    # -- shifted slices along the sequence --
-    def start_shift(self, eqn, invals):
-        """A stride-1 slice along one sequence dim of a layout-order value: keep it whole."""
-        x, atom = invals[0], eqn.invars[0]
-        full = self.axes.full_dims(atom)
-        acting = acting_dims(eqn)[0]
-        strides = eqn.params.get("strides") or (1,) * atom.aval.ndim
-        if self.get(x) != PERM or len(acting & set(full)) != 1 or len(full) != 1:
-            return None
-        (d,) = acting & set(full)
-        if strides[d] != 1:
-            return None
-        start, limit = list(eqn.params["start_indices"]), list(eqn.params["limit_indices"])
-        offset, length = start[d], limit[d] - start[d]
-        if 2 * length <= atom.aval.shape[d]:
-            return None  # gathering the slice's tokens moves less than holding it unsliced
-        start[d], limit[d] = 0, atom.aval.shape[d]
-        params = {**eqn.params, "start_indices": tuple(start), "limit_indices": tuple(limit)}
-        (out,) = compat.bind_eqn(eqn, [x], params)
-        st = Shift(offset, length, d)
-        return [self.put(self.clean(out, st), st)]
-
-    def clean(self, value, st: Shift):
-        """``value`` held unsliced with the tokens outside the slice replaced by a copy of
-        its first token, gradient stopped: the excluded tokens then compute what a token of
-        the slice computes, so their (masked) values cannot turn into NaN or Inf in the
-        gradients (a huge logit excluded from a ``logsumexp``, a zero excluded from a
-        ``sqrt``), and nothing flows back to them."""
-        pos = self.layout.position_of_slot(
-            jax.lax.broadcasted_iota(jnp.int32, value.shape, st.dim))
-        valid = (pos >= st.offset) & (pos < st.offset + st.length)
-        first = self.layout.slot_of_position(jnp.full((1,), st.offset, jnp.int32))
-        fill = jax.lax.stop_gradient(jnp.take(value, first, axis=st.dim))
-        return jnp.where(valid, value, fill)
-
-    def settle(self, value, where: str):
-        """``value`` itself, or for a shifted value its real slice in natural order (which
-        costs a permutation; ``where`` names the consumer in the log)."""
-        st = self.get(value)
-        if not isinstance(st, Shift):
-            return value
-        positions = jnp.arange(st.offset, st.offset + st.length, dtype=jnp.int32)
-        out = jnp.take(value, self.layout.slot_of_position(positions), axis=st.dim)
-        moved = int(np.prod(out.shape)) * out.dtype.itemsize
-        self.log.append(f"{where} needs a sliced sequence in natural order: gather its "
-                        f"tokens ({moved} bytes permuted)")
-        if self.strict:
-            raise ReorderError(self.log[-1] + "; strict=True refuses this")
-        self.priced(where, "gather", moved, where="")
-        return self.put(out, NAT)
-
-    def realign(self, value, st: Shift, offset: int):
-        """Move a shifted value so that its slice starts at ``offset`` (a gather)."""
-        slots = jnp.arange(self.layout.seq_len, dtype=jnp.int32)
-        source = (self.layout.position_of_slot(slots) + st.offset - offset) % self.layout.seq_len
-        moved = jnp.take(value, self.layout.slot_of_position(source), axis=st.dim)
-        shifted = Shift(offset, st.length, st.dim)
-        return self.put(self.clean(moved, shifted), shifted)
-
-    def shifted(self, eqn, invals, shifted):
-        """Run ``eqn`` on shifted operands, or ``None`` when it needs them materialized."""
-        name = eqn.primitive.name
-        if name not in SHIFTABLE:
-            return None
-        states = {i: self.get(invals[i]) for i in shifted}
-        length = {st.length for st in states.values()}
-        if len(length) != 1:
-            return None
-        (length,) = length
-        for i, atom in enumerate(eqn.invars):
-            if i not in states and any(atom.aval.shape[d] == length
-                                       for d in self.axes.dims(atom)):
-                return None  # a natural-order slice meets a shifted one
-        if name == "gather" and not self._gather_keeps_order(eqn):
-            return None
-        big = max(shifted, key=lambda i: np.prod(invals[i].shape))
-        offset = states[big].offset
-        invals = list(invals)
-        for i, st in states.items():
-            if st.offset != offset:
-                nbytes = int(np.prod(invals[i].shape)) * invals[i].dtype.itemsize
-                self.log.append(f"{name} at {compat.source_line(eqn)}: re-align a sequence "
-                                f"shifted by {st.offset - offset} ({nbytes} bytes gathered)")
-                self.priced(eqn, "re-align", nbytes)
-                invals[i] = self.realign(invals[i], st, offset)
-        st = states[big]
-        params = dict(eqn.params)
-        seq = self.layout.seq_len
-        atom = eqn.invars[big]
-        if name == "broadcast_in_dim":
-            shape = list(params["shape"])
-            shape[params["broadcast_dimensions"][st.dim]] = seq
-            params["shape"] = tuple(shape)
-        elif name == "reshape":
-            out_dim = reshape_dim_map(atom.aval.shape, eqn.outvars[0].aval.shape).get(st.dim)
-            if out_dim is None:
-                return None
-            sizes = list(params["new_sizes"])
-            sizes[out_dim] = seq
-            params["new_sizes"] = tuple(sizes)
-        elif facts(name).identity is not None and st.dim in params["axes"]:
-            x = invals[big]
-            pos = self.layout.position_of_slot(
-                jax.lax.broadcasted_iota(jnp.int32, x.shape, st.dim))
-            valid = (pos >= st.offset) & (pos < st.offset + st.length)
-            invals[big] = jnp.where(valid, x, jnp.asarray(facts(name).identity, x.dtype))
-        outs = compat.bind_eqn(eqn, invals, params)
-        result = []
-        for out, var in zip(outs, eqn.outvars):
-            dims = [d for d in self.axes.dims(var) if var.aval.shape[d] == length]
-            if len(dims) > 1:
-                return None
-            result.append(self.put(out, Shift(offset, length, dims[0]) if dims else INV))
-        return result
 
     def _acts_off_sequence(self, eqn, carrying) -> bool:
         """An op (slice, split, concatenate, pad, gather, contraction, ...) acting only on
@@ -748,3 +420,4 @@ class ReorderSequence(Pass):
         log = tuple(f"reorder-sequence: {m}" for m in worker.log)
         return PassResult(module.with_jaxpr(new, reorder_log=log,
                                             conversions=tuple(worker.conversions)), True, log)
+
