@@ -121,28 +121,25 @@ def test_dropout_is_sharded_with_one_devices_bits(spelling, caplog):
     _check(_loss(SPELLINGS[spelling]), _args(), caplog)
 
 
-@pytest.mark.parametrize("options", [
-    dict(schedule="ring", load_balance="zigzag"),
-    *(pytest.param(o, marks=pytest.mark.slow) for o in (
-        dict(schedule="ring", load_balance="striped"),
-        dict(schedule="ulysses", load_balance="none"),
-        dict(schedule="allgather", load_balance="none"),
-        dict(schedule="hybrid", load_balance="zigzag"),
-        dict(schedule="double_ring", load_balance="none")))],
-    ids=lambda o: f"{o['schedule']}-{o['load_balance']}")
+def _schedules(*pairs):
+    """Options ``schedule``/``load_balance`` per pair: the first in the fast tier, the
+    others slow."""
+    options = [dict(schedule=s, load_balance=lb) for s, lb in pairs]
+    return pytest.mark.parametrize(
+        "options", options[:1] + [pytest.param(o, marks=pytest.mark.slow) for o in options[1:]],
+        ids=lambda o: f"{o['schedule']}-{o['load_balance']}")
+
+
+@_schedules(("ring", "zigzag"), ("ring", "striped"), ("ulysses", "none"),
+            ("allgather", "none"), ("hybrid", "zigzag"), ("double_ring", "none"))
 def test_every_schedule_draws_the_same_bits(options, caplog):
     f = _check(_loss(selected), _args(1), caplog, **options)
     (plan,) = f.module(*_args(1)).facts.plan
     assert plan.schedule == options["schedule"], plan.schedule
 
 
-@pytest.mark.parametrize("options", [
-    dict(schedule="ring", load_balance="zigzag"),
-    *(pytest.param(o, marks=pytest.mark.slow) for o in (
-        dict(schedule="ring", load_balance="striped"),
-        dict(schedule="allgather", load_balance="zigzag"),
-        dict(schedule="hybrid", load_balance="zigzag")))],
-    ids=lambda o: f"{o['schedule']}-{o['load_balance']}")
+@_schedules(("ring", "zigzag"), ("ring", "striped"), ("allgather", "zigzag"),
+            ("hybrid", "zigzag"))
 def test_without_a_mask_the_keys_positions_still_travel(options, caplog):
     """No mask term reads the keys' positions, dropout does: under a permuted layout the
     ring must send them with the keys (the bits of a pair follow its key's position)."""

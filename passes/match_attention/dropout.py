@@ -74,8 +74,8 @@ class DropoutReader:
             other = eqn.invars[1] if eqn.invars[0] is p else eqn.invars[0]
             if other is p or (name == "div" and eqn.invars[0] is not p):
                 return False
-            if scalar_value(self.g, other) is not None:
-                value = scalar_value(self.g, other)
+            value = scalar_value(self.g, other)
+            if value is not None:
                 if name == "div" and value == 0:
                     return False
                 self.factors.append(Const(value if name == "mul" else 1.0 / value,
