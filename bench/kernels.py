@@ -35,6 +35,14 @@ fwd+bwd, against cuDNN; before the GPU kernels' loop split and tuning, at 128-ti
 
 Each row also states its compile time (forward and forward+backward together).
 
+On a GPU the ``pallas`` top-k rows gather each query's picks (``pallas_topk.py``: cost
+follows ``k``, not ``S``). Issue 32's goal row (S=32K, 2048 picks a query, forward+backward
+at least 4× faster than cuDNN given the same mask as a dense boolean), for 16 K/V heads and
+for DeepSeek's one (MQA, the picks then serve all 16 query heads in one program):
+
+    python bench/kernels.py --seqs 32768 --masks topk --topk-k 2048 --iters 10
+    python bench/kernels.py --seqs 32768 --masks topk --topk-k 2048 --iters 10 --kv-heads 1
+
 Prints a table and writes ``bench/results/kernels-<device>-<date>.json``.
 """
 from __future__ import annotations
@@ -89,26 +97,29 @@ def topk_mask(seq: int, block: int, seed: int = 0, k: int | None = None):
     return jnp.asarray(idx)[None, None], jnp.asarray(dense)[None, None], float(dense.mean())
 
 
-def problem(seq: int, heads: int, dim: int, mask: str, block: int, dtype):
+def problem(seq: int, heads: int, dim: int, mask: str, block: int, dtype, kv_heads=None,
+            topk_k=None):
     """``(q, k, v, dense_mask | None, topk_indices | None, fraction of the score matrix
-    visible)``."""
+    visible)``; ``kv_heads`` K/V heads (default ``heads``), ``topk_k`` picks per query of
+    the top-k mask (default ``S/64``)."""
     keys = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(key, (1, seq, heads, dim), dtype) for key in keys)
+    q = jax.random.normal(keys[0], (1, seq, heads, dim), dtype)
+    k, v = (jax.random.normal(key, (1, seq, kv_heads or heads, dim), dtype) for key in keys[1:])
     if mask == "block_sparse":
         dense, fraction = block_sparse_mask(seq, block, 0.10)
         return q, k, v, dense, None, fraction
     if mask == "topk":
-        idx, dense, fraction = topk_mask(seq, block)
+        idx, dense, fraction = topk_mask(seq, block, k=topk_k)
         return q, k, v, dense, idx, fraction
     return q, k, v, None, None, 0.5 if mask == "causal" else 1.0
 
 
-def pallas_fns(kernel, mask: str, seq: int, scale: float):
+def pallas_fns(kernel, mask: str, seq: int, scale: float, groups: int = 1):
     """``(forward, forward+backward)`` of a local-step kernel (the Pallas kernel, or the
     cuDNN one) on ``(q, k, v, dense, topk)``;
     the top-k mask reads ``topk`` (indices, an argument: as a closed-over constant XLA
     spends tens of seconds constant-folding its sort) and ignores ``dense``."""
-    spec = AttentionSpec(BTHD, BTHD, BTHD, scale=scale, positions=True,
+    spec = AttentionSpec(BTHD, BTHD, BTHD, scale=scale, positions=True, groups=groups,
                          mask=MaskSpec(causal=mask in ("causal", "topk"),
                                        dense=mask == "block_sparse", topk=mask == "topk"))
     pos = jnp.arange(seq, dtype=jnp.int32)[None]
@@ -155,22 +166,25 @@ def timed(fn, args, iters: int) -> float:
     return statistics.median(times)
 
 
-def measure(seqs, masks, heads, dim, block, kernel, iters, budget_s=None):
+def measure(seqs, masks, heads, dim, block, kernel, iters, budget_s=None, kv_heads=None,
+            topk_k=None):
     """``(rows, failures)``: each (implementation, S, mask) forward checked against XLA's,
     then its forward and forward+backward compile time and median run time. Rows past
     ``budget_s`` seconds are recorded as skipped, not run."""
+    kv_heads = kv_heads or heads
     impls = ["xla", "pallas"] + ([] if jax.default_backend() == "cpu" else
                                  ["cudnn", "cudnn-step"])
     rows, failures, start = [], [], time.perf_counter()
     for seq in seqs:
         for mask in masks:
             q, k, v, dense, topk, fraction = problem(seq, heads, dim, mask, block,
-                                                     jnp.bfloat16)
+                                                     jnp.bfloat16, kv_heads, topk_k)
             flops = 4 * heads * seq * seq * dim * fraction
             scale = dim ** -0.5
             want = None
             for impl in impls:
-                row = dict(impl=impl, seq=seq, mask=mask, fraction=fraction)
+                row = dict(impl=impl, seq=seq, mask=mask, fraction=fraction, kv_heads=kv_heads,
+                           topk_k=None if topk is None else int(topk.shape[-1]))
                 if budget_s is not None and time.perf_counter() - start > budget_s:
                     rows.append(dict(row, skipped=f"past the {budget_s:.0f} s budget"))
                     continue
@@ -179,7 +193,7 @@ def measure(seqs, masks, heads, dim, block, kernel, iters, budget_s=None):
                     continue
                 local = {"pallas": kernel, "cudnn-step": CudnnKernel()}.get(impl)
                 fns = nn_fns(impl, mask, scale) if local is None else \
-                    pallas_fns(local, mask, seq, scale)
+                    pallas_fns(local, mask, seq, scale, heads // kv_heads)
                 fwd, fwd_bwd = (jax.jit(f) for f in fns)
                 args = (q, k, v, dense, topk)
                 try:
@@ -233,6 +247,12 @@ def main(argv=None) -> int:
                         help="skip the rows that would start after this many seconds")
     parser.add_argument("--kernel-block", type=int, default=None,
                         help="the Pallas kernel's block_q = block_kv (default: its own choice)")
+    parser.add_argument("--kv-heads", type=int, default=None,
+                        help="K/V heads (default: as many as the 16 query heads; 1 is "
+                             "DeepSeek's MQA, where an indexer's picks serve every head)")
+    parser.add_argument("--topk-k", type=int, default=None,
+                        help="picks per query of the top-k mask (default S/64; issue 32's "
+                             "goal row is 2048 at S=32K)")
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -248,7 +268,8 @@ def main(argv=None) -> int:
     kernel = PallasKernel(block_q=kernel_block, block_kv=kernel_block,
                           interpret=True if args.interpret else None)
     device = jax.devices()[0].device_kind.replace(" ", "_")
-    rows, failures = measure(seqs, masks, heads, dim, block, kernel, iters, args.budget_s)
+    rows, failures = measure(seqs, masks, heads, dim, block, kernel, iters, args.budget_s,
+                             args.kv_heads, args.topk_k)
     print(table(rows))
     date = datetime.date.today().isoformat()
     out = Path(args.out or ROOT / "bench" / "results" / f"kernels-{device}-{date}.json")

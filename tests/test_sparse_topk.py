@@ -337,11 +337,12 @@ def assert_matches(got, want, rtol=RTOL):
     assert_close(got[finite], want[finite], rtol)
 
 
-def check_gather(block, spec, distinct=True, do=None):
+def check_gather(block, spec, distinct=True, do=None, kernel=None):
     """The gather kernel's forward and backward (cotangent ``do``, default random) against
     the reference. ``distinct``: the key positions never repeat, as a layout's (the kernel
-    then skips its run-time check)."""
-    kernel = ChunkedKernel(chunk=8)
+    then skips its run-time check); ``kernel``: the one gathering (default the chunked XLA
+    kernel)."""
+    kernel = kernel or ChunkedKernel(chunk=8)
     assert topk_gather.applies(block, spec)
     if distinct:
         spec = spec.replace(kv_positions_layout=SequenceLayout("contiguous", 1, 1))

@@ -21,7 +21,8 @@ from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels.capabilities import ALL_TERMS, Capabilities
 from cptransform.lowering.kernels import pallas_gpu, pallas_tpu, register_kernel, row_delta, \
-    added_to, merged_into, sum_to
+    added_to, merged_into, sum_to, topk_gather
+from cptransform.lowering.kernels.pallas_topk import TritonLoops
 from cptransform.lowering.kernels.pallas_operands import heads_major, prepare, tokens_major
 from cptransform.lowering.kernels.pallas_skipped import skipped_backward, skipped_forward
 
@@ -87,8 +88,27 @@ class PallasKernel:
         return prepare(block, spec, self._block(self.block_q, block.q.shape[1], variant, block),
                        self._block(self.block_kv, block.k.shape[1], variant, block))
 
+    def _gathered(self, block: Block, spec: AttentionSpec):
+        """The loops a top-k mask is gathered with on this call (:mod:`.pallas_topk`),
+        ``None`` where its tiles are swept instead: the GPU variant's gather kernels for
+        picks fewer than the keys (:func:`.topk_gather.applies`), the XLA loops where they
+        cannot run (a bias at the picks; interpreted, see :mod:`.pallas_topk`). The TPU
+        variant sweeps: Mosaic has no gather loads."""
+        variant, _, interpret = self._setup()
+        if variant != "gpu" or not topk_gather.applies(block, spec):
+            return None
+        if interpret or block.bias is not None:
+            return topk_gather.XLA_LOOPS
+        return TritonLoops()
+
     def forward(self, block: Block, spec: AttentionSpec, running=None):
         """``(o [B, Tq, H, Dv] f32, lse [B, H, Tq] f32)`` of ``block``; see the protocol."""
+        loops = self._gathered(block, spec)
+        if loops is not None:
+            return topk_gather.forward(block, spec, running, self._swept_forward, loops)
+        return self._swept_forward(block, spec, running)
+
+    def _swept_forward(self, block: Block, spec: AttentionSpec, running=None):
         variant, module, interpret = self._setup()
         ops = self._operands(block, spec, variant)
         o, lse = module.forward(ops, spec, interpret)
@@ -99,6 +119,14 @@ class PallasKernel:
                  dq=None, dk=None, dv=None):
         """``(dq, dk, dv, dbias)`` float32 from the merged ``o``/``lse``; see the protocol
         (``delta``, when given, is :func:`row_delta` of them, computed once by the caller)."""
+        loops = self._gathered(block, spec)
+        if loops is not None:
+            return topk_gather.backward(block, o, lse, do, spec, dlse, delta, dq, dk, dv,
+                                        self._swept_backward, loops)
+        return self._swept_backward(block, o, lse, do, spec, dlse, delta, dq, dk, dv)
+
+    def _swept_backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None,
+                        delta=None, dq=None, dk=None, dv=None):
         variant, module, interpret = self._setup()
         ops = self._operands(block, spec, variant)
         tqp = ops.q.shape[2]

@@ -7,7 +7,7 @@ an indexer's picks reach almost every chunk, so its cost grows with the keys (``
 Here each query's picks are looked up among the call's keys and only those are computed,
 one query chunk at a time:
 
-* **locate** (:func:`_locate`): a chunk's picks are sorted, a repeated pick kept once (the
+* **locate** (:func:`locate`): a chunk's picks are sorted, a repeated pick kept once (the
   mask is a set, as :func:`~cptransform.op.attention_reference.selected` reads it), and
   found by binary search among the call's key positions, sorted once per call: any layout
   works (zigzag and striped shards hold positions that are not one range; a ring step
@@ -67,7 +67,7 @@ def applies(block: Block, spec: AttentionSpec) -> bool:
 
 
 @dataclass(frozen=True)
-class _Call:
+class Call:
     """One call's operands: the query side padded to ``nq`` chunks of ``cq`` rows (keys as
     given), and the keys' positions sorted (``keys``) with their local indices
     (``order``), both ``[B|1, Tkv]``."""
@@ -81,9 +81,11 @@ class _Call:
     order: jax.Array
 
     @classmethod
-    def build(cls, block: Block, spec: AttentionSpec) -> "_Call":
+    def build(cls, block: Block, spec: AttentionSpec, cq: int | None = None) -> "Call":
+        """The call of ``block``, its queries in chunks of ``cq`` rows (``None``: of about
+        :data:`CHUNK_PICKS` picks)."""
         tq = block.q.shape[1]
-        cq = chunk_size(tq, max(1, CHUNK_PICKS // block.topk.shape[-1]))
+        cq = cq or chunk_size(tq, max(1, CHUNK_PICKS // block.topk.shape[-1]))
         nq = -(-tq // cq)
         rows = lambda x, axis=1, value=None: pad_axis(x, axis, cq * nq, value)  # noqa: E731
         padded = block.replace(
@@ -134,7 +136,7 @@ class _Call:
 
 
 @dataclass(frozen=True)
-class _Picks:
+class Picks:
     """Query chunk ``i``'s picks: ``local`` int32 ``[B', Hi, cq, k]``, the call's index of
     each picked key (clamped where ``valid`` is False: no such key, a repeat, a padded
     query row); ``ok`` the mask at the picks and ``bias`` the bias there, as
@@ -155,7 +157,7 @@ class _Picks:
         """The einsum letter of the gathered rows' group dim (none when shared)."""
         return "" if self.shared else "g"
 
-    def at(self, call: _Call, drop: bool = False):
+    def at(self, call: Call, drop: bool = False):
         """The key index of each pick as :func:`_take` reads it: ``[B', 1, cq, k]`` when
         shared, else ``[B', Hkv, G, cq, k]``; ``drop``: invalid picks past the keys."""
         local = jnp.where(self.valid, self.local, call.block.k.shape[1]) if drop else self.local
@@ -171,7 +173,7 @@ def _at_keys(x, local):
     return jax.vmap(lambda row, at: row[at])(x, local)
 
 
-def _locate(call: _Call, i) -> _Picks:
+def locate(call: Call, i) -> Picks:
     """Query chunk ``i``'s picks among the call's keys, and the mask and bias there."""
     blk = call.block
     picks = jnp.sort(call.rows(blk.topk, i, axis=2), axis=-1)          # [Bt, Hi, cq, k]
@@ -196,7 +198,7 @@ def _locate(call: _Call, i) -> _Picks:
                            columns(blk.mask), valid, q_side(blk.q_coord))
     ok = mask_terms.visible(call.spec.mask.terms(), tile)
     bias = None if blk.bias is None else call.per_head(columns(blk.bias))
-    return _Picks(local, valid, call.per_head(ok), bias)
+    return Picks(local, valid, call.per_head(ok), bias)
 
 
 def _index(x, at):
@@ -230,13 +232,13 @@ def _query_zeros(x, hkv: int):
     return jnp.sum(z.reshape(z.shape[0], hkv, -1, z.shape[-1]), axis=2)[:, None]
 
 
-def _full_mask(call: _Call, p: _Picks, b: int):
+def _full_mask(call: Call, p: Picks, b: int):
     """``p.ok`` as float ``[B, Hkv, G, cq, k]`` (what the counts multiply)."""
     shape = (b, call.hkv, call.groups, call.cq, p.local.shape[-1])
     return jnp.broadcast_to(p.ok, shape).astype(call.acc)
 
 
-def _unseen_values(call: _Call, v):
+def _unseen_values(call: Call, v):
     """``Σ 0·V`` over the keys each query row does not see, ``[B, Tq, H, Dv]``: NaN where
     one of them holds a NaN or ±Inf, else 0. A row that sees an Inf gets it (``p·Inf``)
     from its picks, so non-finite values are counted (all the keys' against the row's
@@ -248,7 +250,7 @@ def _unseen_values(call: _Call, v):
 
     def count():
         def chunk(i, seen):
-            p = _locate(call, i)
+            p = locate(call, i)
             n = jnp.einsum(f"bhgqj,bh{p.letter}qjd->bhgqd", _full_mask(call, p, b),
                            _take(bad.astype(acc), p.at(call)), preferred_element_type=acc)
             return lax.dynamic_update_slice_in_dim(seen, call.tokens(n), i * call.cq, axis=1)
@@ -259,7 +261,7 @@ def _unseen_values(call: _Call, v):
     return jnp.where(total > seen, jnp.nan, 0.0)
 
 
-def _unseeing_rows(call: _Call, do):
+def _unseeing_rows(call: Call, do):
     """``Σ 0·dO`` over the query rows that do not see each key, ``[B, Tkv, Hkv, Dv]``: NaN
     where one of them holds a NaN or ±Inf, else 0; counted as :func:`_unseen_values`
     counts, the rows' picks scatter-added."""
@@ -269,7 +271,7 @@ def _unseeing_rows(call: _Call, do):
 
     def count():
         def chunk(i, seen):
-            p = _locate(call, i)
+            p = locate(call, i)
             n = jnp.einsum(f"bhgqj,bhgqd->bh{p.letter}qjd", _full_mask(call, p, do.shape[0]),
                            call.heads(call.rows(padded, i)), preferred_element_type=acc)
             return _put(seen, p.at(call, drop=True), n)
@@ -281,7 +283,7 @@ def _unseeing_rows(call: _Call, do):
     return jnp.where(total[:, None] > seen, jnp.nan, 0.0)
 
 
-def _chunk_logits(call: _Call, p: _Picks, q, k):
+def _chunk_logits(call: Call, p: Picks, q, k):
     """``(s, tanh)`` of the chunk's queries ``q [B, Hkv, G, cq, D]`` (accumulation dtype)
     at their gathered keys: ``[B, Hkv, G, cq, k]``, not masked."""
     acc = call.acc
@@ -292,11 +294,11 @@ def _chunk_logits(call: _Call, p: _Picks, q, k):
     return capped_logits(call.spec, s, p.bias)
 
 
-def _chunk_forward(call: _Call, i, k, v):
+def _chunk_forward(call: Call, i, k, v):
     """``(o [B, Hkv, G, cq, Dv], lse [B, Hkv, G, cq])`` of query chunk ``i``, as
     :func:`~cptransform.op.attention_reference.attend` computes them over its picks."""
     acc = call.acc
-    p = _locate(call, i)
+    p = locate(call, i)
     s, _ = _chunk_logits(call, p, call.heads(call.rows(call.block.q, i)).astype(acc), k)
     s = jnp.where(p.ok, s, -jnp.inf)
     m = jnp.max(s, axis=-1)
@@ -310,28 +312,66 @@ def _chunk_forward(call: _Call, i, k, v):
     return o, jnp.where(total == 0, -jnp.inf, jnp.log(total_safe) + m_safe)
 
 
-def _forward(call: _Call, running):
+class XlaLoops:
+    """The gathered computation in XLA: one query chunk at a time (``fori_loop``), the
+    picked rows gathered into ``[B, Hkv, G, cq, k, D]`` tiles and contracted by einsum.
+    :mod:`.pallas_topk` is the other implementation of the two methods."""
+
+    def call(self, block: Block, spec: AttentionSpec) -> Call:
+        """The :class:`Call` these loops walk (chunks of :data:`CHUNK_PICKS` picks)."""
+        return Call.build(block, spec)
+
+    def forward(self, call: Call):
+        """``(o [B, Tq', H, Dv], lse [B, H, Tq'])`` over the picks alone (accumulation
+        dtype; the padded rows included, the ``0·V`` of unseen keys not yet added)."""
+        k, v, acc = call.block.k, call.block.v, call.acc
+        b, tqp, h, _ = call.block.q.shape
+
+        def chunk(i, out):
+            o, lse = _chunk_forward(call, i, k, v)
+            at = i * call.cq
+            return (lax.dynamic_update_slice_in_dim(out[0], call.tokens(o), at, axis=1),
+                    lax.dynamic_update_slice_in_dim(out[1], lse.reshape(b, h, call.cq), at,
+                                                    axis=2))
+
+        # zeros_like, not zeros: the buffers vary over the mesh axes as the queries do.
+        out = (jnp.zeros_like(call.block.q, acc, (b, tqp, h, v.shape[-1])),
+               jnp.full_like(call.block.q, -jnp.inf, acc, (b, h, tqp)))
+        return lax.fori_loop(0, call.nq, chunk, out)
+
+    def backward(self, call: Call, rows: "Rows", start):
+        """``start`` (the running ``(dq [B, Tq', H, D], dk, dv, dbias | None)`` sums, padded
+        rows included) plus the gradients of the picks (no ``0·x`` terms)."""
+        blk = call.block
+
+        def chunk(i, state):
+            dq, dk, dv, dbias = state
+            p, g_q, g_k, g_v, g_b = _chunk_backward(call, rows, i, blk.k, blk.v)
+            at = i * call.cq
+            dq = lax.dynamic_update_slice_in_dim(
+                dq, call.rows(dq, i) + call.tokens(g_q), at, axis=1)
+            dk, dv = _put(dk, p.at(call, drop=True), g_k), _put(dv, p.at(call, drop=True), g_v)
+            if dbias is not None:
+                dbias = lax.dynamic_update_slice_in_dim(dbias, _bias_rows(call, p, g_b), at, 2)
+            return dq, dk, dv, dbias
+
+        return lax.fori_loop(0, call.nq, chunk, start)
+
+
+#: The loops the XLA kernel gathers with.
+XLA_LOOPS = XlaLoops()
+
+
+def _forward(call: Call, loops, running):
     """The gathered forward of the whole call (see :func:`forward`)."""
-    k, v, acc = call.block.k, call.block.v, call.acc
-    b, tqp, h, _ = call.block.q.shape
-
-    def chunk(i, out):
-        o, lse = _chunk_forward(call, i, k, v)
-        at = i * call.cq
-        return (lax.dynamic_update_slice_in_dim(out[0], call.tokens(o), at, axis=1),
-                lax.dynamic_update_slice_in_dim(out[1], lse.reshape(b, h, call.cq), at, axis=2))
-
-    # zeros_like, not zeros: the buffers vary over the mesh axes as the queries do.
-    out = (jnp.zeros_like(call.block.q, acc, (b, tqp, h, v.shape[-1])),
-           jnp.full_like(call.block.q, -jnp.inf, acc, (b, h, tqp)))
-    o, lse = lax.fori_loop(0, call.nq, chunk, out)
+    o, lse = loops.forward(call)
     # A key a row does not see adds 0·V, as a masked key does in the dense softmax.
-    o = o[:, :call.tq] + _unseen_values(call, v)
+    o = o[:, :call.tq] + _unseen_values(call, call.block.v)
     return merged_into(running, o, lse[:, :, :call.tq])
 
 
 @dataclass(frozen=True)
-class _Rows:
+class Rows:
     """What the backward reads per query row, padded to the chunks: ``lse`` (``-inf`` made
     0, as the dense backward shifts empty rows) and ``delta`` ``[B, H, Tq']``, ``do``
     ``[B, Tq', H, Dv]``. Padded rows are zeros: their picks are invalid."""
@@ -341,13 +381,13 @@ class _Rows:
     do: jax.Array
 
     @classmethod
-    def build(cls, call: _Call, lse, delta, do) -> "_Rows":
+    def build(cls, call: Call, lse, delta, do) -> "Rows":
         tqp, acc = call.cq * call.nq, call.acc
         lse = jnp.where(empty_rows_of(lse), 0.0, lse).astype(acc)
         return cls(pad_axis(lse, 2, tqp, 0), pad_axis(delta.astype(acc), 2, tqp, 0),
                    pad_axis(do, 1, tqp, 0))
 
-    def at(self, call: _Call, i):
+    def at(self, call: Call, i):
         """Chunk ``i``'s ``lse``, ``delta`` ``[B, Hkv, G, cq]`` and ``do``
         ``[B, Hkv, G, cq, Dv]`` (accumulation dtype)."""
         per_row = lambda x: call.heads(jnp.swapaxes(call.rows(x, i, axis=2), 1, 2))  # noqa: E731
@@ -355,12 +395,12 @@ class _Rows:
                 call.heads(call.rows(self.do, i)).astype(call.acc))
 
 
-def _chunk_backward(call: _Call, rows: _Rows, i, k, v):
+def _chunk_backward(call: Call, rows: Rows, i, k, v):
     """``(picks, g_q [B, Hkv, G, cq, D], g_k, g_v (per pick, as :func:`_take` returns
     them), g_b [B, Hkv, G, cq, k])`` of query chunk ``i``: the dense backward's formulas
     at its picks."""
     acc = call.acc
-    p = _locate(call, i)
+    p = locate(call, i)
     q = call.heads(call.rows(call.block.q, i)).astype(acc)
     s, tanh = _chunk_logits(call, p, q, k)
     lse, delta, do = rows.at(call, i)
@@ -379,7 +419,7 @@ def _chunk_backward(call: _Call, rows: _Rows, i, k, v):
     return p, g_q, g_k, g_v, g_b
 
 
-def _bias_rows(call: _Call, p: _Picks, g_b):
+def _bias_rows(call: Call, p: Picks, g_b):
     """A chunk's bias gradient at its picks ``[B, Hkv, G, cq, k]`` scattered into its key
     columns and summed to the bias's broadcast dims: ``[Bb, Hb, cq, Tkv]``."""
     b, hkv, g, cq, k = g_b.shape
@@ -391,29 +431,16 @@ def _bias_rows(call: _Call, p: _Picks, g_b):
     return sum_to(full, (*bias.shape[:2], cq, full.shape[-1]))
 
 
-def _backward(call: _Call, lse, delta, do, dq, dk, dv):
+def _backward(call: Call, loops, lse, delta, do, dq, dk, dv):
     """The gathered backward of the whole call (see :func:`backward`)."""
     blk, acc, tqp = call.block, call.acc, call.cq * call.nq
-    rows = _Rows.build(call, lse, delta, do)
-
-    def chunk(i, state):
-        dq, dk, dv, dbias = state
-        p, g_q, g_k, g_v, g_b = _chunk_backward(call, rows, i, blk.k, blk.v)
-        at = i * call.cq
-        dq = lax.dynamic_update_slice_in_dim(
-            dq, call.rows(dq, i) + call.tokens(g_q), at, axis=1)
-        dk, dv = _put(dk, p.at(call, drop=True), g_k), _put(dv, p.at(call, drop=True), g_v)
-        if dbias is not None:
-            dbias = lax.dynamic_update_slice_in_dim(dbias, _bias_rows(call, p, g_b), at, 2)
-        return dq, dk, dv, dbias
-
     start = (pad_axis(dq.astype(acc), 1, tqp, 0) if dq is not None else
              jnp.zeros_like(blk.q, acc),
              jnp.zeros_like(blk.k, acc) if dk is None else dk.astype(acc),
              jnp.zeros_like(blk.v, acc) if dv is None else dv.astype(acc),
              None if blk.bias is None else jnp.zeros_like(
                  blk.bias, acc, (*blk.bias.shape[:2], tqp, blk.k.shape[1])))
-    g_q, g_k, g_v, dbias = lax.fori_loop(0, call.nq, chunk, start)
+    g_q, g_k, g_v, dbias = loops.backward(call, Rows.build(call, lse, delta, do), start)
     # What the masked pairs add in the dense backward: 0·K to dQ and 0·Q to dK (a
     # non-finite K or Q makes its column NaN whether seen or not), 0·dO to dV and a NaN
     # row's NaN probabilities to every key.
@@ -424,27 +451,28 @@ def _backward(call: _Call, lse, delta, do, dq, dk, dv):
     return g_q, g_k, g_v, None if dbias is None else dbias[:, :, :call.tq]
 
 
-def forward(block: Block, spec: AttentionSpec, running, sweep):
+def forward(block: Block, spec: AttentionSpec, running, sweep, loops=XLA_LOOPS):
     """``(o, lse)`` of ``block`` under its top-k mask by gathering (kernel protocol, see
-    :mod:`cptransform.lowering.kernels`); ``sweep`` is the dense forward (same arguments)
-    taken when the caller's key positions repeat."""
-    call = _Call.build(block, spec)
+    :mod:`cptransform.lowering.kernels`) with ``loops`` (:class:`XlaLoops` or the Pallas
+    ones); ``sweep`` is the dense forward (same arguments) taken when the caller's key
+    positions repeat."""
+    call = loops.call(block, spec)
     if spec.kv_positions_layout is not None:  # the layout's positions never repeat
-        return _forward(call, running)
-    return lax.cond(call.distinct_keys(), lambda: _forward(call, running),
+        return _forward(call, loops, running)
+    return lax.cond(call.distinct_keys(), lambda: _forward(call, loops, running),
                     lambda: sweep(block, spec, running))
 
 
-def backward(block: Block, o, lse, do, spec: AttentionSpec, dlse, delta, dq, dk, dv, sweep):
+def backward(block: Block, o, lse, do, spec: AttentionSpec, dlse, delta, dq, dk, dv, sweep,
+             loops=XLA_LOOPS):
     """``(dq, dk, dv, dbias)`` of ``block`` under its top-k mask by gathering and
-    scatter-adding (kernel protocol); ``sweep`` is the dense backward, as in
-    :func:`forward`."""
-    call = _Call.build(block, spec)
+    scatter-adding (kernel protocol); ``sweep`` and ``loops`` as in :func:`forward`."""
+    call = loops.call(block, spec)
     if delta is None:
         delta = row_delta(o, do, dlse)
 
     def gathered():
-        return _backward(call, lse, delta, do, dq, dk, dv)
+        return _backward(call, loops, lse, delta, do, dq, dk, dv)
 
     if spec.kv_positions_layout is not None:
         return gathered()
