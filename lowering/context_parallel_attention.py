@@ -29,7 +29,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from cptransform.analysis.attention_shape import attention_shape
-from cptransform.ir.errors import ContextParallelError, unknown_name
+from cptransform.ir.errors import ContextParallelError, KernelError, unknown_name
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import ProfiledKernel, kernels
 from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
@@ -94,11 +94,19 @@ def _checked_schedule(schedule: str, axes: tuple[str, ...], layout: str):
     return record
 
 
-def _local_kernel(kernel: str, spec: AttentionSpec, operands) -> ProfiledKernel:
-    """The local-step kernel chosen for ``kernel`` (a warning names the ones passed over)."""
+def resolve_kernel(spec: AttentionSpec, requested: str, operands) -> ProfiledKernel:
+    """The local-step kernel of this attention: the one ``plan-context-parallel`` wrote on
+    the spec (``spec.kernel``), else, for a spec that was never planned (a direct call),
+    the one :func:`choose_kernel` picks for ``requested`` here (a warning names the ones
+    ``"auto"`` passed over)."""
+    known = kernels()
+    if spec.kernel is not None:
+        if spec.kernel not in known:
+            raise KernelError(unknown_name("kernel", spec.kernel, sorted(known)))
+        return ProfiledKernel(known[spec.kernel])
     local_kernel, reason = choose_kernel(
-        kernel, spec, operands[0].dtype,
-        (operands[0].shape[spec.q.feature], operands[2].shape[spec.v.feature]), kernels())
+        requested, spec, operands[0].dtype,
+        (operands[0].shape[spec.q.feature], operands[2].shape[spec.v.feature]), known)
     warn_passed_over(reason)
     return ProfiledKernel(local_kernel)
 
@@ -188,8 +196,9 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
       schedule: a name in :func:`~cptransform.lowering.schedule.schedules` (``ring``,
         ``ulysses``, ``allgather``, ``hybrid``, ``halo``, ``double_ring``).
       layout: ``contiguous``, ``zigzag`` or ``striped`` (which positions each rank holds).
-      kernel: local-step kernel, ``xla``, ``pallas`` or ``auto`` (``xla`` for a top-k
-        mask, which the Pallas kernels refuse).
+      kernel: local-step kernel, a registered name (``xla``, ``pallas``, ``cudnn``) or
+        ``auto``; read only when ``spec.kernel`` is ``None`` (a planned spec carries the
+        planner's choice, which wins).
       in_layout_order: the sequence axes of the operands (and of the output) are already in
         layout order; positions, if given, are then the positions of that order. The
         lengths must then be divisible by the layout's multiple.
@@ -204,7 +213,7 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
     """
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     record = _checked_schedule(schedule, axes, layout)
-    local_kernel = _local_kernel(kernel, spec, operands)
+    local_kernel = resolve_kernel(spec, kernel, operands)
     _check_mesh_and_operands(mesh, axes, spec, operands)
 
     a = split_operands(spec, operands)

@@ -1,11 +1,12 @@
 """Pass ``lower-context-parallel``: ``attention_p`` → the planned schedule under shard_map.
 
 Each attention becomes :func:`~cptransform.lowering.context_parallel_attention.
-context_parallel_attention` with the schedule and layout written on its equation by
-``plan-context-parallel``: a ``shard_map`` island over the CP mesh axes only. Everything else stays in the program for XLA's SPMD
-partitioner; inputs and every intermediate whose dim is the whole sequence get a sharding
-constraint on that dim (other dims unconstrained, so a data axis keeps its batch sharding),
-so no stray all-gather of activations appears between attentions. A ``seq_window_p`` (an op
+context_parallel_attention` with the schedule, layout and local-step kernel written on its
+equation by ``plan-context-parallel``: a ``shard_map`` island over the CP mesh axes only.
+Everything else stays in the program for XLA's SPMD partitioner; inputs and every
+intermediate whose dim is the whole sequence get a sharding constraint on that dim (other
+dims unconstrained, so a data axis keeps its batch sharding), so no stray all-gather of
+activations appears between attentions. A ``seq_window_p`` (an op
 reading a bounded window of neighbours) on the sequence runs under ``shard_map`` with a halo
 exchange (:mod:`cptransform.lowering.seq_window`; the pass log gives its bytes); a windowed
 op ``match-windows`` could not wrap is refused there, never left to the partitioner.
@@ -40,9 +41,10 @@ RAW_WINDOWS = names_of(Family.WINDOW) - {seq_window_p.name}
 
 
 @functools.lru_cache(maxsize=256)
-def _schedule_call(spec, mesh, cp_axes: tuple, kernel: str, in_layout_order: bool):
+def _schedule_call(spec, mesh, cp_axes: tuple, in_layout_order: bool):
     """:func:`context_parallel_attention` for one planned attention, as one ``jax.jit``
-    per distinct ``(spec, mesh, axes, kernel, order)``.
+    per distinct ``(spec, mesh, axes, order)`` (the spec carries the schedule, layout and
+    kernel).
 
     The layers of a Python loop hold equal attentions: through one jitted function JAX
     traces the schedule once and reuses that jaxpr, and its caches then linearize and lower
@@ -52,20 +54,22 @@ def _schedule_call(spec, mesh, cp_axes: tuple, kernel: str, in_layout_order: boo
     another job loaded the machine)."""
     return jax.jit(functools.partial(
         context_parallel_attention, spec=spec, mesh=mesh, axes=cp_axes,
-        schedule=spec.schedule, layout=spec.layout, kernel=kernel,
-        in_layout_order=in_layout_order))
+        schedule=spec.schedule, layout=spec.layout,
+        # Read only for a spec planned without a kernel (one written by hand): "auto", as
+        # plan-context-parallel's default.
+        kernel="auto", in_layout_order=in_layout_order))
 
 
 class _Lowerer(Rewriter):
     """Re-trace with attention replaced and sequence shardings constrained."""
 
-    def __init__(self, axes: SeqAxes, mesh, cp_axes, kernel: str, reordered: bool,
+    def __init__(self, axes: SeqAxes, mesh, cp_axes, reordered: bool,
                  index_of: dict[int, int]):
         super().__init__(inlinable=INLINABLE)
         self.index_of = index_of
         self.reordered = reordered
         self.axes, self.mesh = axes, mesh
-        self.cp_axes, self.kernel = tuple(cp_axes), kernel
+        self.cp_axes = tuple(cp_axes)
         self.log: list[str] = []
         self.seq = sequence_mesh_axes(self.cp_axes)
 
@@ -88,7 +92,7 @@ class _Lowerer(Rewriter):
             # plan's, found by the equation's identity).
             scope = f"cptransform/attention#{self.index_of[id(eqn)]}/{spec.schedule}"
             with compat.eqn_context(eqn), jax.named_scope(scope):
-                out = _schedule_call(spec, self.mesh, self.cp_axes, self.kernel,
+                out = _schedule_call(spec, self.mesh, self.cp_axes,
                                      self.reordered and spec.positions
                                      and spec.layout != "contiguous")(*invals)
             outs = [out]
@@ -151,7 +155,6 @@ class LowerContextParallel(Pass):
     name = "lower-context-parallel"
     summary = "attention_p -> shard_map schedule (ring / ulysses / allgather / hybrid / halo)"
     requires = (Fact.MESH, Fact.PLAN)
-    kernel: str = "auto"
 
     def run(self, module: Module) -> PassResult:
         # Numbered as plan-context-parallel numbers its plans (the same walk of iter_eqns).
@@ -161,7 +164,7 @@ class LowerContextParallel(Pass):
         # Attentions are in layout order only where reorder-sequence permuted the program
         # (``facts.layout``); otherwise a zigzag/striped attention permutes its operands.
         lowerer = _Lowerer(analyse(module), module.facts.mesh, module.facts.cp_axes,
-                           self.kernel, reordered=module.facts.layout is not None,
+                           reordered=module.facts.layout is not None,
                            index_of=index_of)
         jaxpr = compat.open_jaxpr(module.jaxpr)
         consts = compat.consts_of(module.jaxpr)

@@ -19,7 +19,9 @@ attention under each layout the length allows (contiguous, zigzag, striped) and,
 its slowest device, the work counted from the actual masks after block skipping; ties go
 to the least work on the busiest rank: :mod:`cptransform.analysis.load_balance`). Both
 decisions are written onto each ``attention_p`` equation (``spec.schedule``,
-``spec.layout``), where ``lower-context-parallel`` reads them; the readable account, one
+``spec.layout``), where ``lower-context-parallel`` reads them, and so is the local-step
+kernel (``spec.kernel``: :func:`choose_kernel` for the ``kernel`` option, decided here
+once; a warning names the faster ones ``auto`` passed over); the readable account, one
 :class:`AttentionPlan` per attention, goes to ``module.facts.plan`` and one
 :class:`LayoutBalance` per candidate layout to ``module.facts.balance`` for ``explain()``,
 and the layout to ``module.facts.layout`` for ``reorder-sequence``. The CP size comes from
@@ -57,7 +59,7 @@ from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import Rewriter
 from cptransform.lowering.kernels import kernels
-from cptransform.lowering.kernels.capabilities import choose_kernel
+from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
 from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention import attention_p
 from cptransform.op import mask_terms
@@ -109,6 +111,11 @@ class AttentionPlan:
     library_source: str | None = None
     kernel: str = ""
     dropout: bool = False
+
+    @property
+    def kernel_name(self) -> str:
+        """The registry name of the local-step kernel (``kernel``'s text before the colon)."""
+        return self.kernel.split(":", 1)[0]
 
     def describe(self) -> str:
         mib = {k: f"{v / MiB:.2f} MiB" for k, v in self.bytes_per_device.items()}
@@ -246,12 +253,18 @@ class PlanContextParallel(Pass):
         balances = tuple(replace(o.balance, chosen=o is choice) for o in options.values())
         layout, plans, mesh, axes = choice.balance.layout, choice.plans, choice.mesh, choice.axes
 
+        # The kernel was chosen under every candidate layout alike; warned of once per
+        # attention, for the plan kept.
+        for p in plans:
+            warn_passed_over(p.kernel)
         # The re-trace walks these same equation objects (inside bodies too): the plan is
         # found by the equation's identity, never by the order of visits.
-        schedule_of = {id(e): p.schedule for e, p in zip(eqns, plans)}
+        plan_of = {id(e): p for e, p in zip(eqns, plans)}
 
         def decide(eqn, invals):
-            spec = eqn.params["spec"].replace(schedule=schedule_of[id(eqn)], layout=layout)
+            plan = plan_of[id(eqn)]
+            spec = eqn.params["spec"].replace(schedule=plan.schedule, layout=layout,
+                                              kernel=plan.kernel_name)
             return [attention_p.bind(*invals, spec=spec)]
 
         new = Rewriter(rules={attention_p.name: decide}, inlinable=INLINABLE).run(module.jaxpr) if eqns \

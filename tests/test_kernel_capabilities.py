@@ -1,16 +1,29 @@
-"""Kernels declare what they can run; ``kernel="auto"`` never takes an unchecked one."""
+"""Kernels declare what they can run; ``kernel="auto"`` never takes an unchecked one; the
+planner decides each attention's kernel once and writes it on the equation."""
 import warnings
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from conftest import make_mesh
+from schedule_cases import make_case, relative_error
 
+from cptransform import attention, context_parallel
+from cptransform.api.context_parallel import Options, cp_pipeline, prepare
 from cptransform.ir.errors import KernelError
+from cptransform.ir.module import iter_eqns, trace
+from cptransform.lowering import context_parallel_attention as lowering
 from cptransform.lowering.kernels import capabilities, kernels
 from cptransform.lowering.kernels.capabilities import (
     ALL_TERMS, Capabilities, choose_kernel, warn_passed_over)
+from cptransform.lowering.kernels.chunked import ChunkedKernel
 from cptransform.op import mask_terms
+from cptransform.op.attention import attention_p
+from cptransform.op.attention_reference import attention_reference
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.passes import lower_context_parallel
 
 BTHD = Layout.parse("BTHD")
 
@@ -98,9 +111,7 @@ def test_auto_on_cpu_is_the_xla_kernel():
 
 
 def test_explain_names_each_attentions_kernel(rng):
-    import numpy as np
     from conftest import needs_halo
-    from cptransform import attention, context_parallel
 
     needs_halo()
 
@@ -110,3 +121,109 @@ def test_explain_names_each_attentions_kernel(rng):
     text = cp.explain(q, q, q)
     assert "schedule: halo" in text and "chunk=8" in text
     assert "kernel: xla (fastest capable kernel on cpu)" in text
+
+
+
+# --- the kernel is decided once, by the planner, and written on the equation ------------
+
+def _layers(q, k, v):
+    """A causal attention, then two scanned windowed ones (an equation inside a body)."""
+    x = attention(q, k, v, causal=True)
+    x, _ = jax.lax.scan(lambda x, _: (attention(x, k, v, window=(5, 0)), None), x, None,
+                        length=2)
+    return jnp.sum(jnp.sin(x))
+
+
+def _operands(seed):
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.normal(size=(1, 32, 4, 8)), jnp.float32) for _ in range(3))
+
+
+def _planned(fn, args, **options):
+    """The module of ``fn`` after ``plan-context-parallel`` (and reorder-sequence), not
+    lowered, and its attention specs."""
+    opts = Options(cp=8, **options)
+    module = prepare(trace(fn, *args), opts)
+    planned = cp_pipeline(module, opts, lower=False).run(module).module
+    return planned, [e.params["spec"] for e in iter_eqns(planned.jaxpr)
+                     if e.primitive is attention_p]
+
+
+@pytest.mark.parametrize("kernel,name", [("auto", "xla"), ("pallas", "pallas")])
+def test_the_planner_writes_the_kernel_on_each_equation(kernel, name):
+    """After planning every attention's spec names its kernel (``auto`` on CPU: ``xla``),
+    the same as the plan's account, and the IR printer shows it."""
+    module, specs = _planned(_layers, _operands(0), kernel=kernel)
+    assert len(specs) == 2 and all(s.kernel == name for s in specs)
+    assert [p.kernel_name for p in module.facts.plan] == [name, name]
+    assert str(module).count(f"kernel={name}") == 2
+
+
+def test_auto_warns_of_a_passed_over_kernel_once_per_attention(monkeypatch):
+    """A faster kernel ``auto`` passes over (cuDNN does not run on CPU) is one warning per
+    attention, from the planner: not once per candidate layout, not again when lowering."""
+    monkeypatch.setitem(capabilities.PREFERENCE, "cpu", ("cudnn", "xla"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        context_parallel(_layers, cp=8).module(*_operands(0))
+    passed_over = [str(w.message) for w in caught if "kernel='auto' uses" in str(w.message)]
+    assert len(passed_over) == 2
+    assert all(m.startswith("cptransform: kernel='auto' uses xla: fastest capable kernel on "
+                            "cpu; not cudnn: ") for m in passed_over)
+
+
+def test_lowering_reads_the_planned_kernel_and_does_not_choose(monkeypatch):
+    """With the kernel on the spec, lowering never calls ``choose_kernel``: the transformed
+    function's value and gradients still match the one-device function on random data."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("lowering chose a kernel again")
+
+    monkeypatch.setattr(lowering, "choose_kernel", refuse)
+    # A schedule jitted by an earlier test for an equal spec would not be traced again.
+    lower_context_parallel._schedule_call.cache_clear()
+    args = _operands(1)
+    value, grads = jax.value_and_grad(context_parallel(_layers, cp=8, kernel="auto"),
+                                      argnums=(0, 1, 2))(*args)
+    want, want_grads = jax.value_and_grad(_layers, argnums=(0, 1, 2))(*args)
+    np.testing.assert_allclose(value, want, rtol=1e-5)
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+    # The patch is on the path a spec without a kernel takes: a direct call chooses there.
+    spec = jax.make_jaxpr(lambda q: attention(q, q, q, causal=True))(args[0]) \
+        .eqns[-1].params["spec"]
+    with pytest.raises(AssertionError, match="chose a kernel again"):
+        lowering.context_parallel_attention(*args, spec=spec, mesh=make_mesh((4,), ("cp",)),
+                                            axes="cp")
+
+
+@dataclass(frozen=True)
+class _Recording(ChunkedKernel):
+    """The chunked kernel under another name, recording each forward a schedule traces."""
+
+    name: str = "recording"
+    traced: list = field(default_factory=list, compare=False)
+
+    def forward(self, block, spec, running=None):
+        self.traced.append(spec.mask.describe())
+        return super().forward(block, spec, running)
+
+
+def test_a_direct_call_runs_the_kernel_its_spec_names(rng, monkeypatch):
+    """``context_parallel_attention`` runs ``spec.kernel`` when set, whatever ``kernel=``
+    asks (the planner's choice wins), else the ``kernel=`` one; both match the reference;
+    a name no kernel has is one clear error."""
+    recording = _Recording()
+    monkeypatch.setitem(kernels(), "recording", recording)
+    case = make_case(rng, "causal", "gqa", seq=32)
+    want = attention_reference(*case.operands, spec=case.spec)
+    ring = dict(mesh=make_mesh((4,), ("cp",)), axes="cp", schedule="ring")
+    out = lowering.context_parallel_attention(
+        *case.operands, spec=case.spec.replace(kernel="recording"), kernel="xla", **ring)
+    assert relative_error(out, want) <= 1e-5 and recording.traced
+    recording.traced.clear()
+    out = lowering.context_parallel_attention(*case.operands, spec=case.spec, kernel="xla",
+                                              **ring)
+    assert relative_error(out, want) <= 1e-5 and not recording.traced
+    with pytest.raises(KernelError, match="unknown kernel 'triton'"):
+        lowering.context_parallel_attention(
+            *case.operands, spec=case.spec.replace(kernel="triton"), **ring)

@@ -284,7 +284,7 @@ def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipe
                                   memory_limit=options.memory_limit, kernel=options.kernel),
               ReorderSequence(strict=options.strict, keep_permuted=options.keep_permuted)]
     if lower:
-        passes.append(LowerContextParallel(kernel=options.kernel))
+        passes.append(LowerContextParallel())
     return Pipeline(passes)
 
 

@@ -117,7 +117,7 @@ def build_plan(module: Module, passes: tuple[PassTiming, ...] = ()) -> Plan:
     for p in facts.plan or ():
         entry = dict(source=p.source, library_source=p.library_source, schedule=p.schedule,
                      reason=p.reason, layout=p.layout,
-                     kernel=p.kernel.split(":", 1)[0],
+                     kernel=p.kernel_name,
                      kernel_reason=p.kernel.split(":", 1)[-1].strip(),
                      mask=p.mask.describe() + (" dropout" if p.dropout else ""),
                      shape=p.shape, bytes_per_device=dict(p.bytes_per_device),

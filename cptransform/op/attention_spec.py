@@ -250,10 +250,11 @@ class AttentionSpec:
     exactly that on one device); ``mask.empty_rows`` applies only to rows whose sink is
     ``-inf`` too. A NaN or ``+inf`` sink makes its rows NaN, as the softmax does.
 
-    ``schedule`` and ``layout`` are the context-parallel decisions for this attention,
-    written onto the equation by ``plan-context-parallel`` and read by
-    ``lower-context-parallel`` (``None`` until planned): a decision travels with its
-    equation through nesting, re-tracing and repetition, never by visit order.
+    ``schedule``, ``layout`` and ``kernel`` (the registry name of the local-step kernel,
+    e.g. ``"xla"``) are the context-parallel decisions for this attention, written onto the
+    equation by ``plan-context-parallel`` and read by ``lower-context-parallel`` (``None``
+    until planned): a decision travels with its equation through nesting, re-tracing and
+    repetition, never by visit order.
 
     ``real_keys`` is set only on the spec a context-parallel schedule receives when the
     lowering padded the keys to the layout's multiple: how many keys are real (padded keys
@@ -278,6 +279,7 @@ class AttentionSpec:
     sinks: bool = False
     schedule: str | None = None
     layout: str | None = None
+    kernel: str | None = None
     real_keys: int | None = None
     kv_positions_layout: SequenceLayout | None = None
     dropout: DropoutSpec | None = None
@@ -317,6 +319,8 @@ class AttentionSpec:
             parts.append(self.dropout.describe())
         if self.schedule is not None:
             parts.append(f"schedule={self.schedule} layout={self.layout}")
+        if self.kernel is not None:
+            parts.append(f"kernel={self.kernel}")
         layouts = {self.q.letters(), self.k.letters(), self.v.letters()}
         if layouts != {"BTHD"}:
             parts.append("layout=" + ",".join([self.q.letters(), self.k.letters(), self.v.letters()]))
