@@ -24,7 +24,7 @@ from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.analysis.block_work import rank_positions
 from cptransform.analysis.cost_model import metadata, operands
 from cptransform.analysis.schedule_statement import Calls, LocalStep, Statement, shard_grid
-from cptransform.lowering.block import Block
+from cptransform.lowering.block import Block, Side
 from cptransform.lowering.schedule import (Schedule, added_fill_sharded, any_length,
                                            differentiable, key_count, register_schedule,
                                            with_sinks)
@@ -34,10 +34,7 @@ from cptransform.op.attention_reference import fill_empty_rows
 
 
 def _forward(block: Block, spec, axis, kernel):
-    gathered = block.replace(
-        k=lax.all_gather(block.k, axis, axis=1, tiled=True),
-        v=lax.all_gather(block.v, axis, axis=1, tiled=True),
-        kv_pos=gather_sequence(block.kv_pos, axis), kv_seg=gather_sequence(block.kv_seg, axis))
+    gathered = block.by_role(lambda x, r: gather_sequence(x, axis) if r.side is Side.KEY else x)
     o, lse = kernel.forward(gathered, spec)
     # Pad keys' V is zero: the sum over all keys divided by the real ones is their mean.
     v_mean = jnp.sum(gathered.v.astype(o.dtype), axis=1, keepdims=True) \

@@ -1,6 +1,6 @@
 """``Block``: the per-device operands of one attention, as one pytree.
 
-Every schedule and kernel works on the same ten canonical operands; a :class:`Block`
+Every schedule and kernel works on the same canonical operands; a :class:`Block`
 carries them together so that they are sharded, sent, sliced and differentiated as one
 value (``None`` fields are empty subtrees: ``jax.tree`` functions, ``lax.cond``,
 ``custom_vjp`` and ``shard_map`` skip them).
@@ -25,19 +25,76 @@ Shapes (``B`` = all batch dims flattened, a heads dim always present):
 * ``dropout`` uint32 ``[B|1, H, 4]`` or ``None``: the dropout seed of each (batch entry,
   query head) (:mod:`~cptransform.op.dropout`); replicated over the CP devices like the
   sinks, but read by the kernels, which draw each tile's bits from it and the positions.
+
+Each field's :class:`Role` (:data:`ROLES`: its :class:`Side`, the operand it comes from)
+says how it is sharded, permuted, sliced, sent and regrouped; the schedules loop over it.
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from jax import lax
 
 
+class Side(enum.Enum):
+    """Which token dim an operand's entries follow: how it is sharded, permuted to a
+    layout, sliced, sent around a ring and regrouped by Ulysses."""
+
+    QUERY = "query"   # [B|1, Tq, ...]: one entry per query token
+    KEY = "key"       # [B|1, Tkv, ...]: one entry per key; travels with K and V
+    ROWS = "rows"     # [B|1, H|1, Tq, ...]: a row per query (pair masks, top-k picks)
+    HEADS = "heads"   # [B|1, H, ...]: per query head, no token dim; on every CP device
+
+
+#: The axis of each side's token dim (``None``: it has none).
+TOKEN_AXIS = {Side.QUERY: 1, Side.KEY: 1, Side.ROWS: 2, Side.HEADS: None}
+
+
+@dataclass(frozen=True)
+class Role:
+    """What one :class:`Block` field is: its ``side``; the ``attention_p`` operand it is
+    built from (``None`` for q, k, v, which are always there); ``heavy``: q, k or v (moved
+    head-sharded by Ulysses' all-to-all, where the light fields are gathered);
+    ``columns``: its last dim is the keys (all of them on every device, in the keys'
+    layout order, narrowed per ring step); ``integer``: built as int32."""
+
+    side: Side
+    operand: str | None = None
+    heavy: bool = False
+    columns: bool = False
+    integer: bool = False
+
+    @property
+    def token_axis(self) -> int | None:
+        """The axis of its query or key dim (a row's query dim for ``ROWS``)."""
+        return TOKEN_AXIS[self.side]
+
+
+#: Every field's role: the schedules' sharding, layout permutation, Ulysses regrouping,
+#: ring travel and slicing loop over this table, so an operand is added here once.
+ROLES: dict[str, Role] = {
+    "q": Role(Side.QUERY, heavy=True),
+    "k": Role(Side.KEY, heavy=True),
+    "v": Role(Side.KEY, heavy=True),
+    "q_pos": Role(Side.QUERY, "q_positions", integer=True),
+    "kv_pos": Role(Side.KEY, "kv_positions", integer=True),
+    "q_seg": Role(Side.QUERY, "q_segment_ids"),
+    "kv_seg": Role(Side.KEY, "kv_segment_ids"),
+    "mask": Role(Side.ROWS, "mask", columns=True),
+    "bias": Role(Side.ROWS, "bias", columns=True),
+    "sinks": Role(Side.HEADS, "sinks"),
+    # Global key positions: rows follow the queries, values are never narrowed.
+    "topk": Role(Side.ROWS, "topk_indices", integer=True),
+    "q_coord": Role(Side.QUERY, "q_coordinates", integer=True),
+    "dropout": Role(Side.HEADS, "dropout_seed"),
+}
+
 #: The fields that belong to the keys: they travel together (ring) or are gathered together.
-KEY_FIELDS = ("k", "v", "kv_pos", "kv_seg")
+KEY_FIELDS = tuple(name for name, role in ROLES.items() if role.side is Side.KEY)
 
 
 @jax.tree_util.register_dataclass
@@ -64,6 +121,25 @@ class Block:
         """This block with ``fields`` replaced."""
         return dataclasses.replace(self, **fields)
 
+    def by_role(self, fn: Callable[[Any, Role], Any]) -> "Block":
+        """``fn(value, role)`` of every present field (absent ones stay ``None``)."""
+        return Block(**{name: None if getattr(self, name) is None
+                        else fn(getattr(self, name), role) for name, role in ROLES.items()})
+
+    def query_slice(self, start: int, stop: int) -> "Block":
+        """Only queries ``[start, stop)``, with their entries of every query-side operand."""
+        return self.by_role(lambda x, r: lax.slice_in_dim(x, start, stop, axis=r.token_axis)
+                            if r.side in (Side.QUERY, Side.ROWS) else x)
+
+    def key_slice(self, start: int, stop: int) -> "Block":
+        """Only keys ``[start, stop)``: the key-side operands and the mask's and bias's
+        columns."""
+        def cut(x, r):
+            if r.side is Side.KEY:
+                return lax.slice_in_dim(x, start, stop, axis=1)
+            return lax.slice_in_dim(x, start, stop, axis=3) if r.columns else x
+        return self.by_role(cut)
+
     def keys(self) -> "Block":
         """Only the key side (k, v, kv positions, kv segment ids): what moves with K/V."""
         return Block(**{name: getattr(self, name) for name in KEY_FIELDS})
@@ -77,6 +153,5 @@ class Block:
     def columns(self, source, width: int) -> "Block":
         """The mask and bias narrowed to key columns ``[source·width, (source+1)·width)``:
         the columns of the keys that started on rank ``source`` (a traced int)."""
-        cut = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
-            x, source * width, width, axis=3)
-        return self.replace(mask=cut(self.mask), bias=cut(self.bias))
+        return self.by_role(lambda x, r: lax.dynamic_slice_in_dim(
+            x, source * width, width, axis=3) if r.columns else x)

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from cptransform.analysis.attention_shape import attention_shape
 from cptransform.ir.errors import ContextParallelError, KernelError, unknown_name
-from cptransform.lowering.block import Block
+from cptransform.lowering.block import ROLES, Block, Side
 from cptransform.lowering.kernels import ProfiledKernel, kernels
 from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
 from cptransform.lowering.padding import pad_block
@@ -55,25 +55,14 @@ def permute_block(block: Block, q_layout: SequenceLayout, kv_layout: SequenceLay
     """``block``'s token and dense operands from natural order to layout order: queries
     by ``q_layout``, keys by ``kv_layout``; the sharded dims by collectives
     (:func:`~cptransform.lowering.seq_permute.converted`)."""
-    def move(x, lay, dim):
-        return converted(x, layout=lay, dim=dim, inverse=False, mesh=mesh, seq=seq)
+    def move(x, role):
+        lay = kv_layout if role.side is Side.KEY else q_layout
+        x = converted(x, layout=lay, dim=role.token_axis, inverse=False, mesh=mesh, seq=seq)
+        # Rows are sharded with the queries; every device holds all key columns. (Top-k
+        # picks name global key positions: only their rows move.)
+        return kv_layout.permute(x, axis=3) if role.columns else x
 
-    def side(x, lay):
-        return None if x is None else move(x, lay, 1)
-
-    def dense(x):
-        # Rows are sharded with the queries; every device holds all key columns.
-        return None if x is None else kv_layout.permute(move(x, q_layout, 2), axis=3)
-
-    # Top-k indices are global key positions: only their rows follow the queries' layout;
-    # the values are compared with the keys' positions, whatever the layout.
-    topk = None if block.topk is None else move(block.topk, q_layout, 2)
-    return block.replace(q=side(block.q, q_layout), k=side(block.k, kv_layout),
-                         v=side(block.v, kv_layout), q_pos=side(block.q_pos, q_layout),
-                         kv_pos=side(block.kv_pos, kv_layout), q_seg=side(block.q_seg, q_layout),
-                         kv_seg=side(block.kv_seg, kv_layout), mask=dense(block.mask),
-                         bias=dense(block.bias), topk=topk,
-                         q_coord=side(block.q_coord, q_layout))
+    return block.by_role(lambda x, r: x if r.side is Side.HEADS else move(x, r))
 
 
 def _checked_schedule(schedule: str, axes: tuple[str, ...], layout: str):
@@ -136,15 +125,14 @@ def _natural_block(a: dict, q, k, v, nb: int, batch_shape, q_layout: SequenceLay
         slots = jnp.arange(length, dtype=jnp.int32)[None]
         return lay.position_of_slot(slots) if in_layout_order else slots
 
-    return Block(q=q, k=k, v=v, q_pos=positions(a["q_positions"], q_layout, tq),
-                 kv_pos=positions(a["kv_positions"], kv_layout, tkv),
-                 q_seg=flat(a["q_segment_ids"]), kv_seg=flat(a["kv_segment_ids"]),
-                 mask=flat(a["mask"]), bias=flat(a["bias"]), sinks=flat(a["sinks"]),
-                 topk=None if a["topk_indices"] is None
-                 else flat(a["topk_indices"]).astype(jnp.int32),
-                 q_coord=None if a["q_coordinates"] is None
-                 else flat(a["q_coordinates"]).astype(jnp.int32),
-                 dropout=flat(a["dropout_seed"]))
+    def operand(role):
+        x = a[role.operand]
+        return None if x is None else flat(x).astype(jnp.int32) if role.integer else flat(x)
+
+    fields = {name: operand(role) for name, role in ROLES.items() if role.operand}
+    return Block(**dict(fields, q=q, k=k, v=v,
+                        q_pos=positions(a["q_positions"], q_layout, tq),
+                        kv_pos=positions(a["kv_positions"], kv_layout, tkv)))
 
 
 def _sharded(record, block: Block, spec: AttentionSpec, *, mesh, axes: tuple[str, ...],
@@ -153,12 +141,10 @@ def _sharded(record, block: Block, spec: AttentionSpec, *, mesh, axes: tuple[str
     """``record.run`` under ``shard_map`` on the global layout-order ``block``; the output
     ``[B, Tq, H, Dv]`` sharded on its sequence dim over ``axes``."""
     seq = sequence_mesh_axes(axes)
-    # Token operands are sharded on their sequence dim (1), per-pair ones on their rows (2);
-    # the sinks and the dropout seed have no sequence dim: every device holds them all.
-    sharding = block.replace(**{
-        name: P() if name in ("sinks", "dropout") else
-        P(None, None, seq) if name in ("mask", "bias", "topk") else P(None, seq)
-        for name, x in vars(block).items() if x is not None})
+    # Operands are sharded on their token dim (a row's query dim); the per-head ones (sinks,
+    # dropout seed) have none: every device holds them all.
+    sharding = block.by_role(lambda x, r: P() if r.token_axis is None else
+                             P(*(None,) * r.token_axis, seq))
     # Positions built here (the program gave none) are, padded or not, those of the
     # layout-order slots of kv_layout: schedules may derive them rather than move them.
     # Positions the caller gave (in layout order too: reorder-sequence passes the
@@ -168,13 +154,11 @@ def _sharded(record, block: Block, spec: AttentionSpec, *, mesh, axes: tuple[str
                               kv_positions_layout=None if given_positions else kv_layout)
 
     def run(local):
-        if local.sinks is not None:
-            # The sinks are the same on every device. Marked device-varying here, the
-            # backward sums their per-device gradients once at their own [B|1, H] size,
-            # not at the size of the first per-row value they are broadcast into.
-            local = local.replace(sinks=lax.pcast(local.sinks, axes, to="varying"))
-        if local.dropout is not None:
-            local = local.replace(dropout=lax.pcast(local.dropout, axes, to="varying"))
+        # The per-head operands are the same on every device. Marked device-varying here,
+        # the backward sums the sinks' per-device gradients once at their own [B|1, H]
+        # size, not at the size of the first per-row value they are broadcast into.
+        local = local.by_role(lambda x, r: lax.pcast(x, axes, to="varying")
+                              if r.side is Side.HEADS else x)
         return record.run(local, spec=local_spec, axes=axes, kernel=local_kernel)
 
     return jax.shard_map(run, mesh=mesh, in_specs=(sharding,), out_specs=P(None, seq),

@@ -36,7 +36,7 @@ from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.analysis.block_work import rank_positions
 from cptransform.analysis.cost_model import Transfer, metadata, operands
 from cptransform.analysis.schedule_statement import Calls, LocalStep, Statement, shard_grid
-from cptransform.lowering.block import Block
+from cptransform.lowering.block import Block, Side
 from cptransform.lowering.schedule import Schedule, differentiable, finished, \
     register_schedule
 
@@ -67,7 +67,7 @@ def heads_to_sequence(x, axis: str):
 
 
 def gather_sequence(x, axis: str):
-    """``[B|1, T/n]`` positions or segment ids → ``[B|1, T]`` in layout order."""
+    """A token operand ``[B|1, T/n, …]`` → ``[B|1, T, …]`` in layout order."""
     return None if x is None else lax.all_gather(x, axis, axis=1, tiled=True)
 
 
@@ -106,14 +106,12 @@ def ulysses_around(inner, block: Block, *, spec, axis: str):
     if repeats > 1:
         k, v = (jnp.repeat(x, repeats, axis=2) for x in (k, v))
     spec = spec.replace(groups=heads // (kv_heads * repeats))
-    heads_sharded = Block(
-        q=sequence_to_heads(block.q, axis), k=sequence_to_heads(k, axis),
-        v=sequence_to_heads(v, axis), q_pos=gather_sequence(block.q_pos, axis),
-        kv_pos=gather_sequence(block.kv_pos, axis), q_seg=gather_sequence(block.q_seg, axis),
-        kv_seg=gather_sequence(block.kv_seg, axis), mask=dense_to_heads(block.mask, axis, n),
-        bias=dense_to_heads(block.bias, axis, n), sinks=heads_of(block.sinks, axis, n),
-        topk=dense_to_heads(block.topk, axis, n), q_coord=gather_sequence(block.q_coord, axis),
-        dropout=heads_of(block.dropout, axis, n))
+    regroup = {Side.QUERY: lambda x: gather_sequence(x, axis),
+               Side.KEY: lambda x: gather_sequence(x, axis),
+               Side.ROWS: lambda x: dense_to_heads(x, axis, n),
+               Side.HEADS: lambda x: heads_of(x, axis, n)}
+    heads_sharded = block.replace(k=k, v=v).by_role(
+        lambda x, r: sequence_to_heads(x, axis) if r.heavy else regroup[r.side](x))
     o = inner(heads_sharded, spec)
     return heads_to_sequence(o.astype(block.q.dtype), axis)
 

@@ -243,26 +243,9 @@ def masked_queries(z, tkv: int, kind: str, lo, groups: int):
     return out
 
 
-def query_rows(block: Block, start: int, stop: int) -> Block:
-    """``block`` with only its queries ``[start, stop)`` (and their rows of every
-    query-side operand)."""
-    def cut(x, axis):
-        return None if x is None else lax.slice_in_dim(x, start, stop, axis=axis)
-
-    return block.replace(q=cut(block.q, 1), q_pos=cut(block.q_pos, 1), q_seg=cut(block.q_seg, 1),
-                         q_coord=cut(block.q_coord, 1), topk=cut(block.topk, 2),
-                         mask=cut(block.mask, 2), bias=cut(block.bias, 2))
-
-
 def piece(block: Block, i: int, j: int, bq: int, bk: int) -> Block:
     """Sub-block ``(i, j)``: queries ``[i·bq, (i+1)·bq)`` against keys ``[j·bk, (j+1)·bk)``."""
-    def cut(x, axis):
-        return None if x is None else lax.slice_in_dim(x, j * bk, (j + 1) * bk, axis=axis)
-
-    block = query_rows(block, i * bq, (i + 1) * bq)
-    return block.replace(k=cut(block.k, 1), v=cut(block.v, 1), kv_pos=cut(block.kv_pos, 1),
-                         kv_seg=cut(block.kv_seg, 1), mask=cut(block.mask, 3),
-                         bias=cut(block.bias, 3))
+    return block.query_slice(i * bq, (i + 1) * bq).key_slice(j * bk, (j + 1) * bk)
 
 
 def delegated(block: Block, spec: AttentionSpec) -> str | None:
@@ -388,8 +371,8 @@ class CudnnKernel:
             return o, lse.astype(jnp.float32)
 
         def shifted(blk):  # query 0 sees no key, query i >= 1 the keys j <= i - 1
-            first = self._leaf_forward(query_rows(blk, 0, 1), spec, StepKind.SKIP)
-            rest = self._leaf_forward(query_rows(blk, 1, tq), spec, StepKind.CAUSAL)
+            first = self._leaf_forward(blk.query_slice(0, 1), spec, StepKind.SKIP)
+            rest = self._leaf_forward(blk.query_slice(1, tq), spec, StepKind.CAUSAL)
             return tuple(jnp.concatenate(x, axis=a) for x, a in zip(zip(first, rest), (1, 2)))
 
         return _pick(kind, (skip, lambda blk: cudnn(blk, False),
@@ -461,9 +444,9 @@ class CudnnKernel:
             return grads
 
         def shifted(blk):
-            first = self._leaf_backward(query_rows(blk, 0, 1), o[:, :1], lse[:, :, :1],
+            first = self._leaf_backward(blk.query_slice(0, 1), o[:, :1], lse[:, :, :1],
                                         do[:, :1], spec, StepKind.SKIP)
-            rest = self._leaf_backward(query_rows(blk, 1, tq), o[:, 1:], lse[:, :, 1:],
+            rest = self._leaf_backward(blk.query_slice(1, tq), o[:, 1:], lse[:, :, 1:],
                                        do[:, 1:], spec, StepKind.CAUSAL)
             return (jnp.concatenate([first[0], rest[0]], axis=1), first[1] + rest[1],
                     first[2] + rest[2])
