@@ -13,7 +13,15 @@ One run, the two programs interleaved per row; the table gives each phase in sec
 the ratio of the totals. Transform time should grow linearly in the layers of a loop and
 stay flat for a scan.
 
-    python bench/compile_cost.py [--layers 8 16 32] [--seq 131072] [--cp 8]
+    python bench/compile_cost.py [--layers 8 16 32] [--seq 131072] [--cp 8] [--phases]
+
+``--phases`` also splits each XLA compile into its phases, read from a ``jax.profiler``
+trace of the compile (:data:`PHASES`: Shardy and the SPMD partitioner, the HLO passes
+around layout assignment, the backend's fusion compiles, LLVM code generation and the
+thunk emission; they overlap where the backend compiles fusions in parallel), for three
+programs: ``jax.jit``, ``jax.jit`` with the tokens sharded over the same ``cp`` devices
+(XLA's own SPMD partitioning of the sequence: what a multi-device program pays anyway)
+and ``@context_parallel``.
 
 Prints a table and writes ``bench/results/compile_cost.json``.
 """
@@ -35,12 +43,60 @@ def _timed(fn):
     return out, time.perf_counter() - start
 
 
+#: Compile phases read from the profiler trace: (label, event-name prefix).
+PHASES = (("shardy", "shardy-xla"), ("spmd partitioner", "spmd-partitioner"),
+          ("HLO passes to layout", "HLO passes through layout assignment"),
+          ("HLO passes after layout", "HLO passes after layout assignment"),
+          ("fusion compiles", "FusionCompiler::Compile"), ("LLVM codegen", "Codegen"),
+          ("thunk emission", "ThunkEmitter::EmitEntryComputation"))
+
+
+def compile_phases(lowered) -> dict:
+    """``lowered.compile()`` under ``jax.profiler``: seconds per :data:`PHASES` entry, the
+    whole compile as ``"total"`` and the fusions compiled as ``"fusions"``."""
+    import glob
+    import tempfile
+
+    import jax
+    from jax.profiler import ProfileData
+
+    with tempfile.TemporaryDirectory() as trace:
+        jax.profiler.start_trace(trace)
+        _, total = _timed(lowered.compile)
+        jax.profiler.stop_trace()
+        data = ProfileData.from_file(sorted(glob.glob(f"{trace}/**/*.xplane.pb",
+                                                      recursive=True))[-1])
+    seconds = {label: 0.0 for label, _ in PHASES}
+    fusions = 0
+    for plane in data.planes:
+        for line in plane.lines:
+            for event in line.events:
+                for label, prefix in PHASES:
+                    if event.name.startswith(prefix):
+                        seconds[label] += event.duration_ns / 1e9
+                        fusions += label == "fusion compiles"
+    return dict(seconds, total=total, fusions=fusions)
+
+
+def phase_table(phases: dict) -> str:
+    """``{program: compile_phases(...)}`` as a table, one column per program."""
+    names = list(phases)
+    lines = [f"{'phase':26}" + "".join(f"{n:>14}" for n in names)]
+    for label in [label for label, _ in PHASES] + ["total", "fusions"]:
+        cells = [phases[n][label] for n in names]
+        lines.append(f"{label:26}" + "".join(
+            f"{c:14d}" if label == "fusions" else f"{c:13.2f}s" for c in cells))
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--seq", type=int, default=131072)
     parser.add_argument("--cp", type=int, default=8)
     parser.add_argument("--schedule", default="ring")
+    parser.add_argument("--phases", action="store_true",
+                        help="split each compile into XLA's phases (profiler trace)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "compile_cost.json"))
     args = parser.parse_args()
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -80,12 +136,28 @@ def main() -> None:
                 lambda: jax.jit(jax.value_and_grad(cp_fn)).lower(params, tokens))
             _, cp_compile = _timed(lowered.compile)
             stats = cp_fn.last_transform_stats
+            if args.phases:
+                mesh = jax.make_mesh((args.cp,), ("cp",),
+                                     axis_types=(jax.sharding.AxisType.Auto,))
+                shard = jax.sharding.NamedSharding
+                same_mesh = jax.jit(jax.value_and_grad(loss), in_shardings=(
+                    jax.tree.map(lambda _: shard(mesh, jax.sharding.PartitionSpec()), params),
+                    shard(mesh, jax.sharding.PartitionSpec(None, "cp"))))
+                phases = {
+                    "jit": compile_phases(jax.jit(jax.value_and_grad(loss)).lower(params, tokens)),
+                    f"jit-{args.cp}dev": compile_phases(same_mesh.lower(params, tokens)),
+                    # Lowered again: a second compile of the same lowering may hit a cache.
+                    "cp": compile_phases(
+                        jax.jit(jax.value_and_grad(cp_fn)).lower(params, tokens))}
+                print(phase_table(phases), flush=True)
             row = dict(layers=layers, kind=kind, seq=args.seq, cp=args.cp,
                        jit_lower_s=jit_lower, jit_compile_s=jit_compile,
                        cp_lower_s=cp_lower, cp_compile_s=cp_compile,
                        transform_s=stats.total_s, trace_s=stats.trace_s,
                        passes_s={p.name: p.seconds for p in stats.passes},
                        ratio=(cp_lower + cp_compile) / (jit_lower + jit_compile))
+            if args.phases:
+                row["phases"] = phases
             rows.append(row)
             slowest = max(row["passes_s"].items(), key=lambda kv: kv[1])
             print(f"{layers:>3} {kind:<4}  jit {jit_lower:6.2f} + {jit_compile:6.2f} s   "
