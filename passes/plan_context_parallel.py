@@ -14,7 +14,7 @@ every attention's KV heads) with the least predicted total time, and the mesh re
 a two-axis one over its ``InnerAxis.names``, inner groups on consecutive devices.
 
 It also picks the sequence layout for the whole program (``load_balance``): it plans every
-attention under each layout the length allows (contiguous, zigzag, striped) and, under
+attention under each layout of :data:`~cptransform.op.layouts.LAYOUTS` and, under
 ``auto``, keeps the one with the least predicted time of all attentions together (each on
 its slowest device, the work counted from the actual masks after block skipping; ties go
 to the least work on the busiest rank: :mod:`cptransform.analysis.load_balance`). Both
@@ -71,6 +71,12 @@ from cptransform.op.layouts import LAYOUTS, LayoutName, SequenceLayout, layout_m
 LOAD_BALANCES = {"auto": None,
                  **{name: name for name in LAYOUTS if name != LayoutName.CONTIGUOUS},
                  "none": LayoutName.CONTIGUOUS.value}
+
+def schedule_choices() -> tuple[str, ...]:
+    """The values of the ``schedule`` option: ``auto`` (per attention the feasible schedule
+    with the least predicted time) and every registered schedule, in listing order."""
+    return ("auto", *schedules())
+
 
 #: ``load_balance`` values that name a real scheme this planner cannot plan, and why.
 REFUSED_LOAD_BALANCES = {
@@ -200,7 +206,7 @@ class PlanContextParallel(Pass):
 
     def check(self) -> None:
         """One clear error for an unknown option value."""
-        names = ("auto", *schedules())
+        names = schedule_choices()
         if self.schedule not in names:
             raise PlanError(unknown_name("schedule", self.schedule, names))
         if self.load_balance in REFUSED_LOAD_BALANCES:

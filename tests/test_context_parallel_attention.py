@@ -17,10 +17,11 @@ from cptransform.op.attention_reference import attend, attention_reference
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.lowering import schedule as schedule_module
 from cptransform.lowering.block import Block
+from cptransform.lowering.kernels import kernel_choices
 from cptransform.lowering.context_parallel_attention import ContextParallelError, \
     context_parallel_attention
 from cptransform.lowering.schedule import Schedule, fill_empty_rows_sharded
-from cptransform.op.layouts import SequenceLayout
+from cptransform.op.layouts import LAYOUTS, SequenceLayout
 
 
 def _reference(case):
@@ -122,9 +123,9 @@ def _run(case, **kw):
 
 @pytest.mark.parametrize("option,value,message", [
     ("schedule", "spiral", r"unknown schedule 'spiral'; use one of .*ring"),
-    ("layout", "diagonal", r"unknown layout 'diagonal'; use one of contiguous, zigzag, striped"),
-    ("kernel", "cuda", r"unknown kernel 'cuda' \(did you mean 'cudnn'\?\); use one of auto, cudnn, "
-                         r"pallas, xla"),
+    ("layout", "diagonal", r"unknown layout 'diagonal'; use one of " + ", ".join(LAYOUTS) + "$"),
+    ("kernel", "cuda", r"unknown kernel 'cuda' \(did you mean 'cudnn'\?\); use one of "
+                       + ", ".join(kernel_choices()) + "$"),
     ("axes", "model", r"CP axes \('model',\) must be .* mesh axes \('cp',\)"),
 ])
 def test_unknown_options_list_the_known_ones(small, option, value, message):

@@ -150,6 +150,12 @@ def kernels() -> dict[str, Kernel]:
     return KERNELS
 
 
+def kernel_choices() -> tuple[str, ...]:
+    """The values of the ``kernel`` option: ``auto`` (per attention the fastest kernel that
+    runs it) and every registered kernel, in registration order."""
+    return ("auto", *kernels())
+
+
 def get_kernel(name: str) -> Kernel:
     """The kernel called ``name``; ``"auto"`` is the one
     :func:`~cptransform.lowering.kernels.capabilities.choose_kernel` picks for a plain causal
@@ -160,4 +166,4 @@ def get_kernel(name: str) -> Kernel:
         return plain_choice(known)
     if name in known:
         return known[name]
-    raise ContextParallelOptionError(unknown_name("kernel", name, sorted({*known, "auto"})))
+    raise ContextParallelOptionError(unknown_name("kernel", name, kernel_choices()))
