@@ -123,7 +123,7 @@ def test_function_with_args(entry_file, capsys):
     (["{f}:scaled", "--args", "i32[2,8,4] i32[2,8]", "--grad"],
      r"--grad differentiates w.r.t. the first argument, which holds int32"),
     (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--mesh", "2", "--load-balance",
-      "documents"], r"--load-balance load_balance='documents' \(per-document zigzag"),
+      "documents"], r"argument --load-balance: load_balance='documents' \(per-document zigzag"),
     (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--mesh", "2", "--kernel", "palas"],
      r"unknown kernel='palas' \(did you mean 'pallas'\?\)"),
     (["{f}:scaled", "--args", "f32[2,8,4] i32[2,8]", "--no-such-flag"],

@@ -91,17 +91,9 @@ def test_cp_leaving_devices_idle_warns_with_the_mesh_fix():
             jnp.concatenate([x, x[:, :4]], axis=1))
 
 
-
-def test_option_values_are_read_off_their_registries():
-    from cptransform.api.context_parallel import kernel_names, schedule_names
-    from cptransform.lowering.kernels import kernels
-    from cptransform.lowering.schedule import schedules
+def test_enum_options_take_their_members_strings():
     from cptransform.op.attention_spec import EmptyRows, MaskSpec
-    from cptransform.op.layouts import LAYOUTS, LayoutName
-    from cptransform.passes.plan_context_parallel import LOAD_BALANCES
-    assert kernel_names() == ("auto", *kernels())
-    assert schedule_names() == ("auto", *schedules()) and "halo" in schedule_names()
-    assert {v for v in LOAD_BALANCES.values() if v is not None} == set(LAYOUTS)
+    from cptransform.op.layouts import LayoutName
     # Members are their strings: options accept either, and messages print the string.
     assert LayoutName.ZIGZAG == "zigzag" and f"{LayoutName.STRIPED}" == "striped"
     assert MaskSpec(empty_rows=EmptyRows.NAN) == MaskSpec(empty_rows="nan")

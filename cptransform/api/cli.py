@@ -37,7 +37,7 @@ import sys
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -117,42 +117,50 @@ def _add_opt(sub) -> None:
 
 
 def add_cp_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--cp`` and the ``context_parallel`` options, shared by ``opt`` and ``plan``."""
-    from cptransform.analysis.hardware import HARDWARE
-    from cptransform.api.context_parallel import LOAD_BALANCES, kernel_names, schedule_names
+    """``--cp`` and the ``context_parallel`` options, shared by ``opt`` and ``plan``: one flag
+    per option of :data:`~cptransform.api.options.OPTIONS` that has one (name, choices,
+    default and help from there; a bad value is one line naming the allowed ones), and
+    ``--axis`` / ``--mesh``, which spell ``axis`` and ``mesh`` as comma-separated names and
+    sizes."""
+    from cptransform.api.options import OPTIONS
 
     g = parser.add_argument_group("context parallelism")
-    g.add_argument("--cp", type=int, default=None, metavar="N",
-                   help="devices on the CP axes (simulated on CPU when needed)")
-    g.add_argument("--axis", default="cp", metavar="NAMES",
+    for spec in OPTIONS.values():
+        if spec.flag:
+            # argparse %-formats help texts.
+            g.add_argument(spec.flag_name, type=_option_value(spec),
+                           choices=spec.choices() if spec.choices else None,
+                           default=spec.default, metavar=spec.metavar,
+                           help=spec.help.replace("%", "%%"))
+    g.add_argument("--axis", default=OPTIONS["axis"].default, metavar="NAMES",
                    help="CP mesh axis name, or two comma-separated names (ulysses,ring) for "
                         "the hybrid schedule, e.g. --axis uly,ring --mesh 2,4")
     g.add_argument("--mesh", default=None, metavar="SIZES",
                    help="comma-separated size of each --axis (default: --cp on one axis)")
-    # Values are checked by Options.check, whose errors suggest the closest name.
-    g.add_argument("--schedule", default="auto", help=f"one of {', '.join(schedule_names())}")
-    g.add_argument("--load-balance", default="auto", help=f"one of {', '.join(LOAD_BALANCES)}")
-    g.add_argument("--kernel", default="auto", help=f"one of {', '.join(kernel_names())}")
-    g.add_argument("--hardware", default=None,
-                   help="hardware row the planner prices schedules on (default: the devices'): "
-                        f"one of {', '.join(HARDWARE)}")
-    g.add_argument("--memory-limit", default=None, metavar="BYTES|N%",
-                   help="per-device memory an auto choice may use: bytes, or N%% of the "
-                        "hardware's memory")
 
 
-def _memory_limit(text: str | None):
-    """``--memory-limit`` as the option takes it: an int of bytes, or the ``"N%"`` string."""
-    return int(text) if text is not None and text.isdigit() else text
+def _option_value(spec) -> Callable[[str], Any]:
+    """The argparse ``type`` of option ``spec``'s flag: its text parsed and checked, a bad
+    value an :class:`argparse.ArgumentTypeError` carrying the option's own message (argparse
+    alone would print "invalid choice" without the closest name)."""
+    def value(text: str):
+        try:
+            parsed = spec.parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid {spec.parse.__name__} value: {text!r}") from None
+        try:
+            spec.check(parsed)
+        except (CPTransformError, NotImplementedError) as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return parsed
+    return value
 
 
 def cp_options(args: argparse.Namespace):
-    """The :class:`~cptransform.api.context_parallel.Options` of the command line."""
-    from cptransform.api.context_parallel import Options
-    from cptransform.passes.plan_context_parallel import REFUSED_LOAD_BALANCES
+    """The :class:`~cptransform.api.options.Options` of the command line."""
+    from cptransform.api.options import OPTIONS, Options
 
-    if args.load_balance in REFUSED_LOAD_BALANCES:  # a NotImplementedError in the API
-        raise CLIError(f"--load-balance {REFUSED_LOAD_BALANCES[args.load_balance]}")
     axes = axis_names(args.axis)
     mesh = None
     if args.mesh is not None:
@@ -163,10 +171,8 @@ def cp_options(args: argparse.Namespace):
                            f"{len(devices)} are visible")
         mesh = jax.make_mesh(sizes, axes, axis_types=(AxisType.Auto,) * len(axes),
                              devices=devices[:math.prod(sizes)])
-    options = Options(cp=args.cp, mesh=mesh, axis=axes[0] if len(axes) == 1 else axes,
-                      schedule=args.schedule, load_balance=args.load_balance,
-                      kernel=args.kernel, hardware=args.hardware,
-                      memory_limit=_memory_limit(args.memory_limit))
+    flags = {spec.name: getattr(args, spec.name) for spec in OPTIONS.values() if spec.flag}
+    options = Options(mesh=mesh, axis=axes[0] if len(axes) == 1 else axes, **flags)
     options.check()
     return options
 

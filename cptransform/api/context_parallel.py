@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import functools
 import logging
 import math
@@ -16,24 +15,21 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from cptransform.analysis.hardware import HARDWARE, memory_limit_problem
 from cptransform.api.argument_writes import returning_argument_writes, write_back
 from cptransform.api.arguments import CallArguments
 from cptransform.api.forward_mode import with_forward_mode
+from cptransform.api.options import OPTIONS, Options
 from cptransform.ir import compat
 from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError, \
-    did_you_mean, unknown_name
+    did_you_mean
 from cptransform.ir.module import Module, iter_eqns, trace
 from cptransform.ir.pipeline import PassTiming, Pipeline
-from cptransform.lowering.kernels import kernels
-from cptransform.lowering.schedule import schedules
 from cptransform.passes.canonicalize import Canonicalize
 from cptransform.passes.infer_seq_axes import InferSeqAxes
 from cptransform.passes.lower_context_parallel import LowerContextParallel
 from cptransform.passes.match_attention import MatchAttention
 from cptransform.passes.match_windows import MatchWindows
-from cptransform.passes.plan_context_parallel import LOAD_BALANCES, REFUSED_LOAD_BALANCES, \
-    PlanContextParallel
+from cptransform.passes.plan_context_parallel import PlanContextParallel
 from cptransform.passes.reorder_sequence import ReorderSequence
 
 log = logging.getLogger(__name__)
@@ -58,85 +54,6 @@ class TransformStats:
         parts = ", ".join(f"{p.name} {p.seconds * 1e3:.1f}" for p in self.passes)
         return (f"{self.function}: transformed in {self.total_s * 1e3:.1f} ms (trace "
                 f"{self.trace_s * 1e3:.1f}; {parts} ms)")
-
-
-@dataclass(frozen=True)
-class Options:
-    """The public options of :func:`context_parallel` (names are the public API)."""
-
-    cp: int | None = None
-    mesh: Any = None
-    axis: str | tuple[str, ...] = "cp"
-    schedule: str = "auto"
-    load_balance: str = "auto"
-    kernel: str = "auto"
-    seq_axes: Any = None
-    strict: bool = False
-    keep_permuted: bool = False
-    static_argnums: int | tuple[int, ...] = ()
-    static_argnames: str | tuple[str, ...] = ()
-    hardware: str | None = None
-    memory_limit: int | str | None = None
-
-    def check(self) -> None:
-        if self.load_balance in REFUSED_LOAD_BALANCES:
-            raise NotImplementedError(REFUSED_LOAD_BALANCES[self.load_balance])
-        for name, value, allowed in (("schedule", self.schedule, schedule_names()),
-                                     ("load_balance", self.load_balance, LOAD_BALANCES),
-                                     ("kernel", self.kernel, kernel_names())):
-            if value not in allowed:
-                raise ContextParallelOptionError(unknown_name(name, value, allowed, "="))
-        if self.hardware is not None and self.hardware not in HARDWARE:
-            raise ContextParallelOptionError(
-                unknown_name("hardware", self.hardware, HARDWARE, "="))
-        problem = memory_limit_problem(self.memory_limit)
-        if problem:
-            raise ContextParallelOptionError(problem)
-        axes = self.axes
-        if not 1 <= len(axes) <= 2:
-            raise ContextParallelOptionError(
-                f"axis={self.axis!r}: give one mesh axis name, or two (inner, outer) for a "
-                f"two-axis schedule ({two_axis_names()})")
-        record = schedules().get(self.schedule)
-        want = len(axes) if record is None else record.mesh_axes
-        if want == 2 and len(axes) != 2 and self.mesh is not None:
-            # Without a mesh the planner builds the two axes from cp (inner degree chosen
-            # by the cost model); a given mesh must have them.
-            raise ContextParallelOptionError(
-                f"schedule={self.schedule!r} over mesh= needs two mesh axes: "
-                f"axis={record.inner.names} with a mesh that has both (or pass only cp= and "
-                "the planner builds them)")
-        if len(axes) == 2 and want != 2:
-            raise ContextParallelOptionError(
-                f"two CP axes {axes} need a two-axis schedule ({two_axis_names()}); "
-                f"schedule={self.schedule!r} runs over one axis")
-
-    @property
-    def axes(self) -> tuple[str, ...]:
-        return (self.axis,) if isinstance(self.axis, str) else tuple(self.axis)
-
-    def split(self, args: tuple, kwargs: dict) -> CallArguments:
-        """This call's arguments split into traced and static ones."""
-        nums = (self.static_argnums,) if isinstance(self.static_argnums, int) \
-            else tuple(self.static_argnums)
-        names = (self.static_argnames,) if isinstance(self.static_argnames, str) \
-            else tuple(self.static_argnames)
-        return CallArguments.split(args, kwargs, nums, names)
-
-
-def kernel_names() -> tuple[str, ...]:
-    """The values of the ``kernel`` option: ``auto`` and every registered kernel."""
-    return ("auto", *kernels())
-
-
-def two_axis_names() -> str:
-    """The registered schedules that run over two CP mesh axes, for messages."""
-    return " or ".join(n for n, s in schedules().items() if s.mesh_axes == 2)
-
-
-def schedule_names() -> tuple[str, ...]:
-    """The values of the ``schedule`` option: ``auto`` and every registered schedule."""
-    return ("auto", *schedules())
 
 
 def build_mesh(options: Options):
@@ -279,10 +196,8 @@ def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipe
     """The context-parallel pass pipeline for a prepared module, as pass objects (the CLI
     prints it with ``spelled()``); ``lower=False`` stops before lowering (for plans)."""
     passes = [Canonicalize(), MatchAttention(), MatchWindows(), InferSeqAxes(),
-              PlanContextParallel(schedule=options.schedule, load_balance=options.load_balance,
-                                  hardware=options.hardware,
-                                  memory_limit=options.memory_limit, kernel=options.kernel),
-              ReorderSequence(strict=options.strict, keep_permuted=options.keep_permuted)]
+              PlanContextParallel(**options.pass_arguments(PlanContextParallel.name)),
+              ReorderSequence(**options.pass_arguments(ReorderSequence.name))]
     if lower:
         passes.append(LowerContextParallel())
     return Pipeline(passes)
@@ -543,27 +458,27 @@ def context_parallel(fn: Callable | None = None, **options) -> Any:
 
     Usable as ``@context_parallel`` or ``@context_parallel(cp=8, schedule="ring", ...)``.
 
-    Options: ``cp`` (devices; default all), ``mesh`` (an existing mesh) and ``axis`` (its CP
-    axis name, or ``(inner, outer)`` for a two-axis schedule: hybrid's ``(ulysses_axis,
-    ring_axis)``), ``schedule`` (ring | ulysses | allgather | hybrid | halo | double_ring |
-    auto; auto prices each feasible schedule, halo included, and
-    takes the fastest), ``load_balance`` (zigzag | striped | none | auto: the layout with
-    the least predicted time over all attentions; "documents" is refused), ``kernel``
-    (cudnn | pallas | xla | auto: per attention the fastest that runs it), ``seq_axes``
-    (override: a tuple
-    mirroring the positional arguments with an int dim, a tuple of dims, or None per
+    Options (:data:`~cptransform.api.options.OPTIONS` declares each: type, default, allowed
+    values, help): ``cp`` (devices; default all), ``mesh`` (an existing mesh) and ``axis``
+    (its CP axis name, or ``(inner, outer)`` for a two-axis schedule: hybrid's
+    ``(ulysses_axis, ring_axis)``), ``schedule`` (a registered schedule, or ``auto``: price
+    each feasible one, halo included, and take the fastest), ``load_balance`` (a sequence
+    layout, ``none`` for contiguous, or ``auto``: the layout with the least predicted time
+    over all attentions; "documents" is refused), ``kernel`` (a registered local-step
+    kernel, or ``auto``: per attention the fastest that runs it), ``seq_axes`` (override: a
+    tuple mirroring the positional arguments with an int dim, a tuple of dims, or None per
     argument, or a pytree prefix of the argument with those as leaves, as ``jax.vmap``'s
     ``in_axes``), ``strict`` (refuse non-equivariant ops instead of wrapping them, and a
     function with no attention), ``keep_permuted`` (leave outputs in the load-balanced
     order), ``static_argnums`` / ``static_argnames`` (as ``jax.jit``; arguments holding no
     array — Python bools, ints, floats, strings — are static too), ``hardware`` (a row of
     :data:`~cptransform.analysis.hardware.HARDWARE` the planner prices schedules on;
-    default: the devices' own row, ``cpu-sim`` on CPU), ``memory_limit`` (per-device bytes
-    the local step of an ``auto`` choice may use: an int, or ``"80%"`` of the hardware's
-    memory; default all of it). ``schedule="hybrid"`` with only ``cp`` lets the planner
-    choose the Ulysses degree and build the two-axis mesh.
+    default: the devices' own row), ``memory_limit`` (per-device bytes the local step of an
+    ``auto`` choice may use: an int, or ``"80%"`` of the hardware's memory; default all of
+    it). ``schedule="hybrid"`` with only ``cp`` lets the planner choose the Ulysses degree
+    and build the two-axis mesh.
     """
-    known = {f.name for f in dataclasses.fields(Options)}
+    known = set(OPTIONS)
     unknown = sorted(set(options) - known)
     if unknown:
         raise ContextParallelOptionError(
