@@ -207,11 +207,13 @@ def demo(seq: int = 128, cp: int = 8, schedule: str = "auto", cfg: Config = SMAL
 
 
 def main(argv=None) -> int:
+    from cptransform.api.options import OPTIONS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     parser.add_argument("--cp", type=int, default=8, help="context-parallel devices")
-    parser.add_argument("--schedule", default="auto",
-                        help="ring | ulysses | allgather | hybrid | auto")
+    parser.add_argument("--schedule", default=OPTIONS["schedule"].default,
+                        help=f"one of {', '.join(OPTIONS['schedule'].choices())}")
     args = parser.parse_args(argv)
     return 0 if demo(args.seq, args.cp, args.schedule) else 1
 

@@ -177,10 +177,10 @@ def context_parallel_attention(*operands, spec: AttentionSpec, mesh, axes,
       mesh: a :class:`jax.sharding.Mesh` holding the CP axes (it may have others).
       axes: the CP mesh axis name, or a tuple of names (a two-axis schedule: ``(inner,
         outer)``; hybrid's ``(ulysses, ring)``).
-      schedule: a name in :func:`~cptransform.lowering.schedule.schedules` (``ring``,
-        ``ulysses``, ``allgather``, ``hybrid``, ``halo``, ``double_ring``).
-      layout: ``contiguous``, ``zigzag`` or ``striped`` (which positions each rank holds).
-      kernel: local-step kernel, a registered name (``xla``, ``pallas``, ``cudnn``) or
+      schedule: a name in :func:`~cptransform.lowering.schedule.schedules`.
+      layout: a name in :data:`~cptransform.op.layouts.LAYOUTS` (which positions each rank
+        holds).
+      kernel: local-step kernel, a name in :func:`~cptransform.lowering.kernels.kernels` or
         ``auto``; read only when ``spec.kernel`` is ``None`` (a planned spec carries the
         planner's choice, which wins).
       in_layout_order: the sequence axes of the operands (and of the output) are already in

@@ -153,7 +153,7 @@ class LowerContextParallel(Pass):
     """Replace each attention with its planned context-parallel schedule."""
 
     name = "lower-context-parallel"
-    summary = "attention_p -> shard_map schedule (ring / ulysses / allgather / hybrid / halo)"
+    summary = "attention_p -> the shard_map program of its planned schedule"
     requires = (Fact.MESH, Fact.PLAN)
 
     def run(self, module: Module) -> PassResult:

@@ -13,7 +13,7 @@ from cptransform.api import plan_chart
 from cptransform.op import mask_terms
 from cptransform.op.attention_reference import attention_reference
 from cptransform.op.attention_spec import MaskSpec
-from cptransform.op.layouts import SequenceLayout
+from cptransform.op.layouts import LAYOUTS, SequenceLayout
 
 POSITION_TERMS = [mask_terms.Band(None, 0), mask_terms.Band(-5, 3), mask_terms.Band(2, None),
                   mask_terms.Chunks(7), mask_terms.Chunks(1)]
@@ -104,7 +104,7 @@ def test_chunked_attention_through_halo_and_pallas(rng):
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", sorted(MESHES))
 @pytest.mark.parametrize("kernel", ["xla", "pallas"])
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_chunked_attention_matrix(rng, schedule, kernel, layout):
     if schedule == "halo" and layout != "contiguous":
         pytest.skip("halo runs the contiguous layout")

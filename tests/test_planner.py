@@ -18,7 +18,7 @@ from cptransform.lowering.block import Block
 from cptransform.lowering.kernels.chunked import executed_fraction
 from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
-from cptransform.op.layouts import SequenceLayout
+from cptransform.op.layouts import LAYOUTS, SequenceLayout
 from cptransform.passes.plan_context_parallel import PlanError
 
 MiB = 2 ** 20
@@ -86,7 +86,7 @@ def test_links_follow_the_device_span():
     assert hybrid.time_s < ring.time_s
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("mask", [MaskSpec(causal=True), MaskSpec(window=(5, 0)),
                                   MaskSpec(causal=True, window=(9, None)),
                                   MaskSpec(causal=True, chunk=12), MaskSpec(chunk=8)])

@@ -12,6 +12,7 @@ from schedule_cases import POSITION_MASKS, Case, check_schedule, make_case, fast
 
 from cptransform.op.attention_reference import attention_reference
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.op.layouts import LAYOUTS
 from cptransform.op.mask_terms import BlockKind
 from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.lowering import kernels as kernels_module
@@ -161,7 +162,7 @@ def test_causal_skips_fully_masked_tiles(rng, monkeypatch, layout, per_rank):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seq", [32, 29])
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", list(POSITION_MASKS))
 def test_derived_positions_match_reference(rng, kind, layout, seq):
     """No positions operand: each step derives the arriving block's positions from the
