@@ -27,7 +27,7 @@ FLAGS = [name for name, spec in OPTIONS.items() if spec.flag]
 
 def test_allowed_values_are_the_registries():
     choices = {name: OPTIONS[name].choices() for name in CHOICE_OPTIONS}
-    assert choices == {"schedule": ("auto", *schedules()), "kernel": ("auto", *kernels()),
+    assert choices == {"schedule": ("auto", *schedules()), "kernel": ("auto", *sorted(kernels())),
                        "load_balance": ("auto", "zigzag", "striped", "none"),
                        "hardware": tuple(HARDWARE)}
     assert {"halo", "double_ring"} <= set(schedules()) and set(kernels()) >= {"xla", "pallas"}

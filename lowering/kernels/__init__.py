@@ -152,8 +152,9 @@ def kernels() -> dict[str, Kernel]:
 
 def kernel_choices() -> tuple[str, ...]:
     """The values of the ``kernel`` option: ``auto`` (per attention the fastest kernel that
-    runs it) and every registered kernel, in registration order."""
-    return ("auto", *kernels())
+    runs it) and every registered kernel by name (sorted: the registration order is the
+    order the kernel modules happened to be imported in)."""
+    return ("auto", *sorted(kernels()))
 
 
 def get_kernel(name: str) -> Kernel:

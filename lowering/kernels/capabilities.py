@@ -143,7 +143,7 @@ def choose_kernel(name: str, spec: AttentionSpec, dtype, head_dims: tuple[int, .
     backend = backend or jax.default_backend()
     if name != "auto":
         if name not in known:
-            raise KernelError(unknown_name("kernel", name, ("auto", *known)))
+            raise KernelError(unknown_name("kernel", name, ("auto", *sorted(known))))
         kernel = known[name]
         why = _refusal_here(kernel, spec, dtype, head_dims, backend)
         if why is not None:
