@@ -18,6 +18,7 @@ import pytest
 from cptransform.op.attention_reference import attention_reference
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
+from cptransform.lowering.schedule import schedules
 from cptransform.op.layouts import LAYOUTS
 
 MASK_KINDS = ("none", "causal", "window", "causal_window", "segments", "dense",
@@ -114,6 +115,22 @@ def fast_slice(cases, fast: tuple[int, ...]) -> list:
     indices, so the fast tier sees every layout and several mask kinds across schedules."""
     return [pytest.param(*case, marks=() if i in fast else pytest.mark.slow)
             for i, case in enumerate(cases)]
+
+
+#: Mesh shapes the tests cycle through, by a schedule's number of mesh axes.
+MESH_SHAPES = {1: ((2,), (4,), (8,)), 2: ((2, 2), (2, 4), (4, 2))}
+
+
+def schedule_axes(schedule: str) -> tuple[str, ...]:
+    """The mesh axis names ``schedule`` runs over, read off its registered record: a
+    two-axis schedule's (inner, outer) names, else ``("cp",)``."""
+    record = schedules()[schedule]
+    return record.inner.names if record.inner is not None else ("cp",)
+
+
+def schedule_mesh_shapes(schedule: str) -> tuple[tuple[int, ...], ...]:
+    """The mesh shapes of :data:`MESH_SHAPES` for ``schedule``'s number of mesh axes."""
+    return MESH_SHAPES[schedules()[schedule].mesh_axes]
 
 
 def relative_error(got, want) -> float:
