@@ -12,10 +12,11 @@ kernel's :class:`Capabilities` refusal (a ``KernelError``), then the schedule's
 ``feasible`` (a ``ContextParallelError``), else the run must match the single-device
 reference in value and gradients.
 
-Shapes rotate across the cells (like :func:`schedule_cases.pairwise_cases`): for each
-schedule and layout the mesh size (2, 4, 8 devices), the head sharing (MHA, GQA, MQA) and
-the value head dim (8, 12) vary with the feature, so every pair of (layout, size),
-(layout, heads) and (size, heads) occurs per schedule.
+Shapes rotate across the cells: for each schedule and layout the mesh size (2, 4, 8
+devices; a costly kernel of :data:`COST` stays on the smallest), the head sharing (MHA,
+GQA, MQA) and the value head dim (8, 12, where the kernel takes it) vary with the
+feature, so every pair of (layout, size), (layout, heads) and (size, heads) occurs per
+schedule.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ from cptransform.op.layouts import LAYOUTS
 BACKEND = jax.default_backend()
 SEQ, D, BATCH = 32, 8, 2
 #: Per kernel cost of a case here, relative to the XLA kernel's: the fast sample prefers
-#: cheap cells (interpreted Pallas is slow on a CPU).
+#: cheap cells, and a costly kernel runs on each schedule's smallest mesh only
+#: (interpreted Pallas is slow on a CPU: a ring step over 8 devices took 70 s).
 COST = {"pallas": 8}
 
 
@@ -245,8 +247,9 @@ def cells() -> list[Cell]:
                 for fi, feature in enumerate(FEATURES):
                     # (size, heads) = (l + f, l + 2f) mod 3 is onto: every pair occurs.
                     dv = 12 if (li + fi) % 2 and _dims_accepted(kernel_name, 12) else D
-                    out.append(Cell(name, layout, shapes[(li + fi) % 3], kernel_name,
-                                    feature, heads[(li + 2 * fi) % 3], dv))
+                    mesh = shapes[0 if kernel_name in COST else (li + fi) % 3]
+                    out.append(Cell(name, layout, mesh, kernel_name, feature,
+                                    heads[(li + 2 * fi) % 3], dv))
     return out
 
 
