@@ -238,12 +238,14 @@ def _dims_accepted(kernel_name: str, dv: int) -> bool:
 
 
 def cells() -> list[Cell]:
-    """The whole matrix, in registry order: schedule, layout, kernel, feature."""
+    """The whole matrix, schedule (registry order), layout, kernel (by name), feature."""
     heads, out = tuple(HEAD_KINDS), []
     for name in schedules():
         shapes = schedule_mesh_shapes(name)
         for li, layout in enumerate(LAYOUTS):
-            for kernel_name in kernels():
+            # Sorted: kernels() lists them in the order their modules were imported, which
+            # differs between test processes; the cells and their sample must not.
+            for kernel_name in sorted(kernels()):
                 for fi, feature in enumerate(FEATURES):
                     # (size, heads) = (l + f, l + 2f) mod 3 is onto: every pair occurs.
                     dv = 12 if (li + fi) % 2 and _dims_accepted(kernel_name, 12) else D
