@@ -6,19 +6,17 @@ A case is the operands of one ``attention_p`` (canonical ``BTHD`` layouts) plus 
 """
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from cptransform.op.attention_reference import attention_reference
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.lowering.context_parallel_attention import context_parallel_attention
-from cptransform.op.layouts import LAYOUTS
+from cptransform.lowering.schedule import schedules
 
 MASK_KINDS = ("none", "causal", "window", "causal_window", "segments", "dense",
               "dense_causal", "bias")
@@ -96,24 +94,20 @@ def position_case(rng, kind, seq, explicit):
     return Case(tuple(operands), spec)
 
 
-def pairwise_cases(cps=(2, 4, 8)):
-    """A covering list of ``(cp, layout, mask kind, head kind, dv)``: every mask kind, and
-    every pair of (layout, heads), (layout, cp), (heads, cp) at least once."""
-    heads = tuple(HEAD_KINDS)
-    cases = []
-    pairs = list(itertools.product(range(3), range(3)))
-    for i, kind in enumerate(MASK_KINDS + MASK_KINDS[1:2]):
-        a, b = pairs[i % len(pairs)]
-        cases.append((cps[(a + b) % len(cps)], LAYOUTS[a], kind, heads[b], 8 if i % 2 else 12))
-    return cases
+#: Mesh shapes the tests cycle through, by a schedule's number of mesh axes.
+MESH_SHAPES = {1: ((2,), (4,), (8,)), 2: ((2, 2), (2, 4), (4, 2))}
 
 
-def fast_slice(cases, fast: tuple[int, ...]) -> list:
-    """``cases`` as ``pytest.param``s: the cases at the indices ``fast`` run in the fast tier,
-    the others are marked ``slow``. Each schedule sharing :func:`pairwise_cases` picks other
-    indices, so the fast tier sees every layout and several mask kinds across schedules."""
-    return [pytest.param(*case, marks=() if i in fast else pytest.mark.slow)
-            for i, case in enumerate(cases)]
+def schedule_axes(schedule: str) -> tuple[str, ...]:
+    """The mesh axis names ``schedule`` runs over, read off its registered record: a
+    two-axis schedule's (inner, outer) names, else ``("cp",)``."""
+    record = schedules()[schedule]
+    return record.inner.names if record.inner is not None else ("cp",)
+
+
+def schedule_mesh_shapes(schedule: str) -> tuple[tuple[int, ...], ...]:
+    """The mesh shapes of :data:`MESH_SHAPES` for ``schedule``'s number of mesh axes."""
+    return MESH_SHAPES[schedules()[schedule].mesh_axes]
 
 
 def relative_error(got, want) -> float:

@@ -9,7 +9,6 @@ A slice of the matrix runs in the fast tier (a different slice per target); the 
 """
 import dataclasses
 
-import jax.numpy as jnp
 import pytest
 
 from cptransform.lowering.kernels.lowering_check import (TARGETS, Case, cases, declared,
