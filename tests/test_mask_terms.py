@@ -18,7 +18,7 @@ from cptransform.lowering.schedule import schedules
 from cptransform.op import mask_terms
 from cptransform.op.attention_reference import attention_reference
 from cptransform.op.attention_spec import MaskSpec
-from cptransform.op.layouts import LAYOUTS, SequenceLayout
+from cptransform.op.layouts import SequenceLayout
 
 POSITION_TERMS = [mask_terms.Band(None, 0), mask_terms.Band(-5, 3), mask_terms.Band(2, None),
                   mask_terms.Chunks(7), mask_terms.Chunks(1)]
