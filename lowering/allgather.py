@@ -24,7 +24,8 @@ from cptransform.analysis.attention_shape import AttentionShape
 from cptransform.analysis.block_work import rank_positions
 from cptransform.analysis.cost_model import metadata, operands
 from cptransform.analysis.schedule_statement import Calls, LocalStep, Statement, shard_grid
-from cptransform.lowering.block import Block, Side
+from cptransform.lowering.block import Block
+from cptransform.op.operand_roles import Side
 from cptransform.lowering.schedule import (Schedule, added_fill_sharded, any_length,
                                            differentiable, key_count, register_schedule,
                                            with_sinks)

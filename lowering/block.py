@@ -26,72 +26,23 @@ Shapes (``B`` = all batch dims flattened, a heads dim always present):
   query head) (:mod:`~cptransform.op.dropout`); replicated over the CP devices like the
   sinks, but read by the kernels, which draw each tile's bits from it and the positions.
 
-Each field's :class:`Role` (:data:`ROLES`: its :class:`Side`, the operand it comes from)
-says how it is sharded, permuted, sliced, sent and regrouped; the schedules loop over it.
+Each field's :class:`~cptransform.op.operand_roles.Role`
+(:data:`~cptransform.op.attention_spec.ROLES`: its :class:`Side`, the operand it comes
+from; the mask terms declare their operands' roles) says how it is sharded, permuted,
+sliced, sent and regrouped; the schedules and kernels loop over it.
 """
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
 from jax import lax
 
-
-class Side(enum.Enum):
-    """Which token dim an operand's entries follow: how it is sharded, permuted to a
-    layout, sliced, sent around a ring and regrouped by Ulysses."""
-
-    QUERY = "query"   # [B|1, Tq, ...]: one entry per query token
-    KEY = "key"       # [B|1, Tkv, ...]: one entry per key; travels with K and V
-    ROWS = "rows"     # [B|1, H|1, Tq, ...]: a row per query (pair masks, top-k picks)
-    HEADS = "heads"   # [B|1, H, ...]: per query head, no token dim; on every CP device
-
-
-#: The axis of each side's token dim (``None``: it has none).
-TOKEN_AXIS = {Side.QUERY: 1, Side.KEY: 1, Side.ROWS: 2, Side.HEADS: None}
-
-
-@dataclass(frozen=True)
-class Role:
-    """What one :class:`Block` field is: its ``side``; the ``attention_p`` operand it is
-    built from (``None`` for q, k, v, which are always there); ``heavy``: q, k or v (moved
-    head-sharded by Ulysses' all-to-all, where the light fields are gathered);
-    ``columns``: its last dim is the keys (all of them on every device, in the keys'
-    layout order, narrowed per ring step); ``integer``: built as int32."""
-
-    side: Side
-    operand: str | None = None
-    heavy: bool = False
-    columns: bool = False
-    integer: bool = False
-
-    @property
-    def token_axis(self) -> int | None:
-        """The axis of its query or key dim (a row's query dim for ``ROWS``)."""
-        return TOKEN_AXIS[self.side]
-
-
-#: Every field's role: the schedules' sharding, layout permutation, Ulysses regrouping,
-#: ring travel and slicing loop over this table, so an operand is added here once.
-ROLES: dict[str, Role] = {
-    "q": Role(Side.QUERY, heavy=True),
-    "k": Role(Side.KEY, heavy=True),
-    "v": Role(Side.KEY, heavy=True),
-    "q_pos": Role(Side.QUERY, "q_positions", integer=True),
-    "kv_pos": Role(Side.KEY, "kv_positions", integer=True),
-    "q_seg": Role(Side.QUERY, "q_segment_ids"),
-    "kv_seg": Role(Side.KEY, "kv_segment_ids"),
-    "mask": Role(Side.ROWS, "mask", columns=True),
-    "bias": Role(Side.ROWS, "bias", columns=True),
-    "sinks": Role(Side.HEADS, "sinks"),
-    # Global key positions: rows follow the queries, values are never narrowed.
-    "topk": Role(Side.ROWS, "topk_indices", integer=True),
-    "q_coord": Role(Side.QUERY, "q_coordinates", integer=True),
-    "dropout": Role(Side.HEADS, "dropout_seed"),
-}
+from cptransform.op.attention_spec import ROLES
+from cptransform.op.mask_terms import TERM_ROLES
+from cptransform.op.operand_roles import Role, Side
 
 #: The fields that belong to the keys: they travel together (ring) or are gathered together.
 KEY_FIELDS = tuple(name for name, role in ROLES.items() if role.side is Side.KEY)
@@ -139,6 +90,25 @@ class Block:
                 return lax.slice_in_dim(x, start, stop, axis=1)
             return lax.slice_in_dim(x, start, stop, axis=3) if r.columns else x
         return self.by_role(cut)
+
+    def tile(self, q_start, q_size: int, kv_start, kv_size: int) -> "Block":
+        """Queries ``[q_start, q_start + q_size)`` against keys ``[kv_start, kv_start +
+        kv_size)`` (traced starts): every operand cut along its side's token dims."""
+        def cut(x, r):
+            if r.side is Side.KEY:
+                return lax.dynamic_slice_in_dim(x, kv_start, kv_size, axis=1)
+            if r.side is Side.HEADS:
+                return x
+            x = lax.dynamic_slice_in_dim(x, q_start, q_size, axis=r.token_axis)
+            return lax.dynamic_slice_in_dim(x, kv_start, kv_size, axis=3) if r.columns else x
+        return self.by_role(cut)
+
+    def term_operands(self) -> dict:
+        """The operands the mask terms bring, by field name (``None`` when absent): what
+        :func:`~cptransform.op.attention_reference.visible`,
+        :meth:`~cptransform.op.mask_terms.Blocks.cut` and
+        :meth:`~cptransform.op.mask_terms.Tile.of` take beside the positions."""
+        return {name: getattr(self, name) for name in TERM_ROLES}
 
     def keys(self) -> "Block":
         """Only the key side (k, v, kv positions, kv segment ids): what moves with K/V."""

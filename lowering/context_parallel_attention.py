@@ -30,7 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from cptransform.analysis.attention_shape import attention_shape
 from cptransform.ir.errors import ContextParallelError, KernelError, unknown_name
-from cptransform.lowering.block import ROLES, Block, Side
+from cptransform.lowering.block import Block
+from cptransform.op.attention_spec import ROLES
+from cptransform.op.operand_roles import Side
 from cptransform.lowering.kernels import ProfiledKernel, kernels
 from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
 from cptransform.lowering.padding import pad_block

@@ -11,12 +11,12 @@ so that the result, cut back to the real queries, is exactly the unpadded attent
   query uses, which exists among ``0 … n`` for ``n`` query ids). K and V of pad keys are
   zero, so the ``"uniform"`` fill, which sums V and divides by ``spec.real_keys``, and the
   ``0·V`` an empty row adds, stay those of the real keys;
-* **pad queries see a real key** (key 0: the position ``kv_pos[0] - d`` with ``d`` inside
-  the mask's band, the coordinate ``kv_pos[0] - d`` with ``d`` inside the coordinate
-  band, key 0's segment id, an all-True dense-mask row, key 0's position as every top-k
-  index), so no pad row is empty
-  and none turns into NaN under ``empty_rows="nan"``; their outputs are dropped and their
-  cotangents are zero, so they add nothing to any gradient.
+* **pad queries see a real key** (key 0): their positions are ``kv_pos[0] - d`` with ``d``
+  inside the mask's band, and every term gives its own operands' values at them
+  (:meth:`~cptransform.op.mask_terms.Segments.padding` and its siblings: key 0's segment
+  id, an all-True dense-mask row, key 0's position as every top-k index, …), so no pad row
+  is empty and none turns into NaN under ``empty_rows="nan"``; their outputs are dropped
+  and their cotangents are zero, so they add nothing to any gradient.
 
 Dense masks are padded with True (the segment mask hides pad keys), biases with 0.
 """
@@ -25,7 +25,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from cptransform.lowering.block import Block
-from cptransform.op.attention_spec import AttentionSpec
+from cptransform.op.attention_spec import ROLES, AttentionSpec
+from cptransform.op.mask_terms import offset_within
+from cptransform.op.operand_roles import Role, Side
 
 
 def _extend(x, to: int, fill):
@@ -55,13 +57,6 @@ def _pad_rows(x, tq: int, fill):
     return jnp.concatenate([x, tail.astype(x.dtype)], axis=2)
 
 
-def _inside(lo: int | None, hi: int | None) -> int:
-    """A ``d`` in ``[lo, hi]`` (``None``: open), 0 when it can be: for the mask's band on
-    ``kv_pos - q_pos`` or its coordinate band on ``kv_pos - q_coord``."""
-    d = 0 if lo is None else max(0, lo)
-    return d if hi is None else min(d, hi)
-
-
 def _unused_id(ids):
     """The smallest non-negative id not in ``ids`` (traced; at most ``ids.size``)."""
     flat = ids.reshape(-1).astype(jnp.int32)
@@ -82,6 +77,7 @@ def pad_block(block: Block, spec: AttentionSpec, tq: int, tkv: int) -> tuple[Blo
     real_q, real_kv = block.q.shape[1], block.k.shape[1]
     if (real_q, real_kv) == (tq, tkv):
         return block, spec
+    padded_spec = spec.replace(mask=spec.mask.replace(segments=True), real_keys=real_kv)
     if spec.mask.segments:
         q_seg, kv_seg = block.q_seg, block.kv_seg
         hidden = _unused_id(q_seg)
@@ -94,18 +90,30 @@ def pad_block(block: Block, spec: AttentionSpec, tq: int, tkv: int) -> tuple[Blo
     n = _batch_of(block.q_pos, block.kv_pos)
     q_pos, kv_pos = (jnp.broadcast_to(x, (n, x.shape[1])) for x in (block.q_pos, block.kv_pos))
     last = kv_pos[:, -1:]
-    padded = Block(
+    first = {"kv_pos": kv_pos[:, :1], "kv_seg": kv_seg[:, :1]}
+    padded = block.replace(
         q=_extend(block.q, tq, 0), k=_extend(block.k, tkv, 0), v=_extend(block.v, tkv, 0),
-        q_pos=_extend(q_pos, tq, kv_pos[:, :1] - _inside(*spec.mask.band())),
+        q_pos=_extend(q_pos, tq, first["kv_pos"] - offset_within(*spec.mask.band())),
         # Pad keys continue after the last real one: position ranges (and so the kernels'
         # skipping of empty chunk pairs) stay as tight as the real keys allow.
         kv_pos=_extend(kv_pos, tkv,
                        last + 1 + jnp.arange(tkv - real_kv, dtype=last.dtype)[None, :]),
-        q_seg=_extend(q_seg, tq, kv_seg[:, :1]), kv_seg=_extend(kv_seg, tkv, hidden),
-        mask=_pad_dense(block.mask, tq, tkv, True), bias=_pad_dense(block.bias, tq, tkv, 0),
-        sinks=block.sinks, topk=_pad_rows(block.topk, tq, kv_pos[:, :1]),
-        q_coord=None if block.q_coord is None else _extend(
-            jnp.broadcast_to(block.q_coord, (_batch_of(block.q_coord, kv_pos), real_q)), tq,
-            kv_pos[:, :1] - _inside(*spec.mask.coordinate_band)),
-        dropout=block.dropout)
-    return padded, spec.replace(mask=spec.mask.replace(segments=True), real_keys=real_kv)
+        q_seg=q_seg, kv_seg=_extend(kv_seg, tkv, hidden),
+        bias=_pad_dense(block.bias, tq, tkv, 0))
+    for term in padded_spec.mask.terms():
+        for name, fill in term.padding(first).items():
+            padded = padded.replace(**{name: _pad_queries(
+                getattr(padded, name), ROLES[name], fill, tq, tkv, first["kv_pos"])})
+    return padded, padded_spec
+
+
+def _pad_queries(x, role: Role, fill, tq: int, tkv: int, first):
+    """A term's operand padded to ``tq`` queries with ``fill`` (and, for a pair mask, to
+    ``tkv`` keys): per query ``[B|1, Tq]``, per row ``[B|1, H|1, Tq, k]`` or per pair."""
+    if x is None:
+        return None
+    if role.columns:
+        return _pad_dense(x, tq, tkv, fill)
+    if role.side is Side.ROWS:
+        return _pad_rows(x, tq, jnp.broadcast_to(fill, first.shape))
+    return _extend(jnp.broadcast_to(x, (_batch_of(x, first), x.shape[1])), tq, fill)

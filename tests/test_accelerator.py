@@ -101,7 +101,7 @@ def reference(block: Block, spec, do):
     block, do = _on_host(block), _on_host(do)
     with jax.default_device(jax.devices("cpu")[0]), jax.default_matmul_precision("highest"):
         o, lse = attend(spec, block.q, block.k, block.v, block.q_pos, block.kv_pos,
-                        block.q_seg, block.kv_seg, block.mask, block.bias, block.topk)
+                        bias=block.bias, **block.term_operands())
         grads = get_kernel("xla").backward(block, o, lse, do, spec)
     return (o, lse) + tuple(grads)
 

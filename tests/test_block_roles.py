@@ -2,21 +2,31 @@
 ``attention_p`` a field, and the slicing the schedules and kernels do by role cuts each
 operand along the dim its side says (checked against hand-written slices on random data)."""
 import dataclasses
+import pathlib
+import re
 
 import jax.numpy as jnp
 import numpy as np
 
-from cptransform.lowering.block import KEY_FIELDS, ROLES, Block, Side
-from cptransform.op.attention_reference import split_operands
+from cptransform.lowering.block import KEY_FIELDS, Block
+from cptransform.op.attention_spec import ROLES
+from cptransform.op.operand_roles import Side
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 
 
 def test_every_field_has_a_role_and_every_operand_a_field():
-    assert list(ROLES) == [f.name for f in dataclasses.fields(Block)]
+    assert sorted(ROLES) == sorted(f.name for f in dataclasses.fields(Block))
     bthd = Layout.parse("BTHD")
-    spec = AttentionSpec(bthd, bthd, bthd, scale=1.0, mask=MaskSpec(causal=True))
-    operands = set(split_operands(spec, (None,) * 3)) - {"q", "k", "v"}
-    assert {r.operand for r in ROLES.values() if r.operand} == operands
+    every = MaskSpec(causal=True, segments=True, dense=True, bias=True, topk=True, chunk=4,
+                     coordinate_band=(-2, 2))
+    spec = AttentionSpec(bthd, bthd, bthd, scale=1.0, mask=every, positions=True, sinks=True)
+    # Every operand an attention with every term and feature has is some field's operand.
+    assert set(spec.operand_names()) - {"q", "k", "v", "dropout_seed"} \
+        == {r.operand for r in ROLES.values() if r.operand} - {"dropout_seed"}
+    # A term's roles are those of the operands it reads beyond the positions.
+    for term in every.terms():
+        assert {r.operand for r in term.roles.values()} \
+            == set(term.operands) - {"q_positions", "kv_positions"}
     assert KEY_FIELDS == ("k", "v", "kv_pos", "kv_seg")
 
 
@@ -55,3 +65,19 @@ def test_columns_narrow_only_the_pair_operands(rng):
         np.testing.assert_array_equal(getattr(got, name), want, err_msg=name)
     assert {n for n, r in ROLES.items() if r.columns} == {"mask", "bias"}
     assert {n for n, r in ROLES.items() if r.side is Side.HEADS} == {"sinks", "dropout"}
+
+
+def test_a_mask_kind_is_named_only_where_it_is_defined_matched_and_carried():
+    """The coordinate band, the newest mask kind, is named (any spelling) only in its term,
+    its spec field, its matcher rule and the Block field: every other layer reads it
+    through the operand roles (docs/architecture.md, "Mask terms and operand roles")."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spelled = re.compile(r"coordinate_band|CoordinateBand|q_coord|coordinates|coordinate band",
+                         re.I)
+    naming = sorted(str(p.relative_to(root)) for top in ("cptransform", "passes", "lowering")
+                    for p in (root / top).rglob("*.py") if spelled.search(p.read_text()))
+    assert naming == [
+        "cptransform/analysis/mask_parts.py", "cptransform/analysis/mask_predicates.py",
+        "cptransform/analysis/mask_values.py", "cptransform/op/attention_spec.py",
+        "cptransform/op/mask_terms.py", "lowering/block.py",
+        "passes/match_attention/candidate.py", "passes/match_attention/emit.py"]

@@ -55,8 +55,8 @@ def problem(rng, kind, heads, *, tq=13, tkv=11, d=8, dv=12, batch=2, dtype=jnp.f
 
 
 def reference(block, spec):
-    return attend(spec, block.q, block.k, block.v, block.q_pos, block.kv_pos, block.q_seg,
-                  block.kv_seg, block.mask, block.bias)
+    return attend(spec, block.q, block.k, block.v, block.q_pos, block.kv_pos,
+                  bias=block.bias, **block.term_operands())
 
 
 def check(block, spec, kernel, tol):

@@ -30,8 +30,8 @@ def test_block_kinds_are_conservative(rng):
         for _ in range(25):
             coord = rng.integers(0, 24, (1, 6))
             keys = rng.integers(0, 24) + np.arange(rng.integers(1, 8))[None]
-            blocks = mask_terms.Blocks.cut(np.zeros_like(coord), keys, None, None, None, None,
-                                           6, keys.shape[1], q_coord=coord)
+            blocks = mask_terms.Blocks.cut(np.zeros_like(coord), keys, 6, keys.shape[1],
+                                           q_coord=coord)
             may, full = (bool(np.all(x)) for x in term.block_kind(blocks))
             seen = np.asarray(term.visible(mask_terms.Tile(None, keys, q_coord=coord.T)))
             assert may or not seen.any()

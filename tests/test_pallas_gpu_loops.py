@@ -72,7 +72,7 @@ def _mask_case(rng, kind: str):
     tq, tkv = 37, 45
     q_pos = jnp.asarray(np.arange(tq) + rng.integers(0, 12), jnp.int32)[None]
     kv_pos = jnp.arange(tkv, dtype=jnp.int32)[None]
-    args = dict(q_pos=q_pos, kv_pos=kv_pos, q_seg=None, kv_seg=None, dense=None)
+    args = dict(q_pos=q_pos, kv_pos=kv_pos, q_seg=None, kv_seg=None, mask=None)
     if kind == "causal":
         return MaskSpec(causal=True), args
     if kind == "window":
@@ -90,7 +90,7 @@ def _mask_case(rng, kind: str):
         tiles = rng.random((2, 10, 12)) < 0.5
         dense = np.kron(tiles, np.ones((4, 4), bool))[:, None, :tq, :tkv]
         dense = dense ^ (rng.random(dense.shape) < 0.02)
-        return MaskSpec(dense=True), dict(args, dense=jnp.asarray(dense))
+        return MaskSpec(dense=True), dict(args, mask=jnp.asarray(dense))
     assert kind == "topk"
     topk = jnp.asarray(rng.integers(0, tkv, (1, 2, tq, 5)), jnp.int32)
     return MaskSpec(causal=True, topk=True), dict(args, topk=topk)
@@ -107,9 +107,7 @@ def test_loop_bounds_agree_with_the_table_and_the_element_mask(rng, kind):
     every other visited tile. Also for the transposed (KV-major) table."""
     for _ in range(4):
         mask, args = _mask_case(rng, kind)
-        tq, tkv = args["q_pos"].shape[-1], args["kv_pos"].shape[-1]
-        see = np.asarray(visible(mask, args["q_pos"], args["kv_pos"], args["q_seg"],
-                                 args["kv_seg"], args["dense"], args.get("topk")))
+        see = np.asarray(visible(mask, **args))
         for bq, bk in ((4, 4), (8, 4), (4, 16)):
             table = block_table(mask, **args, block_q=bq, block_kv=bk)
             for kv_major in (False, True):

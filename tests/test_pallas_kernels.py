@@ -63,7 +63,7 @@ def check_kernel(kernel, block, spec, rng, tol):
     """Forward against ``attend``; backward (from the merged o/lse, with a dlse) against the
     XLA kernel's backward."""
     o_ref, lse_ref = attend(spec, block.q, block.k, block.v, block.q_pos, block.kv_pos,
-                            block.q_seg, block.kv_seg, block.mask, block.bias)
+                            bias=block.bias, **block.term_operands())
     o, lse = kernel.forward(block, spec)
     close(o, o_ref, tol)
     close(lse, lse_ref, tol)
@@ -118,7 +118,7 @@ def test_block_table_causal_is_exact():
     """Causal, nb × nb blocks: nb(nb+1)/2 computed, the nb diagonal ones partial."""
     nb, blk = 5, 4
     pos = jnp.arange(nb * blk, dtype=jnp.int32)[None]
-    table = np.asarray(block_table(MaskSpec(causal=True), pos, pos, None, None, None, blk, blk))
+    table = np.asarray(block_table(MaskSpec(causal=True), pos, pos, blk, blk))
     assert table.shape == (1, 1, nb, nb)
     assert (table != BlockKind.SKIP).sum() == nb * (nb + 1) // 2
     assert (table == BlockKind.PARTIAL).sum() == nb
@@ -131,22 +131,22 @@ def test_block_table_segments_dense_window_and_padding():
     S, F, P = BlockKind.SKIP, BlockKind.FULL, BlockKind.PARTIAL  # one letter per table entry
     pos = jnp.arange(8, dtype=jnp.int32)[None]
     seg = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1]], jnp.int32)
-    table = block_table(MaskSpec(segments=True), pos, pos, seg, seg, None, 4, 4)
+    table = block_table(MaskSpec(segments=True), pos, pos, 4, 4, q_seg=seg, kv_seg=seg)
     np.testing.assert_array_equal(table[0, 0], [[F, S], [S, F]])
     # Window (2, 2): blocks 2 apart never meet; neighbours are partial.
     pos12 = jnp.arange(12, dtype=jnp.int32)[None]
-    table = block_table(MaskSpec(window=(2, 2)), pos12, pos12, None, None, None, 4, 4)
+    table = block_table(MaskSpec(window=(2, 2)), pos12, pos12, 4, 4)
     np.testing.assert_array_equal(table[0, 0], [[P, P, S],
                                                 [P, P, P],
                                                 [S, P, P]])
     # Dense tiles: all False → skip, all True → full, per head; padding is never full.
     dense = jnp.zeros((1, 2, 8, 6), bool).at[:, 0, :4, :4].set(True).at[:, 1, 4:, :].set(True)
-    table = block_table(MaskSpec(dense=True), pos, pos[:, :6], None, None, dense, 4, 4)
+    table = block_table(MaskSpec(dense=True), pos, pos[:, :6], 4, 4, mask=dense)
     np.testing.assert_array_equal(table[0], [[[F, S], [S, S]],
                                              [[S, S], [F, P]]])
-    full = block_table(MaskSpec(), pos, pos[:, :6], None, None, None, 4, 4)
+    full = block_table(MaskSpec(), pos, pos[:, :6], 4, 4)
     np.testing.assert_array_equal(full[0, 0], [[F, P], [F, P]])
-    ragged_q = block_table(MaskSpec(), pos[:, :6], pos, None, None, None, 4, 4)
+    ragged_q = block_table(MaskSpec(), pos[:, :6], pos, 4, 4)
     np.testing.assert_array_equal(ragged_q[0, 0], [[F, F], [P, P]])
 
 
@@ -215,8 +215,8 @@ def test_kv_major_table_is_the_forward_table_transposed(rng):
     """A per-head dense mask of 4 query heads over 2 KV heads."""
     dense = rng.random((1, 4, 16, 16)) < 0.5
     dense[..., :4, 4:8] = False
-    table = np.asarray(block_table(MaskSpec(dense=True), *[jnp.arange(16)[None]] * 2, None,
-                                   None, jnp.asarray(dense), 4, 4))
+    table = np.asarray(block_table(MaskSpec(dense=True), *[jnp.arange(16)[None]] * 2, 4, 4,
+                                   mask=jnp.asarray(dense)))
     assert table.shape == (1, 4, 4, 4)
     kv_major = np.asarray(pallas_tpu.kv_major_table(table, 2, 2))
     for hk, j, r in np.ndindex(2, 4, 8):

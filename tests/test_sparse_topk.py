@@ -322,8 +322,8 @@ def reference_step(block, spec, *diff):
     """``attend`` on ``block`` as a function of the fields ``diff`` (for its VJP)."""
     def run(*xs):
         blk = block.replace(**dict(zip(diff, xs)))
-        return attend(spec, blk.q, blk.k, blk.v, blk.q_pos, blk.kv_pos, blk.q_seg, blk.kv_seg,
-                      blk.mask, blk.bias, blk.topk)
+        return attend(spec, blk.q, blk.k, blk.v, blk.q_pos, blk.kv_pos, bias=blk.bias,
+                      **blk.term_operands())
     return run
 
 

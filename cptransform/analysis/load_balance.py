@@ -17,11 +17,12 @@ import numpy as np
 
 from cptransform.analysis.block_work import Work
 from cptransform.op.layouts import LAYOUTS
+from cptransform.op.mask_terms import TERMS
 
 #: What the balance assumes about masks that depend on data.
-DATA_MASK_NOTE = ("segment ids / dense masks / top-k indices are data, as are coordinate "
-                  "bands: their blocks count as visible, so "
-                  "the balance is that of the mask's band part")
+DATA_MASK_NOTE = (" / ".join(t.label for t in TERMS if t.key_hull is None)
+                  + " are data: their blocks count as visible, so the balance is that of "
+                  "the mask's band part")
 
 #: Predicted program times within this factor count as a tie, which goes to the layout with
 #: the least work on its busiest rank, then to the earlier of :data:`LAYOUTS` (contiguous

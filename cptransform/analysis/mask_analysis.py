@@ -37,12 +37,12 @@ import numpy as np
 from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.intervals import normalize
 from cptransform.analysis.mask_values import (AbsAffine, Affine, And, Band, Const,
-                                              CoordinateBand, Dense, DimMap, FloorDiv,
+                                              Dense, DimMap, FloorDiv,
                                               Indicator, Opaque, Pred, Scalar, Segments, Shifted,
                                               is_known, p_and, p_not, p_or)
 from cptransform.analysis.mask_predicates import (FLIP, MAX_CONSTANT_MASK, NP_COMPARE,
                                                   abs_band, chunk_of, constant_band,
-                                                  coordinate_band, difference_band,
+                                                  difference_band, index_against_data,
                                                   floor_division, is_int, non_negative,
                                                   shifted_data)
 from cptransform.analysis.mask_topk import topk_scatter, unwrapped_index
@@ -373,10 +373,9 @@ class MaskAnalyzer:
         outcome = _two_valued_compare(op, a, b)
         if outcome is not None:
             return self.as_pred(outcome, here)
-        for x, y, o in ((a, b, op), (b, a, FLIP[op])):
-            band = coordinate_band(o, affine(x), y, here)
-            if band is not None:
-                return band
+        band = index_against_data(op, a, b, affine, here)
+        if band is not None:
+            return band
         a, b = (x.value if isinstance(x, Shifted) else x for x in (a, b))
         if op == "eq" and isinstance(a, Opaque) and isinstance(b, Opaque):
             return Segments(a, b, origin=here)
@@ -452,7 +451,7 @@ def _empty(p: Pred) -> bool:
     """Whether ``p`` provably holds nowhere."""
     if isinstance(p, Const):
         return not p.value
-    if isinstance(p, (Band, CoordinateBand)):
+    if p.line is not None:
         return not p.intervals
     if isinstance(p, And):
         return any(_empty(t) for t in p.terms)

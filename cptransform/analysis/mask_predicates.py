@@ -10,7 +10,7 @@ that depends on ``index_b - index_a`` alone a :class:`Band` again.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -171,7 +171,18 @@ def shifted_data(op: str, a: Any, b: Any, here: Opaque) -> Shifted | None:
     return None
 
 
-def coordinate_band(op: str, index: Affine | None, data: Any,
+def index_against_data(op: str, a: Any, b: Any, affine: Callable[[Any], Affine | None],
+                       origin: Opaque) -> CoordinateBand | None:
+    """``a op b`` where one side is one index (through ``affine``) and the other integer
+    data: the :class:`CoordinateBand` it bounds, or None."""
+    for x, y, o in ((a, b, op), (b, a, FLIP[op])):
+        band = _coordinate_band(o, affine(x), y, origin)
+        if band is not None:
+            return band
+    return None
+
+
+def _coordinate_band(op: str, index: Affine | None, data: Any,
                      origin: Opaque) -> CoordinateBand | None:
     """``index op data`` of one index (coefficient 1, plus a constant) and integer data
     plus a constant, as ``index - coordinate`` in intervals; None for anything else."""

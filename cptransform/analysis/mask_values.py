@@ -88,6 +88,12 @@ class Pred:
 
     origin: Opaque | None = field(default=None, compare=False, kw_only=True)
 
+    @property
+    def line(self) -> tuple | None:
+        """The difference an interval predicate bounds to its ``intervals`` (hashable:
+        equal for two predicates of one difference), or None for any other predicate."""
+        return None
+
 
 @dataclass(frozen=True)
 class Const(Pred):
@@ -103,6 +109,10 @@ class Band(Pred):
     a: int = 0
     b: int = 0
     intervals: tuple = ()
+
+    @property
+    def line(self) -> tuple:
+        return Band, self.a, self.b
 
 
 @dataclass(frozen=True)
@@ -132,21 +142,15 @@ class CoordinateBand(Pred):
     key_dim: int | None = None
     intervals: tuple = ()
 
-
-def _line(p: Pred) -> tuple | None:
-    """The difference an interval predicate bounds (a band's pair of dims, a coordinate
-    band's coordinate and key dim), or None for a predicate of no intervals."""
-    if isinstance(p, Band):
-        return Band, p.a, p.b
-    if isinstance(p, CoordinateBand):
-        return CoordinateBand, p.coordinate, p.key_dim
-    return None
+    @property
+    def line(self) -> tuple:
+        return CoordinateBand, self.coordinate, self.key_dim
 
 
 def same_line(a: Pred, b: Pred) -> bool:
-    """Whether ``a`` and ``b`` are both interval predicates of one difference: bands over
-    the same pair of dims, or coordinate bands of one coordinate and key dim."""
-    return _line(a) is not None and _line(a) == _line(b)
+    """Whether ``a`` and ``b`` are both interval predicates of one difference
+    (:attr:`Pred.line`)."""
+    return a.line is not None and a.line == b.line
 
 
 @dataclass(frozen=True)
@@ -220,10 +224,10 @@ def implies(a: Pred, b: Pred) -> bool:
         return False
     lines: dict = {}
     for t in terms:
-        if _line(t) is not None:
-            lines[_line(t)] = intersect(lines.get(_line(t), ((None, None),)), t.intervals)
+        if t.line is not None:
+            lines[t.line] = intersect(lines.get(t.line, ((None, None),)), t.intervals)
     for t in conjuncts(b):
-        held = lines.get(_line(t)) if _line(t) is not None else None
+        held = lines.get(t.line) if t.line is not None else None
         inside = held is not None and intersect(held, t.intervals) == normalize(held)
         if t not in terms and not inside:
             return False
@@ -263,7 +267,7 @@ def p_not(a: Pred, origin: Opaque) -> Pred:
     """``not a``."""
     if isinstance(a, Const):
         return Const(value=not a.value, origin=origin)
-    if isinstance(a, (Band, CoordinateBand)):
+    if a.line is not None:
         return dataclasses.replace(a, intervals=complement(a.intervals), origin=origin)
     if isinstance(a, Dense):
         return Dense(source=a.source, negated=not a.negated, test=a.test, origin=origin)

@@ -22,33 +22,34 @@ from cptransform.analysis.dim_rules import Link
 from cptransform.analysis.primitives import seq_links
 from cptransform.ir import compat
 from cptransform.op.attention import attention_p
+from cptransform.op.attention_spec import ROLES
+from cptransform.op.operand_roles import Side
 from cptransform.ir.errors import SeqAxisError
 
 
 def attention_sides(eqn) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
     """The ``(atom, dim)`` pairs of one attention equation that are its query sequence (q,
-    the output, q positions, segment ids and coordinates, mask and bias rows) and its key
-    sequence (k, v, kv positions and segment ids, mask and bias columns). Top-k indices' rows are
-    queries (their ``k`` dim is no sequence); the sinks (one logit per batch entry and
-    head) have no sequence dim, and
+    the output, every query-side operand, the rows of mask, bias and top-k indices) and its
+    key sequence (k, v, every key-side operand, the mask's and bias's columns), read from
+    the operands' roles (:data:`~cptransform.op.attention_spec.ROLES`). The top-k ``k`` dim
+    is no sequence; the sinks and the dropout seed (per head) have none, and
     :func:`~cptransform.analysis.dim_rules.link_attention` links none of theirs."""
     spec = eqn.params["spec"]
     operands = dict(zip(spec.operand_names(), eqn.invars))
     q_side = [(operands["q"], spec.q.seq), (eqn.outvars[0], spec.q.seq)]
     kv_side = [(operands["k"], spec.k.seq), (operands["v"], spec.v.seq)]
-    for side, prefix in ((q_side, "q_"), (kv_side, "kv_")):
-        for name in (prefix + "positions", prefix + "segment_ids"):
-            if name in operands:
-                side.append((operands[name], operands[name].aval.ndim - 1))
-    for name in ("mask", "bias"):
-        if name in operands:
-            nd = operands[name].aval.ndim
-            q_side.append((operands[name], nd - 2))
-            kv_side.append((operands[name], nd - 1))
-    if "topk_indices" in operands:
-        q_side.append((operands["topk_indices"], operands["topk_indices"].aval.ndim - 2))
-    if "q_coordinates" in operands:
-        q_side.append((operands["q_coordinates"], operands["q_coordinates"].aval.ndim - 1))
+    for role in ROLES.values():
+        x = operands.get(role.operand) if role.operand else None
+        if x is None or role.side is Side.HEADS:
+            continue
+        nd = x.aval.ndim
+        if role.per_token:
+            (q_side if role.side is Side.QUERY else kv_side).append((x, nd - 1))
+            continue
+        # Rows: a pair mask or bias ``[..., Tq, Tkv]``, top-k picks ``[..., Tq, k]``.
+        q_side.append((x, nd - 2))
+        if role.columns:
+            kv_side.append((x, nd - 1))
     keep = lambda seeds: [(a, d) for a, d in seeds  # noqa: E731
                           if not compat.is_literal(a) and a.aval.shape[d] != 1]
     return keep(q_side), keep(kv_side)

@@ -62,8 +62,8 @@ def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
 
     The terms classify the runs of consecutive positions of each side from their ranges
     (:func:`~cptransform.op.mask_terms.meet`), never a dense visibility, so a chart at
-    a million tokens costs a few arrays of ``MAX_PIECES²``. Segment ids, dense masks,
-    top-k indices and coordinate bands depend on data: such blocks are ``UNKNOWN`` unless
+    a million tokens costs a few arrays of ``MAX_PIECES²``. The other terms (segment ids,
+    dense masks, top-k indices, …) depend on data: such blocks are ``UNKNOWN`` unless
     the positions already hide
     them entirely — or, for segments, unless ``segment_ids`` (``[B, S]`` in natural order,
     an example-sized batch) gives the data: then the block is classified for that batch
@@ -75,9 +75,10 @@ def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
         return BlockKind.SKIP
     if mask.segments and segment_ids is not None:
         seg = np.asarray(segment_ids)
-        known = mask.replace(dense=False, bias=False, topk=False, coordinate_band=None)
-        seen = np.asarray(visible(known, q_pos[None], kv_pos[None], seg[:, q_pos],
-                                  seg[:, kv_pos]))
+        known = positional + tuple(t for t in terms if isinstance(t, mask_terms.Segments))
+        seen = np.asarray(mask_terms.visible(known, mask_terms.Tile(
+            q_pos=q_pos[None, :, None], kv_pos=kv_pos[None, None, :],
+            q_seg=seg[:, q_pos, None], kv_seg=seg[:, None, kv_pos])))
         if not seen.any():
             return BlockKind.SKIP
         if not _data_beside_segments(mask):
@@ -89,7 +90,7 @@ def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
 
 def _data_beside_segments(mask: MaskSpec) -> bool:
     """Whether a term other than segments depends on data (a dense mask, top-k indices,
-    query coordinates): no example segment ids classify its blocks."""
+    …): no example segment ids classify its blocks."""
     return any(t.key_hull is None and not isinstance(t, mask_terms.Segments)
                for t in mask.terms())
 
@@ -97,8 +98,8 @@ def _data_beside_segments(mask: MaskSpec) -> bool:
 def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
                 segment_ids: np.ndarray | None = None) -> np.ndarray | None:
     """Visible (query, key) pairs per device (rows of ``positions``); ``None`` when the mask
-    depends on data not given: a dense mask, top-k indices, a coordinate band, or segment
-    ids without ``segment_ids``
+    depends on data not given (a term of data other than segments: a dense mask, top-k
+    indices, …), or segment ids without ``segment_ids``
     (``[B, S]`` in natural order; the pairs are then summed over the batch, counted on a
     ``[B, S, S]`` array: for inspecting example-sized batches). Without data, each query's
     visible keys are the interval its terms' key hull gives."""
@@ -107,7 +108,7 @@ def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
     if mask.segments:
         seg = np.asarray(segment_ids)
         pos = np.arange(seq_len)[None]
-        seen = visible(mask.replace(bias=False), pos, pos, seg, seg)  # [B, 1, S, S]
+        seen = visible(mask.replace(bias=False), pos, pos, q_seg=seg, kv_seg=seg)  # [B, 1, S, S]
         per_query = np.asarray(seen).sum(axis=(0, 1, 3))
         return per_query[positions].sum(axis=-1).astype(float)
     q = positions.astype(np.int64)

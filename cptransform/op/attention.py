@@ -14,7 +14,8 @@ import jax.numpy as jnp
 
 from cptransform.ir import compat
 from cptransform.op.attention_reference import attention_reference, split_operands
-from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
+from cptransform.op.attention_spec import ROLES, AttentionSpec, Layout, MaskSpec
+from cptransform.op.operand_roles import Side
 from cptransform.ir.errors import AttentionShapeError
 
 
@@ -61,13 +62,14 @@ def _check_shapes(spec: AttentionSpec, avals) -> None:
                 f"{tuple(bq) + tuple('1|%d' % t if t else '*' for t in tail)} "
                 "(size-1 dims broadcast)")
 
-    for name, t in (("q_positions", tq), ("kv_positions", tkv), ("q_segment_ids", tq),
-                    ("kv_segment_ids", tkv), ("q_coordinates", tq)):
+    per_token = [role for role in ROLES.values() if role.operand and role.per_token]
+    for role in per_token:
+        name, t = role.operand, tq if role.side is Side.QUERY else tkv
         x = a[name]
         if x is not None and x.shape[-1] != t:
             raise AttentionShapeError(f"{name} has length {x.shape[-1]}, the sequence has {t}")
         expect(name, "(*batch, T)", (t,))
-    for name in ("mask", "bias"):
+    for name in (role.operand for role in ROLES.values() if role.columns):
         x = a[name]
         if x is not None and tuple(x.shape[-2:]) != (tq, tkv):
             raise AttentionShapeError(
@@ -88,7 +90,8 @@ def _check_shapes(spec: AttentionSpec, avals) -> None:
 
 
 def _check_index_operands(a: dict, expect, hq: int, tq: int) -> None:
-    """The integer operands: top-k indices, query coordinates, the dropout seed."""
+    """The integer operands: top-k indices, the terms' integer per-token operands, the
+    dropout seed."""
     topk = a["topk_indices"]
     if topk is not None:
         if topk.ndim < 2 or topk.shape[-2] != tq:
@@ -98,9 +101,10 @@ def _check_index_operands(a: dict, expect, hq: int, tq: int) -> None:
         expect("topk_indices", "(*batch, heads|1, Tq, k)", (hq, tq, None))
         if not jnp.issubdtype(topk.dtype, jnp.integer):
             raise AttentionShapeError(f"topk_indices must be integer, got {topk.dtype}")
-    coords = a["q_coordinates"]
-    if coords is not None and not jnp.issubdtype(coords.dtype, jnp.integer):
-        raise AttentionShapeError(f"q_coordinates must be integer, got {coords.dtype}")
+    for name in (role.operand for role in ROLES.values() if role.per_token and role.integer):
+        x = a[name]
+        if x is not None and not jnp.issubdtype(x.dtype, jnp.integer):
+            raise AttentionShapeError(f"{name} must be integer, got {x.dtype}")
     seed = a["dropout_seed"]
     if seed is not None:
         if seed.dtype != jnp.uint32 or seed.shape[-2:] != (hq, 4):

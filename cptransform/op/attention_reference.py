@@ -14,22 +14,22 @@ from jax import lax
 
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op import dropout, mask_terms
-from cptransform.op.attention_spec import AttentionSpec, MaskSpec
+from cptransform.op.attention_spec import OPERAND_NAMES, AttentionSpec, MaskSpec
+from cptransform.op.mask_terms import TERM_ROLES
 
 
-def visible(mask_spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None, dense=None,
-            topk=None, q_coord=None):
+def visible(mask_spec: MaskSpec, q_pos, kv_pos, *, mask=None, topk=None, **per_token):
     """Boolean ``[B|1, H|1, Tq, Tkv]``: which pairs the mask lets through.
 
-    ``q_pos``/``kv_pos`` are ``[B|1, T]`` global positions; segment ids and query
-    coordinates likewise; ``dense``
-    is a boolean ``[B|1, H|1, Tq, Tkv]`` tile or ``None``; ``topk`` int ``[B|1, H|1, Tq, k]``
-    selected key positions or ``None``.
+    ``q_pos``/``kv_pos`` are ``[B|1, T]`` global positions, and so are the mask terms'
+    other per-token operands ``per_token`` (by field name, e.g. ``q_seg``, ``kv_seg``;
+    ``None`` when absent); ``mask`` is a boolean ``[B|1, H|1, Tq, Tkv]`` tile or ``None``;
+    ``topk`` int ``[B|1, H|1, Tq, k]`` selected key positions or ``None``.
     """
-    side = lambda x, at: None if x is None else jnp.expand_dims(x, (1, at))  # noqa: E731
-    tile = mask_terms.Tile(side(q_pos, 3), side(kv_pos, 2), side(q_seg, 3), side(kv_seg, 2),
-                           dense, None if topk is None else selected(topk, kv_pos),
-                           side(q_coord, 3))
+    tile = mask_terms.Tile.of(dict(per_token, q_pos=q_pos, kv_pos=kv_pos),
+                              lambda x: jnp.expand_dims(x, (1, 3)),
+                              lambda x: jnp.expand_dims(x, (1, 2)), dense=mask,
+                              picked=None if topk is None else selected(topk, kv_pos))
     out = jnp.ones((1, 1, q_pos.shape[-1], kv_pos.shape[-1]), dtype=bool)
     return out & mask_terms.visible(mask_spec.terms(), tile)
 
@@ -95,14 +95,12 @@ def logits_and_tanh(spec: AttentionSpec, q, k, bias=None):
     return capped_logits(spec, s, bias)
 
 
-def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
-           mask=None, bias=None, topk=None, q_coord=None, seed=None):
+def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, *, bias=None, seed=None, **operands):
     """One block of attention in canonical layout; returns ``(o, lse)``.
 
-    ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``, ``v [B,Tkv,Hkv,Dv]``; positions, segment ids
-    and query coordinates ``[B|1, T]``; ``mask``/``bias`` ``[B|1, H|1, Tq, Tkv]`` or
-    ``None``; ``topk``
-    ``[B|1, H|1, Tq, k]`` selected key positions or ``None``; ``seed`` the dropout seed
+    ``q [B,Tq,H,D]``, ``k [B,Tkv,Hkv,D]``, ``v [B,Tkv,Hkv,Dv]``; positions ``[B|1, T]``;
+    ``operands``: the mask terms' operands by field name, as :func:`visible` takes them;
+    ``bias`` ``[B|1, H|1, Tq, Tkv]`` or ``None``; ``seed`` the dropout seed
     ``[B|1, H, 4]`` (with ``spec.dropout``). ``o`` is float32
     ``[B,Tq,H,Dv]`` normalised within this block; ``lse`` is float32 ``[B,H,Tq]``.
     ``spec.mask.empty_rows`` is not applied: that is a property of the whole row, see
@@ -118,7 +116,7 @@ def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, q_seg=None, kv_seg=None,
       key nobody sees) makes that (batch, head, feature) column of ``o`` NaN in every row.
     """
     s = logits(spec, q, k, bias)
-    ok = visible(spec.mask, q_pos, kv_pos, q_seg, kv_seg, mask, topk, q_coord)
+    ok = visible(spec.mask, q_pos, kv_pos, **operands)
     s = jnp.where(ok, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     # Only the no-mass case (-inf) is shifted by 0; a NaN or +inf maximum stays and turns
@@ -260,10 +258,7 @@ def from_canonical(spec: AttentionSpec, o):
 def split_operands(spec: AttentionSpec, operands):
     """Name the flat operand list of ``attention_p`` (missing ones are ``None``)."""
     named = dict(zip(spec.operand_names(), operands))
-    return {name: named.get(name) for name in
-            ("q", "k", "v", "q_positions", "kv_positions", "q_segment_ids",
-             "kv_segment_ids", "mask", "bias", "sinks", "topk_indices", "q_coordinates",
-             "dropout_seed")}
+    return {name: named.get(name) for name in OPERAND_NAMES}
 
 
 def flatten_batch(x, nb: int, batch_shape):
@@ -295,10 +290,9 @@ def attention_reference(*operands, spec: AttentionSpec):
     kv_pos = a["kv_positions"]
     q_pos = bcast(q_pos) if q_pos is not None else jnp.arange(tq, dtype=jnp.int32)[None]
     kv_pos = bcast(kv_pos) if kv_pos is not None else jnp.arange(tkv, dtype=jnp.int32)[None]
-    o, lse = attend(spec, q, k, v, q_pos, kv_pos, bcast(a["q_segment_ids"]),
-                    bcast(a["kv_segment_ids"]), bcast(a["mask"]), bcast(a["bias"]),
-                    bcast(a["topk_indices"]), bcast(a["q_coordinates"]),
-                    bcast(a["dropout_seed"]))
+    o, lse = attend(spec, q, k, v, q_pos, kv_pos, bias=bcast(a["bias"]),
+                    seed=bcast(a["dropout_seed"]),
+                    **{name: bcast(a[role.operand]) for name, role in TERM_ROLES.items()})
     if spec.sinks:
         o, lse = merge_sinks(o, lse, bcast(a["sinks"]))
     v_mean = jnp.mean(v.astype(accumulator_dtype(q.dtype)), axis=1, keepdims=True)

@@ -12,6 +12,14 @@ from cptransform.ir.spelled_enum import SpelledEnum
 from cptransform.op import mask_terms
 from cptransform.op.dropout import DropoutSpec
 from cptransform.op.layouts import SequenceLayout
+from cptransform.op.operand_roles import BASE_ROLES, Role
+
+#: Every canonical operand's :class:`~cptransform.op.operand_roles.Role`, by field name:
+#: the base operands' and those the mask terms bring.
+ROLES: dict[str, Role] = {**BASE_ROLES, **mask_terms.TERM_ROLES}
+#: Every ``attention_p`` operand name (:meth:`AttentionSpec.operand_names` picks the present).
+OPERAND_NAMES: tuple[str, ...] = ("q", "k", "v") + tuple(
+    role.operand for role in ROLES.values() if role.operand)
 
 
 class EmptyRows(SpelledEnum):

@@ -1,10 +1,14 @@
-"""A mask as a conjunction of terms, each owning its predicate and its block classification.
+"""A mask as a conjunction of terms, each owning its predicate, its operands and its block
+classification.
 
 Modelled on splash attention's ``Mask`` classes and ``MaskInfo``: one class per kind of
 predicate. A term says
 
 * which operands it reads (:attr:`MaskTerm.operands`, names of
-  :meth:`~cptransform.op.attention_spec.AttentionSpec.operand_names`);
+  :meth:`~cptransform.op.attention_spec.AttentionSpec.operand_names`) and the
+  :class:`~cptransform.op.operand_roles.Role` of each operand it brings
+  (:attr:`MaskTerm.roles`, by canonical field name): how it is validated, sharded,
+  permuted, sent, sliced and regrouped, which every layer reads from the roles alone;
 * its element predicate (:meth:`MaskTerm.visible`) on a :class:`Tile` whose query side and
   key side are already broadcast against each other, so the reference, the chunked kernel
   and the Pallas tiles (keys as rows in the dK/dV kernel) share it;
@@ -13,12 +17,14 @@ predicate. A term says
   pair of the block is visible, ``full`` True only when every pair is;
 * its band hull (:meth:`MaskTerm.band`): bounds on ``d = kv_pos - q_pos`` that every visible
   pair satisfies (what halo and the ring's step skipping need);
+* the values of its operands at a padded query that let it see the first key
+  (:meth:`MaskTerm.padding`), so padding a sequence never empties a row;
 * for terms of positions alone, :meth:`MaskTerm.key_hull`: the key positions a query range
   can see, which the cost model counts with binary searches.
 
 Every consumer — the reference, the chunked XLA kernel, both Pallas kernels, the cost model
 and the plan chart — loops over the terms (:func:`visible`, :func:`meet`); a new mask kind
-is one class here.
+is one class here (and :data:`TERMS`), its matcher rule and its kernels' reading of it.
 
 The code uses operators only (``&``, ``//``, comparisons) for the terms of positions, so
 NumPy arrays (planner, chart) and traced JAX arrays (kernels) go through the same lines.
@@ -31,6 +37,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from cptransform.op.operand_roles import BASE_ROLES, Role, Side
 
 class BlockKind(enum.IntEnum):
     """What a block of (query, key) pairs is under a mask. The values are the entries of the
@@ -71,7 +79,8 @@ class Ranges:
 class Blocks:
     """What the terms classify a grid of ``nq × nk`` blocks from.
 
-    Query-side ranges are ``[B|1, nq]``, key-side ranges ``[B|1, nk]``; ``dense`` is the
+    Per-token ranges (:class:`Ranges`, one per per-token operand of :data:`TOKEN_ROLES`)
+    are ``[B|1, nq]`` on the query side and ``[B|1, nk]`` on the key side; ``dense`` is the
     mask cut into tiles ``[B|1, H|1, nq, bq, nk, bk]`` (padding repeats real entries or is
     ``False``) and ``topk`` the indices grouped per query block ``[B|1, H|1, nq, bq·k]``.
     Absent operands are ``None``.
@@ -86,25 +95,24 @@ class Blocks:
     q_coord: Ranges | None = None
 
     @classmethod
-    def cut(cls, q_pos, kv_pos, q_seg, kv_seg, dense, topk, bq: int, bk: int,
-            q_coord=None) -> "Blocks":
-        """The blocks of ``bq`` queries × ``bk`` keys of one kernel call's operands
-        (positions, segment ids and query coordinates ``[B|1, T]``, ``dense``
-        ``[B|1, H|1, Tq, Tkv]``, ``topk`` ``[B|1, H|1, Tq, k]``; ``None`` when absent).
-        The last blocks are padded by
-        repeating the last entry, which leaves every range, ``any`` and ``all`` that of the
-        real entries."""
+    def cut(cls, q_pos, kv_pos, bq: int, bk: int, *, mask=None, topk=None,
+            **per_token) -> "Blocks":
+        """The blocks of ``bq`` queries × ``bk`` keys of one kernel call's operands:
+        positions and the terms' per-token operands (by field name, ``[B|1, T]``), ``mask``
+        ``[B|1, H|1, Tq, Tkv]`` and ``topk`` ``[B|1, H|1, Tq, k]`` (``None`` when absent).
+        The last blocks are padded by repeating the last entry, which leaves every range,
+        ``any`` and ``all`` that of the real entries."""
         nq, nk = -(-q_pos.shape[-1] // bq), -(-kv_pos.shape[-1] // bk)
-        q_ranges = lambda x: None if x is None else _ranges(x, bq, nq)  # noqa: E731
-        kv_ranges = lambda x: None if x is None else _ranges(x, bk, nk)  # noqa: E731
-        if dense is not None:
-            dense = _pad_edge(_pad_edge(dense, 2, nq * bq), 3, nk * bk)
-            dense = dense.reshape(*dense.shape[:2], nq, bq, nk, bk)
+        grid = {Side.QUERY: (bq, nq), Side.KEY: (bk, nk)}
+        ranges = {name: None if x is None else _ranges(x, *grid[TOKEN_ROLES[name].side])
+                  for name, x in dict(per_token, q_pos=q_pos, kv_pos=kv_pos).items()}
+        if mask is not None:
+            mask = _pad_edge(_pad_edge(mask, 2, nq * bq), 3, nk * bk)
+            mask = mask.reshape(*mask.shape[:2], nq, bq, nk, bk)
         if topk is not None:
             topk = _pad_edge(topk, 2, nq * bq)
             topk = topk.reshape(*topk.shape[:2], nq, bq * topk.shape[-1])
-        return cls(q_ranges(q_pos), kv_ranges(kv_pos), q_ranges(q_seg), kv_ranges(kv_seg),
-                   dense, topk, q_ranges(q_coord))
+        return cls(dense=mask, topk=topk, **ranges)
 
 
 def _pad_edge(x, axis: int, to: int):
@@ -125,16 +133,28 @@ def _ranges(x, size: int, count: int) -> Ranges:
 @dataclass(frozen=True)
 class Tile:
     """One tile's mask inputs with the query side and key side broadcastable against each
-    other (e.g. ``[…, Tq, 1]`` and ``[…, 1, Tkv]``, or transposed); ``dense`` is the boolean
-    mask tile and ``picked`` the top-k selection of the tile. ``None`` for absent operands."""
+    other (e.g. ``[…, Tq, 1]`` and ``[…, 1, Tkv]``, or transposed): the per-token operands
+    of :data:`TOKEN_ROLES` by field name, ``dense`` the boolean mask tile and ``picked``
+    the top-k selection of the tile. ``None`` for absent operands."""
 
-    q_pos: object
-    kv_pos: object
+    q_pos: object = None
+    kv_pos: object = None
     q_seg: object = None
     kv_seg: object = None
     dense: object = None
     picked: object = None
     q_coord: object = None
+
+    @classmethod
+    def of(cls, operands, query, key, *, dense=None, picked=None) -> "Tile":
+        """The tile of the per-token entries of ``operands`` (a mapping by field name, e.g.
+        :meth:`~cptransform.lowering.block.Block.term_operands` and the positions; ``None``
+        stays ``None``): the query side's through ``query``, the key side's through ``key``
+        (each broadcasts ``[B|1, T]`` to the tile's side)."""
+        side = {Side.QUERY: query, Side.KEY: key}
+        return cls(dense=dense, picked=picked, **{
+            name: None if x is None else side[TOKEN_ROLES[name].side](x)
+            for name, x in operands.items() if name in TOKEN_ROLES})
 
 
 def _query_side(x):
@@ -155,6 +175,13 @@ def _inside(d, lo: int | None, hi: int | None):
     if hi is not None:
         ok = ok & (d <= hi)
     return ok
+
+
+def offset_within(lo: int | None, hi: int | None) -> int:
+    """A ``d`` in ``[lo, hi]`` (``None``: open), 0 when it can be: where a padded query
+    sits relative to the key it must see."""
+    d = 0 if lo is None else max(0, lo)
+    return d if hi is None else min(d, hi)
 
 
 def _spans_kind(keys: Ranges, queries: Ranges, lo: int | None, hi: int | None):
@@ -178,7 +205,9 @@ class Band:
 
     lo: int | None
     hi: int | None
+    label = "band"
     operands = ("q_positions", "kv_positions")
+    roles = {}
 
     def visible(self, t: Tile):
         return _inside(t.kv_pos - t.q_pos, self.lo, self.hi)
@@ -195,6 +224,11 @@ class Band:
         return (None if self.lo is None else q_lo + self.lo,
                 None if self.hi is None else q_hi + self.hi)
 
+    def padding(self, first) -> dict:
+        # Positions are every attention's: a padded query's follows the hull of all the
+        # terms' bands (``offset_within(*band_of(terms))``), not one term's.
+        return {}
+
     def describe(self) -> str:
         return f"band[{self.lo}, {self.hi}]"
 
@@ -206,7 +240,10 @@ class Chunks:
     earlier ones)."""
 
     size: int
+    label = "chunks"
     operands = ("q_positions", "kv_positions")
+    roles = {}
+    padding = Band.padding
 
     def visible(self, t: Tile):
         return t.q_pos // self.size == t.kv_pos // self.size
@@ -234,7 +271,10 @@ class Chunks:
 class Segments:
     """``q_segment_ids[q] == kv_segment_ids[kv]`` (packed documents)."""
 
+    label = "segment ids"
     operands = ("q_segment_ids", "kv_segment_ids")
+    roles = {"q_seg": Role(Side.QUERY, "q_segment_ids", mask=True),
+             "kv_seg": Role(Side.KEY, "kv_segment_ids", mask=True)}
 
     def visible(self, t: Tile):
         return t.q_seg == t.kv_seg
@@ -252,6 +292,9 @@ class Segments:
 
     key_hull = None
 
+    def padding(self, first) -> dict:
+        return {"q_seg": first["kv_seg"]}
+
     def describe(self) -> str:
         return "segments"
 
@@ -267,7 +310,9 @@ class CoordinateBand:
 
     lo: int | None
     hi: int | None
+    label = "coordinate bands"
     operands = ("q_coordinates", "kv_positions")
+    roles = {"q_coord": Role(Side.QUERY, "q_coordinates", integer=True, mask=True)}
 
     def visible(self, t: Tile):
         return _inside(t.kv_pos - t.q_coord, self.lo, self.hi)
@@ -282,6 +327,9 @@ class CoordinateBand:
 
     key_hull = None
 
+    def padding(self, first) -> dict:
+        return {"q_coord": first["kv_pos"] - offset_within(self.lo, self.hi)}
+
     def describe(self) -> str:
         return f"coordinate_band[{self.lo}, {self.hi}]"
 
@@ -290,7 +338,9 @@ class CoordinateBand:
 class Dense:
     """A boolean operand ``mask[..., q, kv]``."""
 
+    label = "dense masks"
     operands = ("mask",)
+    roles = {"mask": Role(Side.ROWS, "mask", columns=True, mask=True)}
 
     def visible(self, t: Tile):
         return t.dense
@@ -303,6 +353,11 @@ class Dense:
 
     key_hull = None
 
+    def padding(self, first) -> dict:
+        # All True: the padded rows see every key (the padding's segment ids hide the
+        # padded keys from the real rows).
+        return {"mask": True}
+
     def describe(self) -> str:
         return "dense"
 
@@ -312,7 +367,9 @@ class TopK:
     """A sparse indexer's top-k: key ``kv`` is visible to ``q`` iff its position is one of
     ``topk_indices[..., q, :]``."""
 
+    label = "top-k indices"
     operands = ("topk_indices", "kv_positions")
+    roles = {"topk": Role(Side.ROWS, "topk_indices", integer=True, mask=True)}
 
     def visible(self, t: Tile):
         return t.picked
@@ -325,6 +382,9 @@ class TopK:
         return None, None
 
     key_hull = None
+
+    def padding(self, first) -> dict:
+        return {"topk": first["kv_pos"]}
 
     def describe(self) -> str:
         return "top-k"
@@ -352,6 +412,16 @@ def _topk_hits(topk, kv_pos: Ranges):
     # vmap over batch rows, then query blocks; the key blocks' bounds are a vector.
     per_block = lambda s, lo, hi: jax.vmap(row, in_axes=(0, None, None))(s, lo, hi)  # noqa: E731
     return jax.vmap(per_block)(idx, k_min, k_max)[:, None]
+
+
+#: Every mask term class (``label``: what its operands are called in messages).
+TERMS = (Band, Chunks, Segments, CoordinateBand, Dense, TopK)
+#: The roles of the operands the terms bring, by canonical field name.
+TERM_ROLES: dict[str, Role] = {name: role for term in TERMS for name, role in term.roles.items()}
+#: The per-token operands the terms read (positions and the terms' own), by field name:
+#: what :class:`Blocks` takes ranges of and :meth:`Tile.of` broadcasts.
+TOKEN_ROLES: dict[str, Role] = {name: role for name, role in {**BASE_ROLES, **TERM_ROLES}.items()
+                                if role.mask and role.per_token}
 
 
 def visible(terms, t: Tile):

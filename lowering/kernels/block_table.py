@@ -20,15 +20,12 @@ from cptransform.op.mask_terms import BlockKind
 from cptransform.op.attention_spec import MaskSpec
 
 
-def block_table(mask: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, dense, block_q: int,
-                block_kv: int, topk=None, q_coord=None):
+def block_table(mask_spec: MaskSpec, q_pos, kv_pos, block_q: int, block_kv: int, **operands):
     """int32 ``[Bt, Ht, nq, nk]`` of :class:`~cptransform.op.mask_terms.BlockKind`
     (``SKIP`` / ``FULL`` / ``PARTIAL``).
 
-    Arguments as in :func:`~cptransform.op.attention_reference.visible` (positions and
-    segment ids ``[B|1, T]``, ``dense`` bool ``[B|1, H|1, Tq, Tkv]`` or ``None``, ``topk``
-    the global key positions ``[B|1, H|1, Tq, k]`` of a top-k mask or ``None``, ``q_coord``
-    the queries' coordinates ``[B|1, Tq]`` of a coordinate band or ``None``), cut into
+    Positions ``[B|1, T]`` and the mask terms' ``operands`` by field name, as
+    :func:`~cptransform.op.attention_reference.visible` takes them, cut into
     ``block_q × block_kv`` tiles (the last ones padded). ``Bt``/``Ht`` are 1 unless an operand
     varies along batch/heads. The mask's terms classify the tiles
     (:func:`~cptransform.op.mask_terms.meet`): ``SKIP`` is a proof that no pair is visible;
@@ -38,8 +35,8 @@ def block_table(mask: MaskSpec, q_pos, kv_pos, q_seg, kv_seg, dense, block_q: in
     """
     tq, tkv = q_pos.shape[-1], kv_pos.shape[-1]
     nq, nk = -(-tq // block_q), -(-tkv // block_kv)
-    may, full = mask_terms.meet(mask.terms(), mask_terms.Blocks.cut(
-        q_pos, kv_pos, q_seg, kv_seg, dense, topk, block_q, block_kv, q_coord))
+    may, full = mask_terms.meet(mask_spec.terms(), mask_terms.Blocks.cut(
+        q_pos, kv_pos, block_q, block_kv, **operands))
     ragged_q = (jnp.arange(nq) == nq - 1) & (tq % block_q != 0)
     ragged_kv = (jnp.arange(nk) == nk - 1) & (tkv % block_kv != 0)
     grid = jnp.ones((1, 1, nq, nk), bool)

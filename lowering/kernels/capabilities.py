@@ -27,8 +27,7 @@ from cptransform.op.attention_reference import attend
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 
 #: Every mask term class.
-ALL_TERMS = frozenset({mask_terms.Band, mask_terms.Chunks, mask_terms.Segments,
-                       mask_terms.Dense, mask_terms.TopK, mask_terms.CoordinateBand})
+ALL_TERMS = frozenset(mask_terms.TERMS)
 #: Float dtypes of q/k/v the kernels compute in float32 from.
 FLOATS = frozenset({"float16", "bfloat16", "float32", "float64"})
 #: ``"auto"``'s order per backend, fastest first (Pallas interpreted on CPU is slow; on an

@@ -52,6 +52,7 @@ from cptransform.op import dropout, mask_terms
 from cptransform.op.mask_terms import BlockKind
 from cptransform.op.attention_reference import capped_logits, empty_rows_of, visible
 from cptransform.op.attention_spec import AttentionSpec
+from cptransform.op.operand_roles import Side
 
 
 def _grid(block: Block, target: int):
@@ -71,8 +72,7 @@ def chunk_kinds(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
     """
     (cq, _), (ck, nk) = _grid(block, target)
     may, full = mask_terms.meet(spec.mask.terms(), mask_terms.Blocks.cut(
-        block.q_pos, block.kv_pos, block.q_seg, block.kv_seg, block.mask, block.topk, cq, ck,
-        block.q_coord))
+        block.q_pos, block.kv_pos, cq, ck, **block.term_operands()))
     # Padded keys must be masked, so the last key chunk is never FULL when it is padded.
     # (An iota, not a NumPy constant: a body that gains constants cannot stay under remat.)
     complete = jnp.arange(nk) * ck + ck <= block.k.shape[1]
@@ -125,13 +125,14 @@ class _Problem:
         (cq, nq), (ck, nk) = _grid(block, target)
         kinds = chunk_kinds(block, spec, target)
         tqp, tkp = cq * nq, ck * nk
-        pad_rows = lambda x: pad_axis(pad_axis(x, 2, tqp), 3, tkp)  # noqa: E731
-        padded = block.replace(
-            q_pos=pad_axis(block.q_pos, 1, tqp), kv_pos=pad_axis(block.kv_pos, 1, tkp),
-            q_seg=pad_axis(block.q_seg, 1, tqp), kv_seg=pad_axis(block.kv_seg, 1, tkp),
-            mask=None if block.mask is None else pad_rows(block.mask),
-            bias=None if block.bias is None else pad_rows(block.bias),
-            topk=pad_axis(block.topk, 2, tqp), q_coord=pad_axis(block.q_coord, 1, tqp))
+
+        def pad(x, r):
+            # Repeating the last entry keeps every range the block kinds were read from.
+            if r.heavy or r.side is Side.HEADS:
+                return x
+            x = pad_axis(x, r.token_axis, tkp if r.side is Side.KEY else tqp)
+            return pad_axis(x, 3, tkp) if r.columns else x
+        padded = block.by_role(pad)
         return cls(padded, spec, pad_axis(block.q, 1, tqp, 0), pad_axis(block.k, 1, tkp, 0),
                    pad_axis(block.v, 1, tkp, 0), cq, nq, ck, nk, block.k.shape[1], kinds)
 
@@ -258,16 +259,11 @@ class _Problem:
 
     def visible(self, i, j):
         """Bool ``[B|1, Hkv|1, G·cq, ck]``: the mask of pair ``(i, j)`` (padded keys off)."""
-        blk, cq, ck = self.block, self.cq, self.ck
-        qcut = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
-            x, i * cq, cq, axis=1)
-        kcut = lambda x: None if x is None else lax.dynamic_slice_in_dim(  # noqa: E731
-            x, j * ck, ck, axis=1)
-        dense = None if blk.mask is None else self._tile(blk.mask, i, j)
-        topk = None if blk.topk is None else lax.dynamic_slice_in_dim(
-            blk.topk, i * cq, cq, axis=2)
-        ok = visible(self.spec.mask, qcut(blk.q_pos), kcut(blk.kv_pos), qcut(blk.q_seg),
-                     kcut(blk.kv_seg), dense, topk, qcut(blk.q_coord))
+        ck = self.ck
+        mine = self.block
+        blk = Block(q_pos=mine.q_pos, kv_pos=mine.kv_pos, **mine.term_operands()).tile(
+            i * self.cq, self.cq, j * ck, ck)
+        ok = visible(self.spec.mask, blk.q_pos, blk.kv_pos, **blk.term_operands())
         ok = _rows(ok, self.groups)
         if self.ck * self.nk != self.tkv:
             ok = ok & (j * ck + jnp.arange(ck) < self.tkv)

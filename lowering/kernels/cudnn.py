@@ -26,7 +26,8 @@ terms' own block classification over the whole block) and a ``lax.switch`` runs 
 
 What cuDNN cannot run at all is delegated to the XLA kernel for the whole call, statically:
 operands not all float16 or all bfloat16, a head dim it does not support or ``Dq != Dv``, a
-soft-cap, a bias, a dense mask, top-k indices, query coordinates, and attention sinks (their
+soft-cap, an operand beyond :data:`CUDNN_READS` (a bias, a dense mask, top-k indices, any
+other term's data), and attention sinks (their
 ``lse`` cotangent cannot reach cuDNN's backward, which computes ``rowsum(dO∘O)`` itself).
 :attr:`CudnnKernel.capabilities` refuses those attentions, and bands cuDNN cannot run as
 causal, so ``kernel="auto"`` takes the Pallas kernel for them.
@@ -63,8 +64,11 @@ from cptransform.lowering.kernels import added_to, merged_into, register_kernel,
 from cptransform.lowering.kernels.capabilities import Capabilities
 from cptransform.lowering.kernels.chunked import ChunkedKernel
 from cptransform.op import mask_terms
-from cptransform.op.attention_spec import AttentionSpec
+from cptransform.op.attention_spec import ROLES, AttentionSpec
 
+#: The operands (by field name) a call gives cuDNN; a block holding any other (a dense
+#: mask, a bias, top-k indices, a term's data) goes to the XLA kernel whole.
+CUDNN_READS = frozenset({"q", "k", "v", "q_pos", "kv_pos", "q_seg", "kv_seg"})
 #: The dtypes cuDNN's fused attention computes in (q, k and v alike).
 DTYPES = frozenset({"float16", "bfloat16"})
 
@@ -160,8 +164,7 @@ def step_kind(block: Block, spec: AttentionSpec):
     :func:`causal_window` and positions that make it cuDNN's mask (:func:`top_left`)."""
     tq, tkv = block.q.shape[1], block.k.shape[1]
     terms = spec.mask.terms()
-    blocks = mask_terms.Blocks.cut(block.q_pos, block.kv_pos, block.q_seg, block.kv_seg,
-                                   block.mask, block.topk, tq, tkv, block.q_coord)
+    blocks = mask_terms.Blocks.cut(block.q_pos, block.kv_pos, tq, tkv, **block.term_operands())
     may, full = mask_terms.meet(terms, blocks)
     may, full = jnp.any(may), jnp.all(full)
     kind = jnp.where(full, StepKind.FULL, StepKind.OTHER)
@@ -258,8 +261,10 @@ def delegated(block: Block, spec: AttentionSpec) -> str | None:
         return f"head dims {d}, {dv}"
     if spec.softcap is not None or spec.sinks:
         return "a soft-cap or sinks"
-    if any(x is not None for x in (block.mask, block.bias, block.topk, block.q_coord)):
-        return "a dense mask, bias, top-k indices or query coordinates"
+    unread = [role.operand for name, role in ROLES.items()
+              if getattr(block, name) is not None and name not in CUDNN_READS]
+    if unread:
+        return f"operands cuDNN does not take: {', '.join(unread)}"
     return None
 
 

@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
 
-from cptransform.op import mask_terms
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels.capabilities import ALL_TERMS, Capabilities
 from cptransform.lowering.kernels import pallas_gpu, pallas_tpu, register_kernel, row_delta, \
     added_to, merged_into, sum_to, topk_gather
 from cptransform.lowering.kernels.pallas_topk import TritonLoops
-from cptransform.lowering.kernels.pallas_operands import heads_major, prepare, tokens_major
+from cptransform.lowering.kernels.pallas_operands import TILE_OPERANDS, heads_major, prepare, \
+    tokens_major
 from cptransform.lowering.kernels.pallas_skipped import skipped_backward, skipped_forward
 
 VARIANTS = {"tpu": pallas_tpu, "gpu": pallas_gpu}
@@ -46,11 +46,11 @@ class PallasKernel:
     """
 
     name = "pallas"
-    #: Every mask term but coordinate bands (the tiles carry no query coordinates); never
+    #: Every mask term whose operands the tiles carry (:data:`TILE_OPERANDS`); never
     #: compiled on a GPU or TPU by the test suite, so ``auto`` takes it there only after
     #: its on-device self-check.
     capabilities = Capabilities(
-        mask_terms=ALL_TERMS - {mask_terms.CoordinateBand},
+        mask_terms=frozenset(t for t in ALL_TERMS if t.roles.keys() <= TILE_OPERANDS),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         head_dims=lambda d, backend: d > 0 and (
             _BACKEND_VARIANT.get(backend) != "gpu" or d in GPU_HEAD_DIMS),

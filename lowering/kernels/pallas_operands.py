@@ -28,6 +28,11 @@ from cptransform.lowering.block import Block
 from cptransform.lowering.kernels.block_table import block_table
 
 
+#: The mask terms' operands (by field name) the tiles carry: segment ids, the dense mask
+#: and top-k indices (as the ``picked`` selection); a term bringing any other is refused.
+TILE_OPERANDS = frozenset({"q_seg", "kv_seg", "mask", "topk"})
+
+
 @dataclass(frozen=True)
 class Operands:
     """Padded heads-major operands and the static facts every kernel needs.
@@ -88,9 +93,8 @@ def prepare(block: Block, spec: AttentionSpec, bq: int, bk: int) -> Operands:
     for a top-k mask, the selection ``picked`` on this block's keys."""
     tq, tkv = block.q.shape[1], block.k.shape[1]
     tqp, tkvp = -(-tq // bq) * bq, -(-tkv // bk) * bk
+    table = block_table(spec.mask, block.q_pos, block.kv_pos, bq, bk, **block.term_operands())
     topk = block.topk if spec.mask.topk else None
-    table = block_table(spec.mask, block.q_pos, block.kv_pos, block.q_seg, block.kv_seg,
-                        block.mask if spec.mask.dense else None, bq, bk, topk)
 
     def dense(x):
         return _pad_to(_pad_to(x, 2, tqp), 3, tkvp)

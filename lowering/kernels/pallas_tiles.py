@@ -61,9 +61,11 @@ def visible_tile(spec: AttentionSpec, t: TileSides):
     dense = None if t.dense is None else t.dense != 0
     picked = None if t.picked is None else t.picked != 0
     if t.transposed:
-        tile = mask_terms.Tile(t.col_pos, t.row_pos, t.col_seg, t.row_seg, dense, picked)
+        tile = mask_terms.Tile(q_pos=t.col_pos, kv_pos=t.row_pos, q_seg=t.col_seg,
+                               kv_seg=t.row_seg, dense=dense, picked=picked)
     else:
-        tile = mask_terms.Tile(t.row_pos, t.col_pos, t.row_seg, t.col_seg, dense, picked)
+        tile = mask_terms.Tile(q_pos=t.row_pos, kv_pos=t.col_pos, q_seg=t.row_seg,
+                               kv_seg=t.col_seg, dense=dense, picked=picked)
     return t.row_valid & t.col_valid & mask_terms.visible(spec.mask.terms(), tile)
 
 

@@ -39,6 +39,7 @@ at run time and falls back to the sweep (``lax.cond``).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import jax
@@ -52,6 +53,7 @@ from cptransform.op import mask_terms
 from cptransform.op.accumulation import accumulator_dtype
 from cptransform.op.attention_reference import capped_logits, empty_rows_of
 from cptransform.op.attention_spec import AttentionSpec
+from cptransform.op.operand_roles import Side
 
 #: Picks (query rows × k) per query chunk: a chunk gathers this many rows of K and of V.
 CHUNK_PICKS = 1 << 14
@@ -87,11 +89,12 @@ class Call:
         tq = block.q.shape[1]
         cq = cq or chunk_size(tq, max(1, CHUNK_PICKS // block.topk.shape[-1]))
         nq = -(-tq // cq)
-        rows = lambda x, axis=1, value=None: pad_axis(x, axis, cq * nq, value)  # noqa: E731
-        padded = block.replace(
-            q=rows(block.q, value=0), q_pos=rows(block.q_pos), q_seg=rows(block.q_seg),
-            q_coord=rows(block.q_coord), topk=rows(block.topk, 2), bias=rows(block.bias, 2),
-            mask=rows(block.mask, 2) if spec.mask.dense else None)
+
+        def rows(x, r):
+            if r.side not in (Side.QUERY, Side.ROWS):
+                return x
+            return pad_axis(x, r.token_axis, cq * nq, 0 if r.heavy else None)
+        padded = block.by_role(rows)
         order = jnp.argsort(block.kv_pos, axis=-1).astype(jnp.int32)
         return cls(padded, spec, tq, cq, nq, jnp.take_along_axis(block.kv_pos, order, -1),
                    order)
@@ -190,12 +193,12 @@ def locate(call: Call, i) -> Picks:
     local, found = jax.vmap(lookup)(wide(call.keys), wide(call.order), wide(picks))
     real = i * call.cq + lax.iota(jnp.int32, call.cq)[:, None] < call.tq
     valid = found & first & real
-    q_side = lambda x: None if x is None else call.rows(x, i)[:, None, :, None]  # noqa: E731
+    q_side = lambda x: call.rows(x, i)[:, None, :, None]  # noqa: E731
     columns = lambda x: None if x is None else jnp.take_along_axis(  # noqa: E731
         call.rows(x, i, axis=2), local, axis=3)
-    tile = mask_terms.Tile(q_side(blk.q_pos), picks, q_side(blk.q_seg),
-                           None if blk.kv_seg is None else _at_keys(blk.kv_seg, local),
-                           columns(blk.mask), valid, q_side(blk.q_coord))
+    tile = dataclasses.replace(mask_terms.Tile.of(
+        dict(blk.term_operands(), q_pos=blk.q_pos), q_side, lambda x: _at_keys(x, local),
+        dense=columns(blk.mask), picked=valid), kv_pos=picks)
     ok = mask_terms.visible(call.spec.mask.terms(), tile)
     bias = None if blk.bias is None else call.per_head(columns(blk.bias))
     return Picks(local, valid, call.per_head(ok), bias)

@@ -32,9 +32,8 @@ class XlaKernel:
     name = "xla"
 
     def forward(self, block: Block, spec: AttentionSpec):
-        return attend(spec, block.q, block.k, block.v, block.q_pos, block.kv_pos, block.q_seg,
-                      block.kv_seg, block.mask, block.bias, q_coord=block.q_coord,
-                      seed=block.dropout)
+        return attend(spec, block.q, block.k, block.v, block.q_pos, block.kv_pos,
+                      bias=block.bias, seed=block.dropout, **block.term_operands())
 
     def backward(self, block: Block, o, lse, do, spec: AttentionSpec, dlse=None):
         q, k, v, bias = block.q, block.k, block.v, block.bias
@@ -42,8 +41,7 @@ class XlaKernel:
         _, tkv, hkv, dv_dim = v.shape
         accum = accumulator_dtype(q.dtype)
         s, tanh = logits_and_tanh(spec, q, k, bias)
-        ok = visible(spec.mask, block.q_pos, block.kv_pos, block.q_seg, block.kv_seg,
-                     block.mask, q_coord=block.q_coord)
+        ok = visible(spec.mask, block.q_pos, block.kv_pos, **block.term_operands())
         # Empty rows (lse = -inf) get p = 0; a NaN row keeps its NaN lse, so its p is NaN
         # at every key, masked ones too, as exp(x - max(x)) is on one device.
         lse_safe = jnp.where(empty_rows_of(lse), 0.0, lse)[..., None]
