@@ -16,7 +16,8 @@ relative FLOP/s of tiles that fold a GQA query-head group (forward and backward 
 cost per kernel call, the bandwidth and the cost per FLOP of each MiB of score tile to the
 measured forward and backward times (least squares, ``--cores`` host cores) and prints them.
 
-    python bench/planner.py [--calibrate [--cores N]] [--peers bench/results/peers.json ...] [--out bench/results/planner.json]
+    python bench/planner.py [--calibrate [--cores N]] [--peers bench/results/peers.json ...]
+                            [--out bench/results/planner.json]
 """
 from __future__ import annotations
 
