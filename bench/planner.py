@@ -13,15 +13,17 @@ CPU devices; causal and full masks, the newest file's rows per case): predicted 
 measured ranking of our schedules per (S, heads, mask),
 forward and forward+backward. ``--calibrate`` refits the ``cpu-sim`` row's FLOP/s, the
 relative FLOP/s of tiles that fold a GQA query-head group (forward and backward apart), the
-cost per kernel call and the bandwidth to the measured forward and backward times (least
-squares) and prints them.
+cost per kernel call, the bandwidth and the cost per FLOP of each MiB of score tile to the
+measured forward and backward times (least squares, ``--cores`` host cores) and prints them.
 
-    python bench/planner.py [--calibrate] [--peers bench/results/peers.json ...] [--out bench/results/planner.json]
+    python bench/planner.py [--calibrate [--cores N]] [--peers bench/results/peers.json ...]
+                            [--out bench/results/planner.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from cptransform.analysis.attention_shape import AttentionShape  # noqa: E402
-from cptransform.analysis.hardware import HARDWARE  # noqa: E402
+from cptransform.analysis.hardware import HARDWARE, GiB, Hardware, LinkClass  # noqa: E402
 from cptransform.lowering.schedule import schedules  # noqa: E402
 
 K = 1024
@@ -124,24 +126,29 @@ def peers_shape(row, schedule: str, layout: str) -> AttentionShape:
                           (None, None), layout=layout, ulysses=2 if schedule == "hybrid" else 1)
 
 
-def features(shape: AttentionShape, name: str, backward: bool = False):
-    """The terms the cpu-sim row prices one pass of schedule ``name`` with: (mean FLOPs of
-    one-head tiles, mean FLOPs of tiles folding a query-head group in the forward, the same
-    in the backward, kernel calls, bytes), priced by its FLOP/s, the forward's and the
-    backward's grouped-tile efficiencies, per-call cost and bandwidth."""
+def features(shape: AttentionShape, name: str, backward: bool = False, cores: int = 2):
+    """The terms a ``shared_compute`` row with ``cores`` host cores prices one pass of
+    schedule ``name`` with: (FLOPs of one-head tiles, FLOPs of tiles folding a query-head
+    group in the forward, the same in the backward, kernel calls, bytes, FLOPs times the
+    score tile's MiB), the FLOPs the mean device's as its steps pace them
+    (:meth:`~cptransform.analysis.block_work.Work.paced`); priced by its FLOP/s, the
+    forward's and the backward's grouped-tile efficiencies, per-call cost, bandwidth and
+    per-tile-MiB cost."""
     schedule = schedules()[name]
     volume, work = schedule.volume(shape), schedule.work(shape)
-    flops = (work.backward_flops if backward else work.forward_flops) / work.balance
+    paced = work.paced(max(1.0, shape.cp / cores)) / work.balance
+    flops = (work.backward_flops if backward else work.forward_flops) * paced
     grouped = work.group > 1
     nbytes = volume.backward_total if backward else volume.forward_total
     return (0.0 if grouped else flops, flops if grouped and not backward else 0.0,
-            flops if grouped and backward else 0.0, work.calls, nbytes)
+            flops if grouped and backward else 0.0, work.calls, nbytes,
+            flops * work.tile_bytes / 2 ** 20)
 
 
-def calibrate(rows, name: str = "cpu-sim") -> None:
+def fit(rows, cores: int = 2) -> tuple[np.ndarray, float]:
     """Least squares of the measured forward and backward (forward+backward minus forward)
-    times on :func:`features`, relative errors weighted equally (the times span 100x). A
-    per-step link latency was tried before: it comes out negative, so the row has none."""
+    times of ``rows`` on :func:`features`, relative errors weighted equally (the times span
+    100x): the coefficients and the relative rms error."""
     x, y = [], []
     for row in rows:
         if row["variant"] in PEERS and row.get("fwd_s") and row.get("fwdbwd_s"):
@@ -149,22 +156,42 @@ def calibrate(rows, name: str = "cpu-sim") -> None:
             shape = peers_shape(row, schedule, layout)
             for backward, seconds in ((False, row["fwd_s"]),
                                       (True, row["fwdbwd_s"] - row["fwd_s"])):
-                x.append(np.array(features(shape, schedule, backward)) / seconds)
+                x.append(np.array(features(shape, schedule, backward, cores)) / seconds)
                 y.append(1.0)
     x, y = np.array(x, float), np.array(y)
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-    inv_flops, inv_grouped, inv_grouped_bwd, call_s, inv_bw = coef
-    error = np.sqrt(np.mean((x @ coef - y) ** 2))
-    grouped, grouped_bwd = inv_flops / inv_grouped, inv_flops / inv_grouped_bwd
-    print(f"cpu-sim fit over {len(y) // 2} forward and backward times: {1 / inv_flops:.3g} "
-          f"FLOP/s per device (grouped tiles at {grouped:.3g} of it forward, {grouped_bwd:.3g} "
-          f"backward), {call_s * 1e3:.3g} ms per kernel call, {1 / inv_bw:.3g} B/s; relative "
-          f"rms error {error:.2f}")
+    return coef, float(np.sqrt(np.mean((x @ coef - y) ** 2)))
+
+
+def fitted_row(coef, name: str, cores: int) -> Hardware:
+    """The ``shared_compute`` row of :func:`fit`'s coefficients."""
+    inv_flops, inv_grouped, inv_grouped_bwd, call_s, inv_bw, tile_s = coef
+    return Hardware(name, {2: 1 / inv_flops, 4: 1 / inv_flops}, 8 * GiB,
+                    (LinkClass("memcpy", 1 / inv_bw, 0.0),), efficiency=1.0, call_s=call_s,
+                    shared_compute=True, grouped_efficiency=inv_flops / inv_grouped,
+                    grouped_backward_efficiency=inv_flops / inv_grouped_bwd,
+                    host_cores=cores, tile_s=tile_s)
+
+
+def calibrate(rows, name: str = "cpu-sim", cores: int = 2) -> None:
+    """Prints the row :func:`fit` gives. A per-step link latency was tried before: it comes
+    out negative, so the row has none."""
+    coef, error = fit(rows, cores)
+    row = fitted_row(coef, name, cores)
+    rate = row.flops[4]
+    print(f"{name} fit over {sum(r['variant'] in PEERS and bool(r.get('fwdbwd_s')) for r in rows)}"
+          f" forward and backward times ({cores} host cores): {rate:.3g} FLOP/s per device "
+          f"(grouped tiles at {row.grouped_efficiency:.3g} of it forward, "
+          f"{row.grouped_backward_efficiency:.3g} backward), {row.call_s * 1e3:.3g} ms per "
+          f"kernel call, {row.links[0].bytes_per_s:.3g} B/s, {row.tile_s:.3g} s per FLOP per "
+          f"MiB of score tile; relative rms error {error:.2f}")
     print("as a row (register it with HARDWARE[row.name] = row, then hardware=row.name):\n"
-          f'    Hardware("{name}", {{2: {1 / inv_flops:.3g}, 4: {1 / inv_flops:.3g}}}, 8 * GiB, '
-          f'(LinkClass("memcpy", {1 / inv_bw:.3g}, 0.0),), efficiency=1.0, '
-          f"call_s={call_s:.3g}, shared_compute=True, grouped_efficiency={grouped:.3g}, "
-          f"grouped_backward_efficiency={grouped_bwd:.3g})")
+          f'    Hardware("{name}", {{2: {rate:.3g}, 4: {rate:.3g}}}, 8 * GiB, '
+          f'(LinkClass("memcpy", {row.links[0].bytes_per_s:.3g}, 0.0),), efficiency=1.0, '
+          f"call_s={row.call_s:.3g}, shared_compute=True, "
+          f"grouped_efficiency={row.grouped_efficiency:.3g}, "
+          f"grouped_backward_efficiency={row.grouped_backward_efficiency:.3g}, "
+          f"host_cores={cores}, tile_s={row.tile_s:.3g})")
 
 
 def cpu_comparison(rows) -> list[dict]:
@@ -200,6 +227,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calibrate", action="store_true")
     parser.add_argument("--name", default="cpu-sim", help="the calibrated row's name")
+    parser.add_argument("--cores", type=int, default=os.cpu_count(), help="the cores the "
+                        "simulated devices of the measurement shared (default: this host's)")
     parser.add_argument("--peers", nargs="+", default=None, help="bench/peers.py results to "
                         "compare with (default: every bench/results/peers*.json; the newest "
                         "file's rows where two measured the same case)")
@@ -207,7 +236,7 @@ def main() -> None:
     args = parser.parse_args()
     peers, peers_files = measured_rows(args.peers)
     if args.calibrate:
-        calibrate(peers, args.name)
+        calibrate(peers, args.name, args.cores)
         return
     rows = real_configs()
     print(f"{'hw':8} {'model':13} {'S':>6} {'cp':>3} {'schedule':10} {'fwd+bwd MiB':>11} "

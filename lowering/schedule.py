@@ -128,7 +128,7 @@ class Schedule:
         return predict(self.name, said.volume(self.name), _worked(self, shape),
                        said.memory(shape), said.steps(), shape.q_padded,
                        shape.dtype_bytes, hardware, spans,
-                       None if kernel is None else (kernel, masked))
+                       None if kernel is None else (kernel, masked), devices=shape.cp)
 
 
 # The planner asks every schedule about every attention several times (volume, work,

@@ -302,3 +302,38 @@ def test_each_kernel_call_costs_the_rows_call_s():
         assert schedules()[name].work(shape).calls == calls
         extra = predict(name, shape, costly).compute_s - predict(name, shape, free).compute_s
         assert extra == pytest.approx(2 * calls * 1e-3, rel=1e-9)
+
+
+def test_steps_pace_the_compute():
+    """A ring step lasts until its busiest device is done. Dedicated devices: the causal
+    contiguous ring's busiest device is the last one at every step, so its steps cost the
+    slowest device's work (the balance). Eight devices on two cores (a device alone runs
+    4x its share): only the last step, where one device computes a full block, leaves a
+    core idle and costs twice its mean; zigzag's equal steps cost the mean."""
+    shape = AttentionShape(seq_len=8 * 1024, heads=8, kv_heads=8, head_dim=64, cp=8,
+                           band=(None, 0))
+    contiguous = schedules()["ring"].work(shape)
+    zigzag = schedules()["ring"].work(replace(shape, layout="zigzag"))
+    assert contiguous.paced(1.0) == pytest.approx(contiguous.balance, rel=1e-12)
+    full_block = (8 * 1024 // 8) ** 2 * 8
+    mean = sum(m for m, _ in contiguous.steps)
+    assert contiguous.steps[-1] == (full_block / 8, full_block)
+    assert contiguous.paced(4.0) == pytest.approx(1 + full_block / 8 / mean, rel=1e-12)
+    assert zigzag.paced(4.0) == 1.0
+    assert HARDWARE["cpu-sim"].alone_speedup(8) == 4.0 and H100.alone_speedup(8) == 1.0
+
+
+def test_score_tiles_cost_the_rows_tile_s():
+    """The chunked kernel's tile holds float32 scores and probabilities of one 128 x 128
+    chunk pair over the call's heads: the ring's 8 heads 1 MiB, Ulysses' 8/cp one head
+    1/8 MiB; a row with ``tile_s`` adds that many MiB times ``tile_s`` per FLOP."""
+    shape = AttentionShape(seq_len=8 * 1024, heads=8, kv_heads=8, head_dim=64, cp=8,
+                           band=(None, 0), layout="zigzag")
+    free = replace(HARDWARE["cpu-sim"], tile_s=0.0)
+    costly = replace(free, tile_s=1e-11)
+    for name, mib in (("ring", 1.0), ("ulysses", 1 / 8), ("allgather", 1.0)):
+        work = schedules()[name].work(shape)
+        assert work.tile_bytes == mib * MiB
+        extra = predict(name, shape, costly).compute_s - predict(name, shape, free).compute_s
+        flops = (work.forward_flops + work.backward_flops) / work.balance
+        assert extra == pytest.approx(flops * mib * 1e-11, rel=1e-9)

@@ -106,11 +106,32 @@ class Work:
     calls: int = 1
     device_flops: tuple[int, ...] = ()
     group: int = 1
+    #: Per synchronized step (the ring's steps; one for a schedule that computes in one
+    #: call), the (mean, max) over devices of the score entries computed in it.
+    steps: tuple[tuple[float, float], ...] = ()
+    #: Bytes of the kernel's score tile (:func:`~cptransform.analysis.local_memory.tile_bytes`),
+    #: which every executed chunk pair writes and reads back (``Hardware.tile_s``).
+    tile_bytes: int = 0
 
     @property
     def flops(self) -> int:
         """Forward plus backward FLOPs of the slowest device."""
         return self.forward_flops + self.backward_flops
+
+    def paced(self, alone: float) -> float:
+        """A pass's compute over the mean device's, when each step lasts until its busiest
+        device is done (the collective that ends a step waits for every device) and a
+        device computing while the others wait runs ``alone`` times faster than when all
+        compute (``Hardware.alone_speedup``): ``Σ_t max(mean_t, max_t / alone) / Σ_t
+        mean_t``. Dedicated devices (``alone = 1``) give the busiest device of each step;
+        simulated devices on a few shared cores lose only the steps that leave cores idle
+        (the contiguous ring's last ones). Without steps: one step of the slowest device."""
+        if not self.steps:
+            return max(1.0, self.balance / alone)
+        total = sum(mean for mean, _ in self.steps)
+        if not total:
+            return 1.0
+        return sum(max(mean, top / alone) for mean, top in self.steps) / total
 
 
 def rank_positions(shape: AttentionShape) -> np.ndarray:
@@ -122,9 +143,14 @@ def rank_positions(shape: AttentionShape) -> np.ndarray:
 def work_of(shape: AttentionShape, calls, heads: int) -> Work:
     """The :class:`Work` of a schedule whose device ``r`` makes the kernel calls
     ``calls[r]`` (``(q_pos, k_pos)`` pairs), each over ``heads`` heads of ``shape.batch``
-    rows (``calls`` lists every device of the group that decides the layout's balance)."""
-    per_device = [sum(executed_entries(q, k, shape.position_terms) for q, k in device) * heads
-                  * shape.batch for device in calls]
+    rows (``calls`` lists every device of the group that decides the layout's balance);
+    call ``t`` of each device is its step ``t``."""
+    per_call = [[executed_entries(q, k, shape.position_terms) * heads * shape.batch
+                 for q, k in device] for device in calls]
+    per_device = [sum(device) for device in per_call]
+    # Call t of every device is step t (a device with fewer calls computes nothing then).
+    steps = [[device[t] if t < len(device) else 0 for device in per_call]
+             for t in range(max(len(device) for device in per_call))]
     slowest = max(per_device)
     mean = sum(per_device) / len(per_device)
     both = [forward_flops(e, shape.head_dim, shape.dv) + backward_flops(e, shape.head_dim,
@@ -133,4 +159,4 @@ def work_of(shape: AttentionShape, calls, heads: int) -> Work:
     return Work(forward_flops(slowest, shape.head_dim, shape.dv),
                 backward_flops(slowest, shape.head_dim, shape.dv),
                 slowest / mean if mean else 1.0, max(len(device) for device in calls),
-                tuple(both))
+                tuple(both), steps=tuple((sum(t) / len(t), max(t)) for t in steps))

@@ -30,9 +30,10 @@ Sources (vendor spec sheets):
   local steps at that kernel's rates where the row has them (the row's own otherwise).
 * ``cpu-sim``: 8 XLA host devices simulated on the 2 cores of this machine, fit by
   ``python bench/planner.py --calibrate`` to the forward and backward times of
-  ``bench/results/peers.json``
+  ``bench/results/peers*.json``
   (every simulated device shares the cores, so its FLOP/s is the machine's divided by 8,
-  and the time follows the mean device's work: ``shared_compute``).
+  and the time follows the mean device's work, except in ring steps that leave some of
+  the ``host_cores`` idle: ``shared_compute``).
 """
 from __future__ import annotations
 
@@ -68,15 +69,27 @@ class Hardware:
     # measurements exist (cpu-sim); 0 for the rows without.
     call_s: float = 0.0
     # Simulated devices sharing one host's cores, which also do the transfers: compute
-    # follows the mean device and no transfer overlaps compute.
+    # follows the mean device (unless a step leaves host_cores idle) and no transfer
+    # overlaps compute.
     shared_compute: bool = False
     # FLOP/s of tiles whose rows fold a query-head group (GQA/MQA: G·chunk rows per KV
     # head) relative to one-head tiles. Fitted where measurements exist (cpu-sim: the
     # folded tiles outgrow the cache); 1 for the rows without.
     grouped_efficiency: float = 1.0
     # The same for the backward's tiles (dQ, dK, dV of folded rows), which fare otherwise:
-    # fitted where measurements exist (cpu-sim: 0.865, where the forward's are 1.13).
+    # fitted where measurements exist (cpu-sim: 0.952, where the forward's are 1.36).
     grouped_backward_efficiency: float = 1.0
+    # The cores the simulated devices of a shared_compute row share: a device computing
+    # while the others wait for a collective gets a whole core (Work.paced). None: every
+    # device always gets its share (no step waits on another).
+    host_cores: int | None = None
+    # Seconds per FLOP for each MiB of the local kernel's score tile (Work.tile_bytes: the
+    # float32 scores and probabilities of one chunk pair over the call's heads, written
+    # and read back by every executed pair): the larger the tile, the less of it stays in
+    # cache. Fitted where measurements exist (cpu-sim: an 8-head tile of 128 x 128, 1 MiB,
+    # costs 25% more per FLOP than none); 0 for the rows without, and never added to a
+    # kernel's measured rate (its own tiles are in it).
+    tile_s: float = 0.0
     # Measured TFLOP/s of visible work per (kernel, mask, pass): mask "causal" or "full",
     # pass "forward" or "forward+backward" (bench/kernels.py); empty for the rows without.
     kernel_tflops: dict = field(default_factory=dict)
@@ -97,19 +110,30 @@ class Hardware:
         alone = None if both is None else 3.5 / both - 1.0 / forward
         return None if alone is None or alone <= 0 else 2.5 / alone * TERA
 
-    def compute_s(self, slowest_flops: float, balance: float, dtype_bytes: int,
-                  calls: int = 1, grouped: bool = False, backward: bool = False,
-                  rate: float | None = None) -> float:
-        """Seconds of compute: the slowest device's FLOPs, or with ``shared_compute`` the
-        mean device's (the host runs every simulated device's work on the same cores, so
-        an imbalance costs nothing there), plus ``calls`` kernel calls' fixed cost;
-        ``grouped``: the tiles fold a query-head group (:attr:`grouped_efficiency`, or
-        :attr:`grouped_backward_efficiency` for the ``backward`` pass); ``rate``: the
-        kernel's measured FLOP/s (:meth:`kernel_flops_per_s`) instead of the row's."""
-        flops = slowest_flops / balance if self.shared_compute else slowest_flops
+    def alone_speedup(self, devices: int) -> float:
+        """How much faster one of ``devices`` devices computes while the others wait than
+        while all compute (:meth:`~cptransform.analysis.block_work.Work.paced`): 1 for
+        devices with their own chips; with ``shared_compute`` the devices split the host's
+        :attr:`host_cores`, so one alone gets a whole core, ``devices / host_cores`` times
+        its share (unbounded without ``host_cores``: the mean device's work)."""
+        if not self.shared_compute:
+            return 1.0
+        return float("inf") if self.host_cores is None else max(1.0, devices / self.host_cores)
+
+    def compute_s(self, flops: float, dtype_bytes: int, calls: int = 1,
+                  grouped: bool = False, backward: bool = False, rate: float | None = None,
+                  tile_bytes: int = 0) -> float:
+        """Seconds of compute of ``flops`` (a device's, as its steps pace it:
+        :meth:`~cptransform.analysis.block_work.Work.paced`), plus ``calls`` kernel calls'
+        fixed cost; ``grouped``: the tiles fold a query-head group
+        (:attr:`grouped_efficiency`, or :attr:`grouped_backward_efficiency` for the
+        ``backward`` pass); ``tile_bytes``: the kernel's score tile (:attr:`tile_s`);
+        ``rate``: the kernel's measured FLOP/s (:meth:`kernel_flops_per_s`) instead of the
+        row's."""
         if rate is None:
             folded = self.grouped_backward_efficiency if backward else self.grouped_efficiency
             rate = self.flops_per_s(dtype_bytes) * (folded if grouped else 1.0)
+            return flops / rate + calls * self.call_s + flops * tile_bytes / 2 ** 20 * self.tile_s
         return flops / rate + calls * self.call_s
 
     def flops_per_s(self, dtype_bytes: int) -> float:
@@ -161,16 +185,18 @@ HARDWARE: dict[str, Hardware] = {h.name: h for h in (
     _gpu("h100", 989, 495, 80, 900, 400),
     _gpu("h200", 989, 495, 141, 900, 400,
          _measured(cudnn=(328, 387, 567, 540), pallas=(67, 51, 137, 61))),
-    # Fit to the 40 forward times of bench/results/peers.json (2K-16K tokens, MHA and GQA,
-    # causal; see the module doc), per simulated device, with compute priced on the mean
-    # device (they share the cores). The "bandwidth" absorbs the per-byte work around a
-    # transfer (copies, merges), far below a memcpy; a per-step latency fitted negative, so
-    # there is none. The cost per kernel call (0.85 ms: each call is a separate chunked loop
-    # with its own block classification) is what lets one-call Ulysses beat the 8-call ring
-    # at short lengths; tiles folding a GQA group run 1.15x the FLOP/s of one-head tiles.
-    Hardware("cpu-sim", {2: 1.77e10, 4: 1.77e10}, 8 * GiB,
-             (LinkClass("memcpy", 2.25e8, 0.0),), efficiency=1.0, call_s=1.74e-3,
-             shared_compute=True, grouped_efficiency=1.13, grouped_backward_efficiency=0.865),
+    # Fit by bench/planner.py --calibrate to the forward and backward times of
+    # bench/results/peers*.json (2K-32K tokens, MHA and GQA, causal), per simulated device,
+    # on this machine's 2 cores (host_cores). The "bandwidth" absorbs the per-byte work
+    # around a transfer (copies, merges), far below a memcpy; a per-step latency fitted
+    # negative, so there is none. The cost per kernel call (each call is a separate chunked
+    # loop with its own block classification) is what lets one-call Ulysses beat the 8-call
+    # ring at short lengths; tile_s is what makes Ulysses' one-head tiles (128 KiB) and the
+    # hybrid's four-head ones cheaper per FLOP than the ring's and the all-gather's 1 MiB.
+    Hardware("cpu-sim", {2: 1.81e10, 4: 1.81e10}, 8 * GiB,
+             (LinkClass("memcpy", 2.71e8, 0.0),), efficiency=1.0, call_s=1.96e-3,
+             shared_compute=True, grouped_efficiency=1.36, grouped_backward_efficiency=0.952,
+             host_cores=2, tile_s=1.39e-11),
 )}
 
 #: ``jax.Device.device_kind`` prefixes (lower case) → hardware row.

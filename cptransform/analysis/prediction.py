@@ -5,13 +5,15 @@ schedule that computes once) costs
 
 ``exposed + c/n + (n-1)·max(c/n, m/(n-1)) + latency``
 
-with ``c`` the compute of the slowest device (executed FLOPs after block skipping over the
-hardware's attention FLOP/s for the dtype, plus the fixed cost ``Hardware.call_s`` of each
-of its kernel calls), ``m`` the bytes of the ``overlapped`` transfers
+with ``c`` the compute of a device (executed FLOPs after block skipping, each step's of its
+busiest device (``Work.paced``), over the hardware's attention FLOP/s for the dtype, plus
+the fixed cost ``Hardware.call_s`` of each of its kernel calls and the cost of its score
+tiles ``Hardware.tile_s``), ``m`` the bytes of the ``overlapped`` transfers
 (sent one step ahead) and ``exposed`` those of the others, each over the bandwidth of the
 link class its mesh axis spans (:meth:`Hardware.link`), and ``latency`` one link latency
 per waited-for payload collective and per step. On simulated devices
-(``Hardware.shared_compute``) the host's cores do the transfers too: nothing overlaps.
+(``Hardware.shared_compute``) the host's cores do the transfers too: nothing overlaps, and
+a step's compute is the mean device's unless too few devices are busy to fill the cores.
 A step's transfer hides behind its compute when ``c/n ≥ m/(n-1)``: since compute per
 step grows with the square of the block length and the transfer linearly, that is a
 block of at least ``overlap_tokens`` tokens (the design's ``c ≥ F/B``, scaled by
@@ -95,18 +97,22 @@ def _pass_time(transfers: list[Transfer], compute: float, steps: int, hardware: 
 
 def predict(name: str, volume: CommVolume, work: Work, memory_bytes: int, steps: int,
             seq_len: int, dtype_bytes: int, hardware: Hardware,
-            spans: tuple[int, ...], kernel: tuple[str, str] | None = None) -> Prediction:
+            spans: tuple[int, ...], kernel: tuple[str, str] | None = None,
+            devices: int = 1) -> Prediction:
     """The :class:`Prediction` of schedule ``name`` from its volume, work, memory and steps
-    (``spans[i]``: how many consecutive devices the groups of its mesh axis ``i`` span);
+    (``spans[i]``: how many consecutive devices the groups of its mesh axis ``i`` span;
+    ``devices``: how many compute it);
     ``kernel``: ``(kernel name, "causal" | "full")`` of its local step, whose measured rates
     (:meth:`Hardware.kernel_flops_per_s`) replace the row's where it has them."""
     grouped = work.group > 1
     rates = (None, None) if kernel is None else \
         (hardware.kernel_flops_per_s(*kernel), hardware.kernel_flops_per_s(*kernel, True))
-    fwd_compute = hardware.compute_s(work.forward_flops, work.balance, dtype_bytes, work.calls,
-                                     grouped, rate=rates[0])
-    bwd_compute = hardware.compute_s(work.backward_flops, work.balance, dtype_bytes,
-                                     work.calls, grouped, backward=True, rate=rates[1])
+    paced = work.paced(hardware.alone_speedup(devices)) / work.balance
+    fwd_compute = hardware.compute_s(work.forward_flops * paced, dtype_bytes, work.calls,
+                                     grouped, rate=rates[0], tile_bytes=work.tile_bytes)
+    bwd_compute = hardware.compute_s(work.backward_flops * paced, dtype_bytes, work.calls,
+                                     grouped, backward=True, rate=rates[1],
+                                     tile_bytes=work.tile_bytes)
     forward = [t for t in volume.transfers if not t.backward]
     backward = [t for t in volume.transfers if t.backward]
     fwd_s, ratio = _pass_time(forward, fwd_compute, steps, hardware, spans)

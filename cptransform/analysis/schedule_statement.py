@@ -122,10 +122,11 @@ class Statement:
 
     def work(self, shape: AttentionShape) -> Work:
         """The :class:`Work` of the first grid's kernel calls, whose tiles fold the local
-        step's query-head group."""
-        calls = self.grids[0]
+        step's query-head group and hold its heads' scores (:func:`tile_bytes`)."""
+        calls, step = self.grids[0], self.local
         return replace(work_of(shape, calls.kernel_calls(), calls.heads),
-                       group=self.local.heads // self.local.kv_heads)
+                       group=step.heads // step.kv_heads,
+                       tile_bytes=tile_bytes(shape, step.heads, step.queries, step.keys))
 
     def steps(self) -> int:
         """How many compute steps the overlapped transfers are pipelined over: the first
