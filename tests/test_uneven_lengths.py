@@ -9,10 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import assert_tree_close, make_mesh
-from schedule_cases import check_schedule, make_case
+from conformance_matrix import FEATURES
+from schedule_cases import Case, check_schedule, make_case
 
 from cptransform import context_parallel
 from cptransform.ir.module import iter_eqns
+from cptransform.op.attention_spec import ROLES
+from cptransform.op.mask_terms import TERMS
+from cptransform.op.operand_roles import Side
 from cptransform.op.attention import attention_p
 from cptransform.passes.reorder_sequence import ReorderError
 
@@ -193,3 +197,47 @@ def test_attention_over_a_derived_shorter_sequence(kind, load_balance):
     module = f.module(*args)
     assert sorted(module.facts.seq_axes.lengths) == sorted([32, 31 if kind == "mtp" else 29])
     assert len(module.facts.plan) == 2
+
+
+# -- every mask term's operands at padded queries: the class of terms, not a list --
+
+def _truncated(case, n: int):
+    """``case`` (batch, sequence, heads, features; 32 tokens) cut to its first ``n`` tokens
+    on both sides, every operand along the dims its role names (top-k picks past the cut
+    point at the last key kept)."""
+    by_operand = {role.operand: role for role in ROLES.values() if role.operand}
+    ops = []
+    for name, x in zip(case.spec.operand_names(), case.operands):
+        role = by_operand.get(name)
+        if role is None or role.heavy or name in ("q", "k", "v"):
+            x = x[:, :n]
+        elif role.per_token:
+            x = x[..., :n]
+        elif role.side is Side.ROWS:
+            x = x[..., :n, :n] if role.columns else jnp.minimum(x[..., :n, :], n - 1)
+        ops.append(x)
+    return Case(tuple(ops), case.spec)
+
+
+def _term_features():
+    """One conformance feature per registered mask term (the first that brings it)."""
+    chosen = {}
+    for name, build in FEATURES.items():
+        case = build(np.random.default_rng(0), "gqa", 8, jnp.float32)
+        for term in case.spec.mask.terms():
+            chosen.setdefault(type(term).__name__, name)
+    assert set(chosen) == {t.__name__ for t in TERMS}
+    return sorted(set(chosen.values()))
+
+
+@pytest.mark.parametrize("feature", _term_features())
+def test_every_mask_term_pads_exactly(rng, feature):
+    """27 tokens over 8 devices under zigzag (padded to 32): each term's operands take its
+    own values at the padded queries (``MaskTerm.padding``), so no padded row is empty —
+    under ``empty_rows="nan"`` one would turn every gradient of its keys into NaN — and
+    the result is the unpadded attention's, value and gradients."""
+    case = _truncated(FEATURES[feature](rng, "gqa", 8, jnp.float32), 27)
+    case = Case(case.operands, case.spec.replace(
+        mask=case.spec.mask.replace(empty_rows="nan")))
+    check_schedule(case, mesh=make_mesh((8,), ("cp",)), axes="cp", schedule="allgather",
+                   layout="zigzag")
