@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Callable, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -198,6 +199,38 @@ def _spans_kind(keys: Ranges, queries: Ranges, lo: int | None, hi: int | None):
     return may, full
 
 
+class MaskTerm(Protocol):
+    """What every term of :data:`TERMS` is (a structural type: the terms are frozen
+    dataclasses of their static parameters)."""
+
+    #: What its operands are called in messages, e.g. ``"segment ids"``.
+    label: ClassVar[str]
+    #: The ``attention_p`` operands it reads (positions included).
+    operands: ClassVar[tuple[str, ...]]
+    #: The role of each operand it brings, by canonical field name.
+    roles: ClassVar[dict[str, Role]]
+    #: For a term of positions alone, ``key_hull(q_lo, q_hi)``: the first and last key
+    #: positions a block of queries may see; ``None`` for a term decided by data.
+    key_hull: Callable | None
+
+    def visible(self, t: Tile):
+        """Bool, broadcast over the tile: the pairs it lets through."""
+
+    def block_kind(self, b: Blocks):
+        """``(may, full)`` per block (see :func:`meet`)."""
+
+    def band(self) -> tuple[int | None, int | None]:
+        """Bounds on ``kv_pos - q_pos`` every visible pair satisfies (``None``: open)."""
+
+    def padding(self, first) -> dict:
+        """The values (by field name) of the operands it brings at a padded query that let
+        the query see the first key; ``first`` maps ``kv_pos`` and ``kv_seg`` to the first
+        key's ``[B|1, 1]``."""
+
+    def describe(self) -> str:
+        """Compact text for reports."""
+
+
 @dataclass(frozen=True)
 class Band:
     """``lo ≤ kv_pos - q_pos ≤ hi`` (``None``: that side open): causal (``hi`` = the offset),
@@ -243,7 +276,6 @@ class Chunks:
     label = "chunks"
     operands = ("q_positions", "kv_positions")
     roles = {}
-    padding = Band.padding
 
     def visible(self, t: Tile):
         return t.q_pos // self.size == t.kv_pos // self.size
@@ -262,6 +294,10 @@ class Chunks:
     def key_hull(self, q_lo, q_hi):
         c = self.size
         return q_lo // c * c, q_hi // c * c + c - 1
+
+    def padding(self, first) -> dict:
+        # As the band's: a padded query's position follows the hull of every term's band.
+        return {}
 
     def describe(self) -> str:
         return f"chunks({self.size})"
