@@ -20,6 +20,7 @@ schedule.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from dataclasses import dataclass, replace
@@ -283,11 +284,11 @@ def fast_sample(all_cells: list[Cell], outcomes: dict) -> set[Cell]:
 
 
 def term_classes() -> set[type]:
-    """Every mask term class :mod:`cptransform.op.mask_terms` defines (a class with an
-    element predicate and a block classification)."""
+    """Every mask term class :mod:`cptransform.op.mask_terms` defines (a dataclass with an
+    element predicate and a block classification; the ``MaskTerm`` protocol is none)."""
     return {cls for _, cls in inspect.getmembers(mask_terms, inspect.isclass)
-            if cls.__module__ == mask_terms.__name__ and hasattr(cls, "visible")
-            and hasattr(cls, "block_kind")}
+            if cls.__module__ == mask_terms.__name__ and dataclasses.is_dataclass(cls)
+            and hasattr(cls, "visible") and hasattr(cls, "block_kind")}
 
 
 __all__ = ["ALL_TERMS", "Cell", "FEATURES", "STAND_INS", "cells", "fast_sample",
