@@ -38,6 +38,7 @@ from cptransform.op.seq_window import seq_window_p
 
 #: Windowed ops left unwrapped by match-windows: refused on a sharded sequence.
 RAW_WINDOWS = names_of(Family.WINDOW) - {seq_window_p.name}
+ELEMENTWISE = names_of(Family.ELEMENTWISE)
 
 
 @functools.lru_cache(maxsize=256)
@@ -117,7 +118,19 @@ class _Lowerer(Rewriter):
         else:
             self._refuse_raw_window(eqn)
             outs = super().eval_eqn(eqn, invals)
+        if self._inherits_sharding(eqn):
+            return outs
         return [self.constrain(o, v) for o, v in zip(outs, eqn.outvars)]
+
+    def _inherits_sharding(self, eqn) -> bool:
+        """An elementwise result whose sequence dims an operand holds in the same place:
+        the partitioner gives it that operand's (constrained) sharding, so a constraint of
+        its own only costs tracing time (`bench/compile_cost.py`)."""
+        if eqn.primitive.name not in ELEMENTWISE:
+            return False
+        dims = self.axes.full_dims(eqn.outvars[0])
+        return any(not compat.is_literal(a) and self.axes.full_dims(a) == dims
+                   and a.aval.shape == eqn.outvars[0].aval.shape for a in eqn.invars)
 
     def _collective(self, eqn) -> bool:
         """A layout conversion of a whole sequence-sharded dim: moved by collectives (a

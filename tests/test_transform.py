@@ -221,6 +221,41 @@ def test_one_layer_moves_only_schedule_collectives(schedule):
     assert kinds <= {"collective-permute", "all-to-all", "all-reduce"}
 
 
+def test_elementwise_results_take_their_operands_sharding():
+    """lower-context-parallel constrains a sequence-sharded value where a reshape, product,
+    gather or call makes it, not after every elementwise op of a chain (the partitioner
+    gives such a result its operand's sharding; the constraints cost tracing time only):
+    no constraint follows an elementwise op on an operand of the same shape, every
+    projection of the hidden states is constrained, and the numbers are one device's."""
+    cfg = llama.Config(vocab=64, dim=32, layers=1, heads=4, kv_heads=2, mlp_dim=64)
+    layer = jax.tree_util.tree_map(lambda p: p[0], llama.init_params(jax.random.key(3),
+                                                                      cfg)["layers"])
+    x = jax.random.normal(jax.random.key(4), (2, 64, 32))
+
+    def one_layer(layer, x):
+        return jnp.sum(llama.block(x, layer, cfg) ** 2)
+
+    f = context_parallel(one_layer, cp=4, schedule="ring")
+    jaxpr = f.module(layer, x).jaxpr.jaxpr
+    made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+    constrained = [made.get(eqn.invars[0]) for eqn in jaxpr.eqns
+                   if eqn.primitive.name == "sharding_constraint"]
+    elementwise = {"mul", "add", "sub", "div", "neg", "exp", "logistic", "rsqrt", "sin", "cos",
+                   "select_n", "convert_element_type", "integer_pow", "max", "square"}
+    inherited = [e.primitive.name for e in constrained
+                 if e is not None and e.primitive.name in elementwise
+                 and any(a in made and a.aval.shape == e.outvars[0].aval.shape
+                         for a in e.invars)]
+    assert inherited == []
+    projections = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"
+                   and e.outvars[0].aval.shape[:2] == (2, 64)]
+    assert len(projections) >= 4 and all(e in constrained for e in projections)
+    ref = jax.value_and_grad(one_layer, argnums=(0, 1))(layer, x)
+    got = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(layer, x)
+    np.testing.assert_allclose(got[0], ref[0], rtol=RTOL)
+    assert_tree_close(got[1], ref[1])
+
+
 @pytest.mark.slow
 def test_flax_linen_block():
     """A flax MultiHeadDotProductAttention with make_causal_mask, unchanged user code."""
