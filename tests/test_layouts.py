@@ -203,3 +203,19 @@ def test_merged_rows_keep_layout_without_conversion():
     f = context_parallel(tokens_mlp, cp=4, load_balance="zigzag", strict=True)
     assert_same(jax.value_and_grad(f, (0, 1, 2))(x, w, m),
                 jax.value_and_grad(tokens_mlp, (0, 1, 2))(x, w, m))
+
+
+@pytest.mark.parametrize("name", ["contiguous", "striped", "zigzag"])
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32, jnp.float32])
+def test_traced_positions_match_the_permutation(name, dtype):
+    """The traced slot ↔ position maps (every layer's iota goes through them, in the
+    transform's cheap non-negative division) agree exactly with the layout's NumPy
+    permutation, for integer and whole-number float indices, under jit."""
+    from cptransform.op.layouts import SequenceLayout
+    for n, cp in ((16, 2), (64, 8), (96, 4)):
+        layout = SequenceLayout(name, n, cp)
+        slots = jnp.arange(n, dtype=dtype)
+        pos = jax.jit(layout.position_of_slot)(slots)
+        np.testing.assert_array_equal(np.asarray(pos).astype(np.int64), layout.permutation())
+        back = jax.jit(layout.slot_of_position)(jnp.asarray(layout.permutation(), dtype))
+        np.testing.assert_array_equal(np.asarray(back).astype(np.int64), np.arange(n))

@@ -11,10 +11,24 @@ from dataclasses import dataclass
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from cptransform.ir.errors import LayoutError, unknown_name
 from cptransform.ir.spelled_enum import SpelledEnum
 from cptransform.op.seq_permute import seq_permute_p
+
+
+def _div_mod(index, n: int):
+    """``(index // n, index % n)`` of a traced non-negative integer array: one division
+    and one remainder (``jnp``'s floor division and modulo add sign corrections, about 25
+    operations each, that non-negative indices never need; every layer's positions go
+    through these, so they are a measurable part of a long program's compile)."""
+    index = jnp.asarray(index)
+    if not jnp.issubdtype(index.dtype, jnp.integer):
+        # An iota of floats (``jnp.arange(s, dtype=float32)``) holds whole numbers.
+        index = index.astype(jnp.int32)
+    n = jnp.asarray(n, index.dtype)
+    return lax.div(index, n), lax.rem(index, n)
 
 
 class LayoutName(SpelledEnum):
@@ -110,26 +124,28 @@ class SequenceLayout:
         return self.all_positions().reshape(-1)
 
     def position_of_slot(self, slot):
-        """Natural position stored at layout-order index ``slot`` (traced, no constants)."""
+        """Natural position stored at layout-order index ``slot`` (traced, no constants;
+        ``0 <= slot < seq_len``)."""
         loc, cp = self.local_len, self.cp
-        rank, j = slot // loc, slot % loc
         if self.name == "contiguous":
             return slot
+        rank, j = _div_mod(slot, loc)
         if self.name == "striped":
             return j * cp + rank
         c = loc // 2
-        return jnp.where(j < c, rank * c + j, (2 * cp - 1 - rank) * c + (j - c))
+        return lax.select(j < c, rank * c + j, (2 * cp - 1 - rank) * c + (j - c))
 
     def slot_of_position(self, pos):
-        """Inverse of :meth:`position_of_slot`."""
+        """Inverse of :meth:`position_of_slot` (``0 <= pos < seq_len``)."""
         loc, cp = self.local_len, self.cp
         if self.name == "contiguous":
             return pos
         if self.name == "striped":
-            return (pos % cp) * loc + pos // cp
+            chunk, off = _div_mod(pos, cp)
+            return off * loc + chunk
         c = loc // 2
-        chunk, off = pos // c, pos % c
-        return jnp.where(chunk < cp, chunk * loc + off, (2 * cp - 1 - chunk) * loc + c + off)
+        chunk, off = _div_mod(pos, c)
+        return lax.select(chunk < cp, chunk * loc + off, (2 * cp - 1 - chunk) * loc + c + off)
 
     def coarsen(self, chunk: int) -> "SequenceLayout | None":
         """The layout of the ``seq_len // chunk`` chunks of ``chunk`` consecutive tokens,
