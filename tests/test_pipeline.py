@@ -190,3 +190,40 @@ def test_verify_each_catches_ill_typed_jaxpr():
 
     with pytest.raises(VerificationError, match="after pass corrupts: ill-typed jaxpr"):
         Pipeline([Corrupts()], [VerifyEach()]).run(program())
+
+
+def test_the_collector_is_paused_while_tracing_and_restored_after():
+    """The transform traces the user's function with the cyclic collector paused (its
+    generation-2 passes cost a third of a long program's transform) and leaves the
+    collector as it found it: enabled, or disabled by the caller, also after an error."""
+    import gc
+
+    import numpy as np
+
+    from cptransform import context_parallel
+    from cptransform.ir.gc_pause import gc_paused
+
+    seen = []
+
+    def f(q, k, v):
+        seen.append(gc.isenabled())
+        return attention(q, k, v, causal=True) * 2.0
+
+    x = jax.random.normal(jax.random.key(1), (1, 16, 2, 4), jnp.float32)
+    cp = context_parallel(f, cp=2)
+    got = jax.jit(jax.grad(lambda x: jnp.sum(cp(x, x, x))))(x)
+    want = jax.grad(lambda x: jnp.sum(f(x, x, x)))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # The transform's traces, then the reference's call.
+    assert len(seen) >= 2 and not any(seen[:-1]) and seen[-1] and gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(ZeroDivisionError):
+        with gc_paused():
+            1 / 0
+    assert gc.isenabled()

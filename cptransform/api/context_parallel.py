@@ -22,6 +22,7 @@ from cptransform.api.options import OPTIONS, Options
 from cptransform.ir import compat
 from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError, \
     did_you_mean
+from cptransform.ir.gc_pause import gc_paused
 from cptransform.ir.module import Module, iter_eqns, trace
 from cptransform.ir.pipeline import PassTiming, Pipeline
 from cptransform.passes.canonicalize import Canonicalize
@@ -380,7 +381,7 @@ class ContextParallelFunction:
         split = self.options.split(args, kwargs)
         key = (_signature(split.args, split.kwargs), split.static_key)
         if key not in self._built:
-            with compat.no_mesh_context():
+            with compat.no_mesh_context(), gc_paused():
                 self._built[key], self._stats[key] = self._transform(split, args)
             self.last_transform_stats = self._stats[key]
         final, written, call = self._built[key]
@@ -416,7 +417,10 @@ class ContextParallelFunction:
         refuse_set_mesh_gradients(final.name, jax.tree_util.tree_leaves(arguments))
         refuse_forward_over_reverse(final.name, jax.tree_util.tree_leaves(arguments))
         flat = _on_mesh(jax.tree_util.tree_leaves(arguments), final.facts.mesh)
-        with compat.no_mesh_context():
+        # Traced (under an outer jit or grad) this binds the program, and JAX linearizes
+        # it here; called on arrays it runs it, which needs no pause.
+        traced = any(isinstance(x, jax.core.Tracer) for x in flat)
+        with compat.no_mesh_context(), gc_paused() if traced else contextlib.nullcontext():
             flat_out = call.for_arguments(flat)(*flat)
         out, writes = jax.tree_util.tree_unflatten(final.out_tree, flat_out)
         write_back(arguments, written, writes)
