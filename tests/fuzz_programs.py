@@ -278,6 +278,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "derived_sequence": ("mtp", "prefix_1", "prefix_3"),
         "combined_maps": COMBINATIONS,
         "dropout_probs": DROPOUTS,
+        "llama_block": POSITION_DTYPES,
     }.get(cls, ("",))
     variant = choose("variant", variants)
     llama = cls == "llama_block"
@@ -335,11 +336,18 @@ def rmsnorm(x, g, eps=1e-5):
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * g
 
 
-def rope(x, base=10000.0):
-    """x: [B, S, H, D] (D even); positions from jnp.arange."""
+#: ``llama_block``'s variants: the dtype of RoPE's ``jnp.arange`` positions. Every iota
+#: along the sequence goes through the layout's position map; a float iota holds whole
+#: numbers, and unsigned and narrow integers must divide there as they do on one device.
+POSITION_DTYPES = ("float32", "int32", "uint32", "int16")
+
+
+def rope(x, base=10000.0, positions=None):
+    """x: [B, S, H, D] (D even); positions from ``jnp.arange`` (in ``positions``' dtype,
+    default the angles')."""
     s, d = x.shape[1], x.shape[-1]
     angles = softmax_dtype(x.dtype)
-    pos = jnp.arange(s, dtype=angles)
+    pos = jnp.arange(s, dtype=positions or angles).astype(angles)
     inv = 1.0 / (base ** (jnp.arange(0, d, 2, dtype=angles) / d))
     ang = pos[:, None] * inv[None, :]
     cos, sin = jnp.cos(ang)[None, :, None, :], jnp.sin(ang)[None, :, None, :]
@@ -862,7 +870,8 @@ def block(case: FuzzCase, p: dict, x, inputs: dict):
     k = k.reshape(b, s, kh, d)
     v = v.reshape(b, s, kh, dv)
     if case.rope and d % 2 == 0:
-        q, k = rope(q), rope(k)
+        positions = case.variant if case.cls == "llama_block" else None
+        q, k = rope(q, positions=positions), rope(k, positions=positions)
     if case.bf16:
         q, k, v = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
     if case.cls == "dtype_fp16":
