@@ -69,12 +69,18 @@ class ShiftedSlices:
         the slice computes, so their (masked) values cannot turn into NaN or Inf in the
         gradients (a huge logit excluded from a ``logsumexp``, a zero excluded from a
         ``sqrt``), and nothing flows back to them."""
-        pos = self.layout.position_of_slot(
-            jax.lax.broadcasted_iota(jnp.int32, value.shape, st.dim))
-        valid = (pos >= st.offset) & (pos < st.offset + st.length)
+        valid = self._in_slice(value.shape, st)
         first = self.layout.slot_of_position(jnp.full((1,), st.offset, jnp.int32))
         fill = jax.lax.stop_gradient(jnp.take(value, first, axis=st.dim))
         return jnp.where(valid, value, fill)
+
+    def _in_slice(self, shape, st: Shift):
+        """Boolean, broadcastable to ``shape``: which tokens along ``st.dim`` lie in the
+        slice (the positions computed once per token, not once per element of a value as
+        large as the logits)."""
+        pos = self.layout.position_of_slot(jax.lax.iota(jnp.int32, shape[st.dim]))
+        valid = (pos >= st.offset) & (pos < st.offset + st.length)
+        return valid.reshape([n if d == st.dim else 1 for d, n in enumerate(shape)])
 
     def settle(self, value, where: str):
         """``value`` itself, or for a shifted value its real slice in natural order (which
@@ -143,10 +149,7 @@ class ShiftedSlices:
             params["new_sizes"] = tuple(sizes)
         elif facts(name).identity is not None and st.dim in params["axes"]:
             x = invals[big]
-            pos = self.layout.position_of_slot(
-                jax.lax.broadcasted_iota(jnp.int32, x.shape, st.dim))
-            valid = (pos >= st.offset) & (pos < st.offset + st.length)
-            invals[big] = jnp.where(valid, x, jnp.asarray(facts(name).identity, x.dtype))
+            invals[big] = jnp.where(self._in_slice(x.shape, st), x, jnp.asarray(facts(name).identity, x.dtype))
         outs = compat.bind_eqn(eqn, invals, params)
         result = []
         for out, var in zip(outs, eqn.outvars):
