@@ -11,6 +11,7 @@ import pytest
 
 from cptransform import context_parallel
 from cptransform.ir.errors import CPTransformError
+from cptransform.op.layouts import SequenceLayout
 
 B, S, D, H = 2, 32, 8, 2
 
@@ -211,7 +212,6 @@ def test_traced_positions_match_the_permutation(name, dtype):
     """The traced slot ↔ position maps (every layer's iota goes through them, in the
     transform's cheap non-negative division) agree exactly with the layout's NumPy
     permutation, for integer and whole-number float indices, under jit."""
-    from cptransform.op.layouts import SequenceLayout
     for n, cp in ((16, 2), (64, 8), (96, 4)):
         layout = SequenceLayout(name, n, cp)
         slots = jnp.arange(n, dtype=dtype)

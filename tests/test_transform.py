@@ -10,6 +10,7 @@ import pytest
 
 from conftest import assert_tree_close, make_mesh
 from cptransform import ContextParallelError, ContextParallelOptionError, context_parallel
+from cptransform.analysis.primitives import Family, names_of
 from cptransform.passes.plan_context_parallel import PlanError
 from cptransform.passes.reorder_sequence import ReorderError
 
@@ -240,8 +241,7 @@ def test_elementwise_results_take_their_operands_sharding():
     made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
     constrained = [made.get(eqn.invars[0]) for eqn in jaxpr.eqns
                    if eqn.primitive.name == "sharding_constraint"]
-    elementwise = {"mul", "add", "sub", "div", "neg", "exp", "logistic", "rsqrt", "sin", "cos",
-                   "select_n", "convert_element_type", "integer_pow", "max", "square"}
+    elementwise = names_of(Family.ELEMENTWISE)
     inherited = [e.primitive.name for e in constrained
                  if e is not None and e.primitive.name in elementwise
                  and any(a in made and a.aval.shape == e.outvars[0].aval.shape

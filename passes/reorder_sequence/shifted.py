@@ -149,7 +149,8 @@ class ShiftedSlices:
             params["new_sizes"] = tuple(sizes)
         elif facts(name).identity is not None and st.dim in params["axes"]:
             x = invals[big]
-            invals[big] = jnp.where(self._in_slice(x.shape, st), x, jnp.asarray(facts(name).identity, x.dtype))
+            invals[big] = jnp.where(self._in_slice(x.shape, st), x,
+                                    jnp.asarray(facts(name).identity, x.dtype))
         outs = compat.bind_eqn(eqn, invals, params)
         result = []
         for out, var in zip(outs, eqn.outvars):
