@@ -10,6 +10,16 @@ spelling differences that would hide them:
   its key positions with ``lax.cond`` on static lengths). ``remat``, ``scan``, ``while``,
   other conds and ``custom_jvp``/``custom_vjp`` stay (they carry meaning: memory
   policy, loops, control flow, custom derivatives); their bodies are canonicalized inside.
+* **JAX's own derivative helpers.** ``jax.nn.softmax`` and ``jax.nn.logsumexp`` are
+  ``custom_jvp`` functions on some releases (0.12.1; 0.10.2 with ``jax_softmax_custom_jvp``)
+  and plain operations on others. Their rules (:data:`JAX_DERIVATIVE_HELPERS`) state the
+  derivative of the body with its stabilising maximum held constant, so each is inlined
+  with that maximum under ``stop_gradient``: the program is the one 0.10.2 traces, the
+  derivative the rule's (up to rounding), and the softmax is visible to the matcher. Other
+  ``custom_jvp``/``custom_vjp`` rules (``jax.nn.relu``'s, the user's) stay.
+* **Array iteration** (option ``drop_noops``). ``a, b = x`` is an ``unstack`` on JAX 0.11
+  and later and a ``slice`` + ``squeeze`` per item on 0.10.2; ``unstack`` is written as the
+  latter (so is ``jnp.unstack``), the same program on every release.
 * **Scale folding** (option ``fold_scales``). A chain of multiplications and divisions of
   one floating value by scalar constants (literals or 0-d constants, including constant
   expressions such as ``sqrt(64.0)``) becomes a single multiply by the combined factor;
@@ -54,9 +64,14 @@ from cptransform.analysis.primitives import INLINABLE, CallKind, calls
 from cptransform.ir import compat
 from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult, PipelineError
-from cptransform.ir.rewrite import Rewriter
+from cptransform.ir.rewrite import Rewriter, interpret
 
 FOLD_MODES = ("off", "exact", "ulp")
+#: JAX's own ``custom_jvp`` functions (by the name :func:`compat.jax_function` reads) whose
+#: rule is the derivative of their body with the maximum subtracted for stability held
+#: constant: inlined, the maximum under ``stop_gradient`` where the body does not already
+#: stop it (logsumexp's does, softmax's does not).
+JAX_DERIVATIVE_HELPERS = frozenset({"_softmax", "_logsumexp_impl"})
 JIT_PRIMITIVES = calls(CallKind.JIT)
 CALL_PRIMITIVES = calls(CallKind.CALL)
 # (kept operand, constant operand) pairs for binary ops
@@ -133,7 +148,9 @@ class _Canonicalizer:
                 "sub": self.sub,
                 "sqrt": self.constant_unary(np.sqrt),
                 "neg": self.constant_unary(np.negative),
+                "unstack": self.unstack,
             })
+        rules["custom_jvp_call"] = self.jax_derivative_helper
         rules["mul"] = self.mul
         rules["div"] = self.div
         if self.p.fold_conds:
@@ -158,6 +175,32 @@ class _Canonicalizer:
         with compat.inlining(eqn):
             return self.rewriter.eval(compat.open_jaxpr(taken), compat.consts_of(taken),
                                       invals[1:])
+
+    def jax_derivative_helper(self, eqn, invals):
+        """JAX's softmax or logsumexp, inlined with its stabilising maximum held constant
+        (see :data:`JAX_DERIVATIVE_HELPERS`); any other ``custom_jvp_call`` stays."""
+        if compat.jax_function(eqn) not in JAX_DERIVATIVE_HELPERS:
+            return None
+        body = compat.call_body(eqn)
+        jaxpr = compat.open_jaxpr(body)
+        shifts = _stability_shifts(jaxpr)
+        subtracted = {e.invars[1] for e in jaxpr.eqns if e.primitive.name == "sub"
+                      and not compat.is_literal(e.invars[1]) and e.invars[1] in shifts}
+        stopped: dict = {}  # a subtracted maximum -> its value under stop_gradient
+
+        def step(inner, read):
+            values = [read(a) for a in inner.invars]
+            if inner.primitive.name == "sub" and inner.invars[1] in stopped:
+                values[1] = stopped[inner.invars[1]]
+            outs = self.rewriter.eval_eqn(inner, values)
+            # Stopped where it is defined, as JAX 0.10.2's softmax traces it.
+            for var, out in zip(inner.outvars, outs):
+                if var in subtracted:
+                    stopped[var] = lax.stop_gradient(out)
+            return outs
+
+        with compat.inlining(eqn):
+            return interpret(jaxpr, compat.consts_of(body), invals, step)
 
     def constant_unary(self, fn):
         def rule(eqn, invals):
@@ -249,6 +292,16 @@ class _Canonicalizer:
         out = lax.transpose(x, perm) if x is not invals[0] else compat.bind_eqn(eqn, invals)[0]
         self.transposes[id(out)] = (out, x, perm)
         return [out]
+
+    def unstack(self, eqn, invals):
+        """Each item as JAX 0.10.2 iterates an array: a unit slice, then a squeeze."""
+        x, axis = invals[0], int(eqn.params["axis"])
+        shape = jnp.shape(x)
+        ones = (1,) * len(shape)
+        return [lax.squeeze(lax.slice(x, tuple(i if d == axis else 0 for d in range(len(shape))),
+                                      tuple(i + 1 if d == axis else n
+                                            for d, n in enumerate(shape)), ones), (axis,))
+                for i in range(shape[axis])]
 
     def squeeze(self, eqn, invals):
         return [invals[0]] if not tuple(eqn.params["dimensions"]) else None
@@ -349,6 +402,22 @@ class _Canonicalizer:
         if not np.isfinite(factor) or abs(factor) < np.finfo(dtype).tiny:
             return None
         return np.asarray(factor, dtype=dtype)
+
+
+def _stability_shifts(jaxpr: Any) -> set:
+    """The variables of ``jaxpr`` that are its maximum along an axis, as subtracted for a
+    stable ``exp``, and not yet under ``stop_gradient``: a ``reduce_max``'s result and what
+    ``max`` with a constant, a ``select_n`` (logsumexp's finite-or-zero), a broadcast, a
+    reshape, a transpose or a cast makes of it."""
+    passing = {"max", "select_n", "broadcast_in_dim", "reshape", "transpose",
+               "convert_element_type"}
+    shifts: set = set()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "reduce_max" or (name in passing and any(
+                not compat.is_literal(a) and a in shifts for a in eqn.invars)):
+            shifts.update(eqn.outvars)
+    return shifts
 
 
 def _placed(operand: Any, update: Any, starts: list[int]) -> list | None:

@@ -282,7 +282,7 @@ def test_halo_refused_where_xla_crashes(rng, monkeypatch, version, crashes):
     from cptransform.ir import compat
     from cptransform.ir.errors import PlanError
 
-    monkeypatch.setattr(compat, "_jax_version", lambda: version)
+    monkeypatch.setattr(compat.versions, "_jax_version", lambda: version)
     normal = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)  # noqa: E731
     q, k, v = normal(1, SEQ, 4, 8), normal(1, SEQ, 4, 8), normal(1, SEQ, 4, 8)
     f = _loss_model((3, 0))

@@ -84,7 +84,9 @@ def iter_eqns(jaxpr: Any, *, recursive: bool = True):
 def trace(fn: Callable, *args, name: str | None = None, **kwargs) -> Module:
     """Trace ``fn(*args, **kwargs)`` to a :class:`Module`.
 
-    Arguments may be arrays or ``jax.ShapeDtypeStruct``s (nothing is computed).
+    Arguments may be arrays or ``jax.ShapeDtypeStruct``s (nothing is computed). Params
+    are in canonical form (:func:`~cptransform.ir.compat.canonical_params`); the
+    ``canonicalize`` pass makes the rest of the program canonical.
     """
     flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
     out_tree_box: list = []
@@ -96,6 +98,6 @@ def trace(fn: Callable, *args, name: str | None = None, **kwargs) -> Module:
         out_tree_box.append(out_tree)
         return leaves
 
-    closed = jax.make_jaxpr(flat_fn)(*flat)
+    closed = compat.canonical_params(jax.make_jaxpr(flat_fn)(*flat))
     return Module(closed, in_tree, out_tree_box[0],
                   name=name or getattr(fn, "__name__", "fn"))

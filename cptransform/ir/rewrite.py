@@ -166,11 +166,13 @@ def trace_like(jaxpr: Any, fn: Callable) -> Any:
     """``make_jaxpr(fn)`` over arguments shaped like ``jaxpr``'s inputs.
 
     Weak types are kept: a body re-traced with strong inputs can change its output types
-    (a scan carry would then no longer match its initial value)."""
+    (a scan carry would then no longer match its initial value). The params come back in
+    canonical form (:func:`~cptransform.ir.compat.canonical_params`), whatever JAX spelled
+    the equations ``fn`` emitted."""
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype,
                                   weak_type=getattr(v.aval, "weak_type", False))
              for v in compat.open_jaxpr(jaxpr).invars]
-    return jax.make_jaxpr(fn)(*avals)
+    return compat.canonical_params(jax.make_jaxpr(fn)(*avals))
 
 
 def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],

@@ -1,0 +1,95 @@
+"""What the caller's trace is: autodiff tracers, the mesh context."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+from jax._src import core as _core
+
+@contextlib.contextmanager
+def no_mesh_context() -> Iterator[None]:
+    """No ``jax.set_mesh`` mesh in context: the transformed program carries its own CP mesh
+    (Auto axes), and the sharding constraints it places would be read against a user's
+    Explicit mesh, where they act as assertions. Outside ``jit`` both the concrete and the
+    abstract mesh are cleared; inside it (``set_mesh`` is refused there) the abstract one."""
+    import jax
+    from jax._src import mesh as _mesh
+    if _core.trace_state_clean():
+        with jax.set_mesh(None):
+            yield
+    else:
+        with jax.sharding.use_abstract_mesh(_mesh.empty_abstract_mesh):
+            yield
+
+
+def context_mesh_explicit_axes() -> tuple[str, ...]:
+    """The axes of the ``jax.set_mesh`` context's mesh that are not Auto (Explicit or
+    Manual; empty without a context mesh)."""
+    from jax._src import mesh as _mesh
+    from jax.sharding import AxisType
+    abstract = _mesh.get_abstract_mesh()
+    types = getattr(abstract, "axis_types", None) or ()
+    return tuple(name for name, kind in zip(abstract.axis_names, types)
+                 if kind != AxisType.Auto)
+
+
+def differentiated(values) -> bool:
+    """Whether any of ``values`` is traced by JAX's autodiff (``jvp``, ``grad``,
+    ``linearize``) rather than only staged (``jit``)."""
+    from jax._src.interpreters import ad as _ad
+    kinds = tuple(k for k in (getattr(_ad, "JVPTracer", None),
+                              getattr(_ad, "LinearizeTracer", None)) if k is not None)
+    return any(isinstance(v, kinds) for v in values)
+
+
+def _tracer_levels(v):
+    """The autodiff and batching tracers of ``v``, innermost transformation first (a
+    ``grad`` inside a ``jax.jvp`` comes before the ``jvp``'s tracer)."""
+    from jax._src.interpreters import batching as _batching
+    while isinstance(v, _core.Tracer):
+        yield v
+        inner = getattr(v, "primal", None)
+        if inner is None and isinstance(v, _batching.BatchTracer):
+            inner = v.val
+        if inner is None:
+            return
+        v = inner
+
+
+def concrete_primal(v):
+    """The concrete array under ``v``'s autodiff tracers (``grad`` / ``jvp`` of an eager
+    call: its ``primal``), ``v`` itself when it is concrete, else ``None`` (staged by
+    ``jit`` or batched: no concrete value, or not of ``v``'s shape)."""
+    while isinstance(v, _core.Tracer):
+        v = getattr(v, "primal", None)
+        if v is None:
+            return None
+    return v
+
+
+def forward_differentiated(values) -> bool:
+    """Whether any of ``values`` carries a forward-mode tangent (``jax.jvp``,
+    ``jax.jacfwd``, the outer derivative of ``jax.hessian``) at any level of its tracers;
+    reverse mode (``grad``, ``vjp``) traces with ``LinearizeTracer``s instead."""
+    from jax._src.interpreters import ad as _ad
+    jvp = getattr(_ad, "JVPTracer", None)
+    return jvp is not None and any(isinstance(t, jvp) for v in values
+                                   for t in _tracer_levels(v))
+
+
+def forward_over_reverse(values) -> bool:
+    """Whether any of ``values`` is differentiated in reverse mode inside a forward-mode
+    derivative (``jax.jvp`` of ``jax.grad``, ``jax.hessian``): a ``LinearizeTracer`` above
+    a ``JVPTracer``."""
+    from jax._src.interpreters import ad as _ad
+    jvp, linearize = getattr(_ad, "JVPTracer", None), getattr(_ad, "LinearizeTracer", None)
+    if jvp is None or linearize is None:
+        return False
+    for v in values:
+        reverse = False
+        for t in _tracer_levels(v):
+            reverse = reverse or isinstance(t, linearize)
+            if reverse and isinstance(t, jvp):
+                return True
+    return False
+
