@@ -14,12 +14,13 @@ logging.getLogger("cptransform").addHandler(logging.NullHandler())
 from cptransform.op.attention import AttentionShapeError, attention, attention_p
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.api.context_parallel import (ContextParallelError, ContextParallelOptionError,
-                                              IdleDevicesWarning, UnshardedWarning,
-                                              context_parallel)
+                                              IdleDevicesWarning, PartlyShardedWarning,
+                                              UnshardedWarning, context_parallel)
+from cptransform.ir.errors import UnshardedError
 from cptransform.ir.graph import Graph
 from cptransform.ir.module import Module, trace
 
 __all__ = ["attention", "attention_p", "AttentionShapeError", "AttentionSpec", "Layout",
            "MaskSpec", "context_parallel", "ContextParallelError", "ContextParallelOptionError",
-           "IdleDevicesWarning", "UnshardedWarning",
+           "IdleDevicesWarning", "PartlyShardedWarning", "UnshardedError", "UnshardedWarning",
            "Graph", "Module", "trace"]

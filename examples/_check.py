@@ -2,12 +2,16 @@
 and its gradients against the single-device run.
 
 The reference is always the undecorated function, jitted and differentiated on one device;
-the check passes when the loss and every gradient array agree to ``rtol`` relative to that
-array's largest entry (float32: 1e-5).
+the check passes when every attention of the program was rewritten (sharded) and the loss
+and every gradient array agree to ``rtol`` relative to that array's largest entry (float32:
+1e-5). The last line is ``MATCH`` only then; ``NOT SHARDED`` when some attention was not
+sharded (equal numbers from an unsharded program prove nothing), ``MISMATCH`` otherwise,
+and the script exits non-zero (:func:`main`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +54,50 @@ def tree_error(got_tree, want_tree) -> TreeError:
 
 
 @dataclass(frozen=True)
+class Sharding:
+    """How many of a program's attentions the transform rewrote into a CP schedule, of the
+    attentions the matcher saw (rewritten, or left whole over a q·k product)."""
+
+    rewritten: int
+    attentions: int
+
+    @property
+    def ok(self) -> bool:
+        return 0 < self.rewritten == self.attentions
+
+    def __str__(self) -> str:
+        return (f"attentions sharded: {self.rewritten} of {self.attentions}"
+                + ("" if self.ok else "  NOT SHARDED"))
+
+
+def sharding(cp_fn, *args) -> Sharding:
+    """:class:`Sharding` of ``cp_fn`` (a ``context_parallel`` function) for ``args``."""
+    matches = cp_fn.module(*args).facts.matches or ()
+    return Sharding(sum(m.rewritten for m in matches),
+                    sum(m.rewritten or m.runs_unsharded for m in matches))
+
+
+def verdict(shards: Sharding, equal: bool, rtol: float = RTOL) -> str:
+    """The last line an example prints: ``MATCH`` only for a sharded program with the
+    single-device numbers."""
+    if not shards.ok:
+        return f"NOT SHARDED ({shards.rewritten} of {shards.attentions} attentions sharded)"
+    return "MATCH" if equal else f"MISMATCH (rtol {rtol:g})"
+
+
+def main(check: Callable[[], bool]) -> int:
+    """An example's exit status: 0 when ``check()`` (which prints :func:`verdict`) holds;
+    1 otherwise, and when the transform refuses to run unsharded (its message, then
+    ``NOT SHARDED``)."""
+    from cptransform import UnshardedError
+    try:
+        return 0 if check() else 1
+    except UnshardedError as error:
+        print(f"{error}\nNOT SHARDED")
+        return 1
+
+
+@dataclass(frozen=True)
 class Comparison:
     """The transformed run against the single-device one; ``temp_bytes`` is the compiled
     temporary memory per device of each program (single device, context parallel)."""
@@ -58,20 +106,25 @@ class Comparison:
     cp_loss: float
     grads: TreeError
     temp_bytes: tuple[int, int]
+    sharding: Sharding
     rtol: float = RTOL
 
     @property
-    def ok(self) -> bool:
+    def equal(self) -> bool:
         return (abs(self.cp_loss - self.loss) <= self.rtol * abs(self.loss)
                 and self.grads.worst <= self.rtol)
+
+    @property
+    def ok(self) -> bool:
+        return self.sharding.ok and self.equal
 
     def __str__(self) -> str:
         one, many = self.temp_bytes
         return (f"temporary memory per device: single device {one / 2**20:.1f} MiB, "
                 f"context parallel {many / 2**20:.1f} MiB ({many / max(one, 1):.2f}x)\n"
                 f"loss: single device {self.loss:.7f}, context parallel {self.cp_loss:.7f}\n"
-                f"gradients: {self.grads}\n"
-                + ("MATCH" if self.ok else f"MISMATCH (rtol {self.rtol:g})"))
+                f"gradients: {self.grads}\n{self.sharding}\n"
+                + verdict(self.sharding, self.equal, self.rtol))
 
 
 def compare_gradients(loss, cp_loss, *args) -> Comparison:
@@ -81,7 +134,8 @@ def compare_gradients(loss, cp_loss, *args) -> Comparison:
     ref, got = (jax.jit(jax.value_and_grad(f)).lower(*args).compile() for f in (loss, cp_loss))
     (ref_loss, ref_grads), (got_loss, got_grads) = ref(*args), got(*args)
     return Comparison(float(ref_loss), float(got_loss), tree_error(got_grads, ref_grads),
-                      tuple(c.memory_analysis().temp_size_in_bytes for c in (ref, got)))
+                      tuple(c.memory_analysis().temp_size_in_bytes for c in (ref, got)),
+                      sharding(cp_loss, *args))
 
 
 def report(cp_fn, *args, segment_ids=None) -> str:

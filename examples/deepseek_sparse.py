@@ -181,8 +181,10 @@ def make():
 
 def demo(seq: int = 64, cp: int = 8, batch: int = 2, **options) -> bool:
     """Transform, explain and check against one device; returns whether every number
-    matched (loss and every gradient to 1e-5 relative). ``options`` go to
-    ``context_parallel`` (e.g. ``schedule="ring"``, ``load_balance="zigzag"``)."""
+    matched (loss and every gradient to 1e-5 relative) and every attention was sharded.
+    ``options`` go to ``context_parallel`` (e.g. ``schedule="ring"``,
+    ``load_balance="zigzag"``)."""
+    import _check  # beside this file; the script's folder is on sys.path
     from cptransform import context_parallel
 
     params, tokens = example_args(batch=batch, seq=seq)
@@ -201,9 +203,11 @@ def demo(seq: int = 64, cp: int = 8, batch: int = 2, **options) -> bool:
           f"{errors[worst]:.2e} ({worst})")
     ok = abs(float(cp_loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)) \
         and errors[worst] <= 1e-5
-    print("MATCH" if ok else "MISMATCH")
-    return ok
+    shards = _check.sharding(sharded, params, tokens)
+    print(f"{shards}\n{_check.verdict(shards, ok)}")
+    return ok and shards.ok
 
 
 if __name__ == "__main__":
-    sys.exit(0 if demo() else 1)
+    import _check  # beside this file; the script's folder is on sys.path
+    sys.exit(_check.main(demo))

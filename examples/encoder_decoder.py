@@ -127,15 +127,26 @@ def make():
     return loss, example_args()
 
 
-def check(cfg: Config = SMALL, *, src_len: int = 48, tgt_len: int = 27, cp: int = 8,
-          load_balance: str = "zigzag", verbose: bool = True) -> float:
-    """Transform ``loss`` with ``context_parallel(cp=cp)``, print what it did, and return
-    the worst relative error of the loss and every gradient against one device."""
+def transformed(cfg: Config = SMALL, *, src_len: int = 48, tgt_len: int = 27, cp: int = 8,
+                load_balance: str = "zigzag"):
+    """``(loss, its context_parallel transform, (params, src, tgt))`` at these sizes."""
     from cptransform import context_parallel
 
     args = example_args(cfg, src_len=src_len, tgt_len=tgt_len)
     fn = lambda p, s, t: loss(p, s, t, cfg)  # noqa: E731
-    sharded = context_parallel(fn, cp=cp, load_balance=load_balance)
+    return fn, context_parallel(fn, cp=cp, load_balance=load_balance), args
+
+
+def check(cfg: Config = SMALL, *, verbose: bool = True, **sizes) -> float:
+    """Transform ``loss`` with ``context_parallel`` (:func:`transformed`'s ``sizes``), print
+    what it did, and return the worst relative error of the loss and every gradient against
+    one device."""
+    return worst_error(*transformed(cfg, **sizes), verbose=verbose)
+
+
+def worst_error(fn, sharded, args, *, verbose: bool = True) -> float:
+    """The worst relative error of ``sharded``'s loss and gradients against ``fn``'s."""
+    cp = sharded.options.cp
     if verbose:
         print(sharded.explain(*args))
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(fn))(*args)
@@ -152,7 +163,17 @@ def check(cfg: Config = SMALL, *, src_len: int = 48, tgt_len: int = 27, cp: int 
     return errors[worst]
 
 
+def demo(**sizes) -> bool:
+    """The example as a script runs it: :func:`check`, then whether every attention (each
+    layer's self- and cross-attention) was sharded and every number matched."""
+    import _check  # beside this file; the script's folder is on sys.path
+    fn, sharded, args = transformed(**sizes)
+    error = worst_error(fn, sharded, args)
+    shards = _check.sharding(sharded, *args)
+    print(f"{shards}\n{_check.verdict(shards, error <= _check.RTOL)}")
+    return shards.ok and error <= _check.RTOL
+
+
 if __name__ == "__main__":
-    error = check()
-    print("MATCH" if error <= 1e-5 else "MISMATCH")
-    sys.exit(0 if error <= 1e-5 else 1)
+    import _check  # beside this file; the script's folder is on sys.path
+    sys.exit(_check.main(demo))

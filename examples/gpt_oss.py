@@ -182,8 +182,9 @@ def make():
 
 def demo(seq: int = 128, cp: int = 8, schedule: str = "auto", cfg: Config = SMALL,
          batch: int = 2) -> bool:
-    """Transform, explain and check; returns whether the loss and every gradient match
-    the single-device run (relative error ≤ 1e-5)."""
+    """Transform, explain and check; returns whether every attention was sharded and the
+    loss and every gradient match the single-device run (relative error ≤ 1e-5)."""
+    import _check  # beside this file; the script's folder is on sys.path
     from cptransform import context_parallel
 
     params, tokens = example_args(cfg, batch=batch, seq=seq)
@@ -202,8 +203,9 @@ def demo(seq: int = 128, cp: int = 8, schedule: str = "auto", cfg: Config = SMAL
     print(f"gradients: {len(errors)} arrays, worst relative error {worst:.2e} "
           f"(sinks {errors[SINKS]:.2e})")
     ok = abs(float(cp_loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss)) and worst <= 1e-5
-    print("MATCH" if ok else "MISMATCH")
-    return ok
+    shards = _check.sharding(sharded, params, tokens)
+    print(f"{shards}\n{_check.verdict(shards, ok)}")
+    return ok and shards.ok
 
 
 def main(argv=None) -> int:
@@ -215,7 +217,8 @@ def main(argv=None) -> int:
     parser.add_argument("--schedule", default=OPTIONS["schedule"].default,
                         help=f"one of {', '.join(OPTIONS['schedule'].choices())}")
     args = parser.parse_args(argv)
-    return 0 if demo(args.seq, args.cp, args.schedule) else 1
+    import _check  # beside this file; the script's folder is on sys.path
+    return _check.main(lambda: demo(args.seq, args.cp, args.schedule))
 
 
 if __name__ == "__main__":

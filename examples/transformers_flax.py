@@ -102,11 +102,11 @@ def check(*, seq: int = 128, steps: int = 3, cp: int = 8, layers: int = 2,
     drift = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
         jax.tree.leaves(states[1][0]), jax.tree.leaves(states[0][0]))) / (lr * steps)
     steps_ok.append(drift <= 1e-2)
-    ok = all(steps_ok)
+    shards = _check.sharding(cp_loss, model.params, data[0])
     say(f"parameters after {steps} steps of each copy: largest difference {drift:.2e} of "
-        f"the distance AdamW can move them (at most 1e-2)\n"
-        + ("MATCH" if ok else f"MISMATCH (rtol {_check.RTOL:g})"))
-    return ok
+        f"the distance AdamW can move them (at most 1e-2)\n{shards}\n"
+        + _check.verdict(shards, all(steps_ok)))
+    return all(steps_ok) and shards.ok
 
 
 def make():
@@ -116,4 +116,5 @@ def make():
 
 
 if __name__ == "__main__":
-    sys.exit(0 if check() else 1)
+    import _check  # beside this file; the script's folder is on sys.path
+    sys.exit(_check.main(check))

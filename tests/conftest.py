@@ -86,3 +86,31 @@ def needs_halo() -> None:
     reason = compat.compiler_crash("halo")
     if reason:
         pytest.skip(reason)
+
+
+def sharded_only():
+    """A context in which a transform that shards less than asked (an
+    :class:`~cptransform.UnshardedWarning` or :class:`~cptransform.PartlyShardedWarning`)
+    raises, whatever the warning filters around it say."""
+    import contextlib
+    import warnings
+
+    from cptransform import UnshardedWarning
+
+    @contextlib.contextmanager
+    def context():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UnshardedWarning)
+            yield
+    return context()
+
+
+def assert_rewritten(f, *args, count: int, **kwargs):
+    """``f`` (a ``context_parallel`` function) rewrote exactly ``count`` attentions for
+    these arguments (an attention in a loop body counts once) and left none whole: equal
+    numbers from a program that shards less prove nothing."""
+    matches = f.module(*args, **kwargs).facts.matches or ()
+    rewritten = sum(m.rewritten for m in matches)
+    whole = [str(m) for m in matches if m.runs_unsharded]
+    assert rewritten == count and not whole, (
+        f"{rewritten} attention(s) rewritten, expected {count}; left whole: {whole}")

@@ -93,17 +93,24 @@ def test_seq_axes_contradicting_dataflow_is_refused(data):
         f(w, padded)
 
 
-def test_no_attention_warns_with_the_refused_softmax(data):
+def test_no_attention_raises_naming_the_refused_softmax(data):
+    """Nothing to shard is an error naming each softmax and why it was left, and the
+    opt-out; with ``allow_unsharded=True`` the function runs unchanged with a warning;
+    ``strict=True`` refuses even then."""
     x, _ = data
 
     def gate(x):
         return jnp.sum(jax.nn.softmax(x, axis=-1) * x)
 
-    f = context_parallel(gate, cp=4)
+    with pytest.raises(ContextParallelError, match=r"(?s)no attention found.*nothing is "
+                       r"sharded.*test_arguments_and_meshes.py.*refused: softmax input "
+                       r"does not come from a q·k product.*allow_unsharded=True"):
+        context_parallel(gate, cp=4)(x)
+    f = context_parallel(gate, cp=4, allow_unsharded=True)
     with pytest.warns(UnshardedWarning, match="no attention found.*nothing is sharded"):
         np.testing.assert_allclose(f(x), gate(x), rtol=RTOL)
     with pytest.raises(ContextParallelError, match="no attention found"):
-        context_parallel(gate, cp=4, strict=True)(x)
+        context_parallel(gate, cp=4, strict=True, allow_unsharded=True)(x)
 
 
 @pytest.mark.slow

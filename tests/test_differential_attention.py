@@ -4,16 +4,14 @@ attentions, sharded: the value product is distributed over the combination
 over twice the heads viewed as ``[B, H, 2, Q, K]`` and indexed, a per-head ``λ``, the
 logsumexp softmax, and a three-term combination; a combination with a leaf that is no
 softmax stays whole (exact, logged)."""
-import logging
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
 import pytest
 
-from conftest import assert_tree_close
-from cptransform import context_parallel
+from conftest import assert_tree_close, sharded_only
+from cptransform import PartlyShardedWarning, context_parallel
 from cptransform.ir.pipeline import Pipeline
 from cptransform.passes import get_all_passes
 from cptransform.passes.match_attention.distribute import distribute_value_products
@@ -97,13 +95,12 @@ def _attention_lines(f, args):
     "two_softmaxes", *(pytest.param(s, marks=pytest.mark.slow)
                        for s in ("viewed", "per_head", "logsumexp", "three_terms"))])
 @pytest.mark.parametrize("load_balance", ["zigzag"])
-def test_differential_attention_is_sharded_and_exact(spelling, load_balance, caplog):
+def test_differential_attention_is_sharded_and_exact(spelling, load_balance):
     loss = _loss(SPELLINGS[spelling])
     args = _args()
     f = context_parallel(loss, cp=4, load_balance=load_balance)
-    with caplog.at_level(logging.WARNING, logger="cptransform"):
+    with sharded_only():
         got = jax.value_and_grad(f, argnums=(0, 1, 2))(*args)
-    assert not [r for r in caplog.records if "runs unsharded" in r.getMessage()]
     unsharded, matches = _attention_lines(f, args)
     assert not unsharded, unsharded
     want_attentions = 3 if spelling == "three_terms" else 1 if spelling == "viewed" else 2
@@ -166,8 +163,10 @@ def test_a_combination_with_a_leaf_that_is_no_softmax_stays_whole():
     args = _args(2)
     assert _distributed(loss, *args)[1] == 0
     f = context_parallel(loss, cp=4)
-    unsharded, _ = _attention_lines(f, args)
+    with pytest.warns(PartlyShardedWarning, match=r"1 attention\(s\) run unsharded"):
+        unsharded, matches = _attention_lines(f, args)
     assert len(unsharded) == 1, unsharded
+    assert sum(m.rewritten for m in matches) == 1, matches
     assert_tree_close(jax.value_and_grad(f, argnums=(0, 1))(*args),
                       jax.value_and_grad(loss, argnums=(0, 1))(*args), rtol=2e-5)
 

@@ -8,15 +8,14 @@ program's under every schedule and layout. Spellings: ``where(keep, p / keep, 0)
 query heads, flax's stock functions and modules. What cannot be one device's bits (another
 key implementation, an empty row's uniform fill under data masks) is left whole and logged.
 """
-import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_tree_close
-from cptransform import context_parallel
+from conftest import assert_tree_close, sharded_only
+from cptransform import PartlyShardedWarning, context_parallel
 from cptransform.ir.errors import KernelError
 from cptransform.op import dropout
 
@@ -98,11 +97,10 @@ def _args(seed=0, length=S):
     return (*(jax.random.normal(kk, (B, length, H, D)) for kk in ks[:3]), ks[3])
 
 
-def _check(loss, args, caplog, **options):
+def _check(loss, args, **options):
     f = context_parallel(loss, cp=4, **options)
-    with caplog.at_level(logging.WARNING, logger="cptransform"):
+    with sharded_only():
         got = jax.value_and_grad(f, argnums=(0, 1, 2))(*args)
-    assert not [r for r in caplog.records if "runs unsharded" in r.getMessage()]
     matches = f.module(*args).facts.matches
     assert matches and all(m.rewritten and m.spec.dropout is not None for m in matches), \
         matches
@@ -115,10 +113,10 @@ def _check(loss, args, caplog, **options):
     "selected", "broadcast_multiplier",
     *(pytest.param(s, marks=pytest.mark.slow)
       for s in ("heads_after_queries", "grouped", "flax_function", "flax_module"))])
-def test_dropout_is_sharded_with_one_devices_bits(spelling, caplog):
+def test_dropout_is_sharded_with_one_devices_bits(spelling):
     if spelling.startswith("flax"):
         pytest.importorskip("flax")
-    _check(_loss(SPELLINGS[spelling]), _args(), caplog)
+    _check(_loss(SPELLINGS[spelling]), _args())
 
 
 def _schedules(*pairs):
@@ -132,15 +130,15 @@ def _schedules(*pairs):
 
 @_schedules(("ring", "zigzag"), ("ring", "striped"), ("ulysses", "none"),
             ("allgather", "none"), ("hybrid", "zigzag"), ("double_ring", "none"))
-def test_every_schedule_draws_the_same_bits(options, caplog):
-    f = _check(_loss(selected), _args(1), caplog, **options)
+def test_every_schedule_draws_the_same_bits(options):
+    f = _check(_loss(selected), _args(1), **options)
     (plan,) = f.module(*_args(1)).facts.plan
     assert plan.schedule == options["schedule"], plan.schedule
 
 
 @_schedules(("ring", "zigzag"), ("ring", "striped"), ("allgather", "zigzag"),
             ("hybrid", "zigzag"))
-def test_without_a_mask_the_keys_positions_still_travel(options, caplog):
+def test_without_a_mask_the_keys_positions_still_travel(options):
     """No mask term reads the keys' positions, dropout does: under a permuted layout the
     ring must send them with the keys (the bits of a pair follow its key's position)."""
     def layer(q, k, v, key):
@@ -155,16 +153,15 @@ def test_without_a_mask_the_keys_positions_still_travel(options, caplog):
             jax.nn.dot_product_attention(q, k, v, is_causal=True) ** 2)
 
     f = context_parallel(loss, cp=4, **options)
-    with caplog.at_level(logging.WARNING, logger="cptransform"):
+    with sharded_only():
         got = jax.value_and_grad(f, argnums=(0, 1, 2))(*_args(8))
-    assert not [r for r in caplog.records if "runs unsharded" in r.getMessage()]
     assert_tree_close(got, jax.value_and_grad(loss, argnums=(0, 1, 2))(*_args(8)), rtol=2e-5)
 
 
 @pytest.mark.slow
-def test_a_length_the_layout_does_not_divide(caplog):
+def test_a_length_the_layout_does_not_divide():
     """Padded queries and keys draw bits past the sequence; they are masked."""
-    _check(_loss(broadcast_multiplier_of(S - 3)), _args(2, S - 3), caplog,
+    _check(_loss(broadcast_multiplier_of(S - 3)), _args(2, S - 3),
            load_balance="zigzag")
 
 
@@ -178,14 +175,14 @@ def broadcast_multiplier_of(length):
     return layer
 
 
-def test_layers_in_a_scan_with_a_key_each(caplog):
+def test_layers_in_a_scan_with_a_key_each():
     """Two dropout layers under ``lax.scan``, each with its own key split from one."""
     def loss(q, k, v, key):
         def layer(h, kl):
             return h + selected(h, k, v, kl), None
         return jnp.mean(jax.lax.scan(layer, q, jax.random.split(key, 2))[0] ** 2)
 
-    _check(loss, _args(3), caplog)
+    _check(loss, _args(3))
 
 
 def test_nan_in_v_reaches_the_rows_as_on_one_device():
@@ -212,7 +209,7 @@ def test_pallas_refuses_and_auto_takes_the_xla_kernel():
 
 
 @pytest.mark.parametrize("case", ["uniform_with_padding", "rbg_key", "given_mask"])
-def test_what_cannot_be_one_devices_bits_is_left_whole(case, caplog):
+def test_what_cannot_be_one_devices_bits_is_left_whole(case):
     """Left whole, logged, exact: an empty row's uniform fill under a data mask (its
     output would be the dropped mean of V), a key whose bits depend on the whole shape
     (``rbg``), and a keep-mask passed in as data (no bits to draw)."""
@@ -237,9 +234,10 @@ def test_what_cannot_be_one_devices_bits_is_left_whole(case, caplog):
                                                                          is_causal=True))
 
     f = context_parallel(loss, cp=4)
-    with caplog.at_level(logging.WARNING, logger="cptransform"):
+    with pytest.warns(PartlyShardedWarning, match=r"1 attention\(s\) run unsharded") as caught:
         got = jax.value_and_grad(f, argnums=(0, 1, 2))(q, k, v, key, pad)
-    assert len([r for r in caplog.records if "runs unsharded" in r.getMessage()]) == 1
+    assert len([w for w in caught if w.category is PartlyShardedWarning]) == 1
+    assert sum(m.rewritten for m in f.module(q, k, v, key, pad).facts.matches) == 1
     want = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v, key, pad)
     assert_tree_close(got, want, rtol=2e-5)
 

@@ -65,3 +65,44 @@ def test_nnx_train_step_under_the_decorator_is_refused():
     with pytest.raises(ContextParallelError, match="put @context_parallel on the loss"):
         step(model, optimizer, tokens)
     assert jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))  # still usable
+
+
+SCRIPTS = ("llama", "gemma", "packed_documents", "nnx_optax", "gpt_oss", "encoder_decoder",
+           "deepseek_sparse")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_an_example_that_shards_nothing_exits_non_zero(script, monkeypatch, capsys):
+    """Run as a script with a matcher that finds nothing, each example prints the
+    transform's refusal and ``NOT SHARDED`` and exits 1 (never ``MATCH``: the numbers of
+    an unsharded program prove nothing)."""
+    import runpy
+
+    from cptransform.ir.pipeline import PassResult
+    from cptransform.passes.match_attention import MatchAttention
+
+    monkeypatch.setattr(MatchAttention, "run",
+                        lambda self, module: PassResult(module.with_facts(matches=()), False))
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{script}.py"
+    monkeypatch.setattr(sys, "argv", [str(path)])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path(str(path), run_name="__main__")
+    out = capsys.readouterr().out
+    assert exited.value.code == 1
+    assert out.rstrip().endswith("NOT SHARDED") and "MATCH" not in out, out[-2000:]
+    assert "no attention found" in out
+
+
+def test_equal_numbers_without_every_attention_sharded_are_not_a_match():
+    """The verdict an example prints: MATCH needs every attention sharded and equal
+    numbers; one attention of two left whole, or none sharded, is NOT SHARDED."""
+    equal = dict(loss=1.0, cp_loss=1.0, grads=_check.TreeError(3, 0.0, "-"),
+                 temp_bytes=(1, 1))
+    assert _check.Comparison(sharding=_check.Sharding(2, 2), **equal).ok
+    for rewritten, attentions in ((1, 2), (0, 2), (0, 0)):
+        result = _check.Comparison(sharding=_check.Sharding(rewritten, attentions), **equal)
+        assert not result.ok and str(result).endswith(
+            f"NOT SHARDED ({rewritten} of {attentions} attentions sharded)")
+    unequal = dict(equal, cp_loss=1.1)
+    assert str(_check.Comparison(sharding=_check.Sharding(2, 2), **unequal)).endswith(
+        "MISMATCH (rtol 1e-05)")

@@ -3,13 +3,14 @@ IR), per-pass timings readable from Python, and the ``jax.named_scope`` names sc
 ring steps and kernels run under, found in the lowered program's op metadata."""
 import logging
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from cptransform import attention, context_parallel
+from cptransform import PartlyShardedWarning, UnshardedWarning, attention, context_parallel
 from cptransform.passes import get_all_passes
 
 #: The decorator runs every built-in pass, in the registry's order.
@@ -101,21 +102,26 @@ def _beside_a_sharded_attention(kind: str):
 
 
 @pytest.mark.parametrize("kind", ["given_mask", "differential"])
-def test_an_attention_left_whole_beside_sharded_ones_is_logged(caplog, kind):
+def test_an_attention_left_whole_beside_sharded_ones_is_logged(kind):
     """No attention runs unsharded silently: beside a sharded one, the attention the
-    matcher leaves whole (a mask given as data) is logged (WARNING) and listed by ``explain``;
-    differential attention is sharded, so nothing is logged; the vocabulary's softmax,
-    which is no attention, is not either; the numbers are one device's."""
+    matcher leaves whole (a mask given as data) is warned about (``PartlyShardedWarning``,
+    at the user's line) and listed by ``explain``; differential attention is sharded, so
+    nothing is warned; the vocabulary's softmax, which is no attention, is not either; the
+    numbers are one device's."""
     loss = _beside_a_sharded_attention(kind)
     q = jax.random.normal(jax.random.key(4), (2, 32, 2, 8))
     w = jax.random.normal(jax.random.key(5), (8, 11))
     key = jax.random.key(6)
     f = context_parallel(loss, cp=4)
-    with caplog.at_level(logging.WARNING, logger="cptransform"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnshardedWarning)
         got = jax.value_and_grad(f, argnums=(0, 1))(q, w, key)
-    warned = [r.getMessage() for r in caplog.records if "runs unsharded" in r.getMessage()]
+    warned = [str(w.message) for w in caught if w.category is PartlyShardedWarning]
+    assert [w.category for w in caught if issubclass(w.category, UnshardedWarning)] == \
+        [PartlyShardedWarning] * len(warned)
     assert len(warned) == (1 if kind == "given_mask" else 0), warned
-    assert all("test_observability.py" in m for m in warned), warned
+    assert all("1 attention(s) run unsharded" in m and "test_observability.py" in m
+               for m in warned), warned
     listed = [line for line in f.explain(q, w, key).splitlines()
               if "unsharded attention" in line]
     assert len(listed) == len(warned), listed

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_tree_close, make_mesh
+from conftest import assert_rewritten, assert_tree_close, make_mesh
 from cptransform import ContextParallelError, ContextParallelOptionError, context_parallel
 from cptransform.analysis.primitives import Family, names_of
 from cptransform.passes.plan_context_parallel import PlanError
@@ -37,6 +37,7 @@ def llama_case():
 def test_llama_loss_and_grads(llama_case, schedule, load_balance, cp):
     loss, params, tokens, (ref_loss, ref_grads) = llama_case
     f = context_parallel(loss, cp=cp, schedule=schedule, load_balance=load_balance)
+    assert_rewritten(f, params, tokens, count=1)
     value, grads = jax.jit(jax.value_and_grad(f))(params, tokens)
     np.testing.assert_allclose(value, ref_loss, rtol=RTOL)
     assert_tree_close(grads, ref_grads)
@@ -47,6 +48,7 @@ def test_llama_hybrid(llama_case):
     loss, params, tokens, (ref_loss, ref_grads) = llama_case
     mesh = make_mesh((2, 4), ("uly", "ring"))
     f = context_parallel(loss, mesh=mesh, axis=("uly", "ring"))
+    assert_rewritten(f, params, tokens, count=1)
     value, grads = jax.value_and_grad(f)(params, tokens)
     np.testing.assert_allclose(value, ref_loss, rtol=RTOL)
     assert_tree_close(grads, ref_grads)
@@ -75,6 +77,7 @@ def test_data_and_cp_mesh(llama_case):
     loss, params, tokens, (ref_loss, ref_grads) = llama_case
     mesh = make_mesh((2, 4), ("data", "cp"))
     f = context_parallel(loss, mesh=mesh, axis="cp")
+    assert_rewritten(f, params, tokens, count=1)
     sharded = jax.device_put(tokens, jax.sharding.NamedSharding(
         mesh, jax.sharding.PartitionSpec("data", None)))
     value, grads = jax.jit(jax.value_and_grad(f))(params, sharded)

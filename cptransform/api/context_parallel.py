@@ -21,7 +21,7 @@ from cptransform.api.forward_mode import with_forward_mode
 from cptransform.api.options import OPTIONS, Options
 from cptransform.ir import compat
 from cptransform.ir.errors import ContextParallelError, ContextParallelOptionError, \
-    did_you_mean
+    UnshardedError, did_you_mean
 from cptransform.ir.gc_pause import gc_paused
 from cptransform.ir.module import Module, iter_eqns, trace
 from cptransform.ir.pipeline import PassTiming, Pipeline
@@ -205,33 +205,48 @@ def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipe
 
 
 def report_unsharded(module: Module, options: Options) -> None:
-    """With ``cp > 1`` and no attention found, nothing is sharded: warn with each refused
-    softmax's reason and source line (``strict=True``: raise). With attentions found, each
-    refused softmax over a q·k product (an attention left whole: its probabilities
-    multiplied by data, a softmax combined with a non-softmax) is logged as running
-    unsharded."""
+    """A transform that shards less than asked never passes for success. With ``cp > 1``
+    and no attention rewritten, nothing is sharded: raise, naming each softmax seen and why
+    it was left (``allow_unsharded=True``: warn and run unchanged). With attentions
+    rewritten, each attention left whole (a softmax over a q·k product refused: its
+    probabilities multiplied by data, a softmax combined with a non-softmax) runs its whole
+    S×S work on every device: a :class:`PartlyShardedWarning` names each (``strict=True``:
+    raise)."""
     if module.facts.cp <= 1:
         return
     if module.facts.plan:
-        for m in module.facts.matches or ():
-            if m.runs_unsharded:
-                log.warning("%s: the attention at %s runs unsharded, its whole S×S work on "
-                            "every device (left alone: %s); use cptransform.attention for "
-                            "it to be sharded", module.name, m.source, m.reason)
+        whole = [m for m in module.facts.matches or () if m.runs_unsharded]
+        if not whole:
+            return
+        message = (f"{module.name}: {len(whole)} attention(s) run unsharded, their whole "
+                   f"S×S work on every device of cp={module.facts.cp}:\n"
+                   + "\n".join(f"  {m.source}: left alone: {m.reason}" for m in whole)
+                   + "\nUse cptransform.attention(q, k, v, ...) for them to be sharded.")
+        if options.strict:
+            raise UnshardedError(message + " (strict=True refuses this)")
+        warnings.warn(message, PartlyShardedWarning, stacklevel=4)
         return
     refused = [f"  {m}" for m in module.facts.matches or () if not m.rewritten]
     message = (f"{module.name}: no attention found, so nothing is sharded over cp="
-               f"{module.facts.cp}; the function runs as on one device"
+               f"{module.facts.cp}; the function would run as on one device"
                + (":\n" + "\n".join(refused) if refused else " (no softmax either)")
                + "\nUse cptransform.attention(q, k, v, ...) for an attention the matcher "
-                 "cannot see.")
-    if options.strict:
-        raise ContextParallelError(message)
+                 "cannot see, or pass allow_unsharded=True to run the function unsharded "
+                 "(with an UnshardedWarning).")
+    if options.strict or not options.allow_unsharded:
+        raise UnshardedError(message)
     warnings.warn(message, UnshardedWarning, stacklevel=4)
 
 
 class UnshardedWarning(UserWarning):
-    """A transformed function found no attention and runs unsharded."""
+    """A transformed function runs (partly) unsharded: no attention found (only with
+    ``allow_unsharded=True``; otherwise an error), or, as :class:`PartlyShardedWarning`,
+    some attention left whole."""
+
+
+class PartlyShardedWarning(UnshardedWarning):
+    """Some attention of a transformed function was left whole: it runs unsharded, its
+    S×S work on every device, while the others are sharded."""
 
 
 def refuse_gradients(module: Module) -> None:

@@ -97,8 +97,11 @@ OPTIONS: dict[str, OptionSpec] = {spec.name: spec for spec in (
     OptionSpec("seq_axes", "Any", None, "per positional argument its sequence dims (an int, "
                "a tuple, None, or a pytree prefix of it), overriding the inferred ones"),
     OptionSpec("strict", "bool", False, "refuse ops that are not order-safe along the "
-               "sequence instead of wrapping them, and a function with no attention",
+               "sequence instead of wrapping them, and an attention left unsharded",
                consumer=REORDER),
+    OptionSpec("allow_unsharded", "bool", False, "run a function in which no attention is "
+               "found as it is, on every device, with an UnshardedWarning, instead of "
+               "raising"),
     OptionSpec("keep_permuted", "bool", False, "leave sequence outputs in the load-balanced "
                "order", consumer=REORDER),
     OptionSpec("static_argnums", "int | tuple[int, ...]", (), "as in jax.jit"),
@@ -130,6 +133,7 @@ class Options:
     kernel: str = _default("kernel")
     seq_axes: Any = _default("seq_axes")
     strict: bool = _default("strict")
+    allow_unsharded: bool = _default("allow_unsharded")
     keep_permuted: bool = _default("keep_permuted")
     static_argnums: int | tuple[int, ...] = _default("static_argnums")
     static_argnames: str | tuple[str, ...] = _default("static_argnames")

@@ -44,6 +44,11 @@ class ContextParallelError(CPTransformError):
     """The function, its operands or the mesh cannot be transformed as written."""
 
 
+class UnshardedError(ContextParallelError):
+    """The transform would shard less than asked: no attention found (``cp > 1``), or,
+    under ``strict=True``, some attention left whole."""
+
+
 class AttentionShapeError(CPTransformError):
     """Operands of an attention do not fit together."""
 
