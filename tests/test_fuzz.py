@@ -1,7 +1,8 @@
 """Differential fuzzer (CI budget): random small programs around attention must give the
 same loss and gradients under ``@context_parallel`` as undecorated, or a clear refusal.
-A case whose attention was not matched (it ran unsharded, with the right numbers) passes
-but is reported as a ``FuzzUnmatched`` warning.
+A case whose attention was not matched (it ran unsharded, with the right numbers) fails,
+unless its reason is a known matcher gap (``KNOWN_UNMATCHED``): then it passes and is
+reported as a ``FuzzUnmatched`` warning.
 
 The generator is ``tests/fuzz_programs.py``; classes in ``KNOWN_BROKEN`` (a silent wrong
 answer or an unclear crash today) are skipped here and still run by ``bench/fuzz.py``.
@@ -48,15 +49,28 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1"))
 # example of each class is a random draw (hypothesis' first example would be the all-first-
 # options one for every class). Shrinking is off (each step costs a compile): the printed
 # FuzzCase is the reproduction.
+#: Matcher refusals the fuzzer meets and tolerates (right numbers, the attention unsharded,
+#: a warning), by class: the matcher gaps known today. Any other unmatched case fails: a
+#: release or a change that stops the matcher seeing attentions must not pass for success.
+KNOWN_UNMATCHED: dict[str, tuple[str, ...]] = {
+    "mask_bias": ("a mask or bias varies along dims merged by a reshape of the logits",
+                  "a finite fill added to the scores after a soft-cap or beside a bias"),
+}
+
+
 def drawn_and_run(cls: str, seed: int):
     """Draw the case of ``cls`` for ``seed``, run it, and require it exact or clearly
-    refused (or unmatched: right numbers, unsharded); returns ``(case, outcome)``."""
+    refused (or unmatched for a reason :data:`KNOWN_UNMATCHED` lists: right numbers,
+    unsharded); returns ``(case, outcome)``."""
     rng = np.random.default_rng([seed, ALL_CLASSES.index(cls)])
     case = draw_case(numpy_chooser(rng), cls, seed)
     note(repr(case))
     outcome = run_case(case)
     assert outcome.status in ("passed", "unmatched", "refused"), \
         f"{outcome}\nreproduce: {case.repro()}"
+    if outcome.status == "unmatched":
+        assert any(r in outcome.detail for r in KNOWN_UNMATCHED.get(cls, ())), \
+            f"an attention the matcher did not shard: {outcome}\nreproduce: {case.repro()}"
     return case, outcome
 
 
