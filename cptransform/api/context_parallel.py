@@ -185,10 +185,12 @@ def _signature(args, kwargs):
     return tree, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in leaves)
 
 
-def prepare(module: Module, options: Options, overrides: dict | None = None) -> Module:
-    """Attach the CP mesh, its axes and the ``seq_axes`` overrides to a traced module."""
+def prepare(module: Module, options: Options, overrides: dict | None = None,
+            mesh=None) -> Module:
+    """Attach the CP mesh (built from the options unless given), its axes and the
+    ``seq_axes`` overrides to a traced module."""
     options.check()
-    mesh = build_mesh(options)
+    mesh = build_mesh(options) if mesh is None else mesh
     return module.with_facts(mesh=mesh, cp_axes=options.axes,
                              seq_axes_overrides=overrides or {})
 
@@ -409,13 +411,17 @@ class ContextParallelFunction:
         name, written = getattr(self.fn, "__name__", "fn"), []
         log.info("%s: tracing", name)
         start = time.perf_counter()
-        with _tracing(name):
+        mesh = build_mesh(self.options)
+        # Traced with the program's mesh in context: the model's own annotations (Flax's
+        # logical constraints, a PartitionSpec without a mesh) resolve against it, as
+        # they would under the user's `with mesh:`; lowering re-expresses them.
+        with _tracing(name), compat.mesh_context(mesh):
             module = trace(returning_argument_writes(split.bind(self.fn), name, written),
                            *abstract[0], name=name, **abstract[1])
         traced = time.perf_counter() - start
         refuse_gradients(module)
         overrides = _seq_axis_overrides(self.options.seq_axes, args, split.traced_positions())
-        module = prepare(module, self.options, overrides)
+        module = prepare(module, self.options, overrides, mesh)
         result = cp_pipeline(module, self.options).run(module)
         final = result.module
         report_unsharded(final, self.options)

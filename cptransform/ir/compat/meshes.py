@@ -51,9 +51,8 @@ def _entries(spec: Any, ndim: int, unconstrained: frozenset = frozenset()) -> tu
 def _mesh_facts(mesh: Any) -> tuple[dict, tuple | None]:
     axes = dict(zip(mesh.axis_names, mesh.axis_sizes if hasattr(mesh, "axis_sizes")
                     else mesh.devices.shape))
-    devices = getattr(mesh, "devices", None)
-    ids = None if devices is None or not hasattr(devices, "flat") \
-        else tuple(int(d.id) for d in devices.flat)
+    from jax.sharding import Mesh
+    ids = tuple(int(d.id) for d in mesh.devices.flat) if isinstance(mesh, Mesh) else None
     return axes, ids
 
 

@@ -22,6 +22,15 @@ def no_mesh_context() -> Iterator[None]:
             yield
 
 
+@contextlib.contextmanager
+def mesh_context(mesh) -> Iterator[None]:
+    """``mesh`` (Auto axes) as the abstract mesh in context: what a model's annotations
+    written for ``with mesh:`` resolve their axis names against while it is traced."""
+    import jax
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        yield
+
+
 def context_mesh_explicit_axes() -> tuple[str, ...]:
     """The axes of the ``jax.set_mesh`` context's mesh that are not Auto (Explicit or
     Manual; empty without a context mesh)."""
