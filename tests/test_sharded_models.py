@@ -82,8 +82,9 @@ class _LinenBlock(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = nn.with_logical_constraint
-        q, k, v = (c(nn.DenseGeneral((H, D), name=n)(x), ("batch", "length", "heads", "kv"))
-                   for n in "qkv")
+        # No key bias: the softmax cancels it, its gradient is rounding noise.
+        q, k, v = (c(nn.DenseGeneral((H, D), use_bias=False, name=n)(x),
+                     ("batch", "length", "heads", "kv")) for n in "qkv")
         o = c(_causal(q, k, v), ("batch", "length", "heads", "kv"))
         x = x + nn.DenseGeneral(E, axis=(-2, -1), name="o")(o)
         h = c(nn.gelu(nn.Dense(F, name="up")(x)), ("batch", "length", "mlp"))
@@ -99,15 +100,16 @@ def _rules(mesh):
 def linen(mesh):
     """Flax linen: logical axis names resolved by ``logical_axis_rules`` to mesh axes."""
     model = _LinenBlock()
-    params = model.init(jax.random.key(0), _tokens())
+    params = jax.device_get(model.init(jax.random.key(0), _tokens()))
     return model.apply, params, _under(mesh, nn.logical_axis_rules(_rules(mesh)))
 
 
 def _under(mesh, rules):
     """The model's context: its mesh set (Flax's constraints resolve against it) and its
-    logical axis rules."""
+    logical axis rules; on one device the rules alone (the constraints are no-ops)."""
     stack = contextlib.ExitStack()
-    stack.enter_context(jax.set_mesh(mesh))
+    if mesh.size > 1:
+        stack.enter_context(jax.set_mesh(mesh))
     stack.enter_context(rules)
     return stack
 
@@ -115,8 +117,9 @@ def _under(mesh, rules):
 class _NnxBlock(nnx.Module):
     def __init__(self, rngs):
         part = lambda *names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
-        self.q, self.k, self.v = (nnx.LinearGeneral(E, (H, D), kernel_init=part("embed", "heads", "kv"),
-                                                    rngs=rngs) for _ in range(3))
+        self.q, self.k, self.v = (nnx.LinearGeneral(E, (H, D), use_bias=False, rngs=rngs,
+                                                    kernel_init=part("embed", "heads", "kv"))
+                                  for _ in range(3))
         self.o = nnx.LinearGeneral((H, D), E, axis=(-2, -1),
                                    kernel_init=part("heads", "kv", "embed"), rngs=rngs)
         self.up = nnx.Linear(E, F, kernel_init=part("embed", "mlp"), rngs=rngs)
@@ -131,7 +134,10 @@ class _NnxBlock(nnx.Module):
 def nnx_metadata(mesh):
     """Flax NNX: parameters with sharding metadata, constrained to their partition specs
     inside the loss (NNX's sharded-model idiom), logical names resolved by the rules."""
-    graphdef, state = nnx.split(_NnxBlock(nnx.Rngs(0)))
+    # NNX shards variables with metadata as it creates them: on the model's mesh.
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(_rules(mesh)):
+        graphdef, state = nnx.split(_NnxBlock(nnx.Rngs(0)))
+    state = jax.device_get(state)
 
     def loss(state, x):
         state = jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state))
