@@ -94,7 +94,7 @@ class _LinenBlock(nn.Module):
 def _rules(mesh):
     r = _roles(mesh)
     return (("batch", r["batch"]), ("length", None), ("heads", r["heads"]), ("kv", None),
-            ("mlp", r["heads"]), ("embed", None))
+            ("mlp", r["heads"]), ("embed", r["batch"]))
 
 
 def linen(mesh):
@@ -211,6 +211,8 @@ def test_sharded_model_exact_and_keeps_its_shardings(spelling, mesh_name):
     kept = lambda a: "{}" if a is None or spelling == "one_device" else f'{{"{a}"}}'  # noqa: E731
     want = f'<@mesh, [{kept(r["batch"])}, {{"cp"}}, {kept(r["heads"])}, {{}}]> : ' \
            f'tensor<{B}x{S}x{H}x{D}xf32>'
+    if spelling == "nnx":  # NNX constrains its parameters: q's kernel [embed, heads, kv]
+        want = f'<@mesh, [{kept(r["batch"])}, {kept(r["heads"])}, {{}}]> : tensor<{E}x{H}x{D}xf32>'
     assert want in text, f"no constraint {want} in the lowered program"
 
 
