@@ -79,6 +79,8 @@ PROGRAM_CLASSES = (
                         # (differential attention, COMBINATIONS), instead of the attention
     "dropout_probs",    # dropout drawn with jax.random on the probabilities (DROPOUTS),
                         # instead of the attention
+    "deferred_norm",    # the division by the row sum after the value product, through
+                        # moves of either side (DEFERRED: MaxText's), instead of the attention
 )
 #: The calls around the transform: state across steps, static arguments, dtypes.
 CALL_CLASSES = (
@@ -158,6 +160,13 @@ COMBINATIONS = ("two", "viewed", "per_head", "three", "added", "product")
 #: drawn in that order, ``uniform(key) < keep`` written out, a key folded from the given one,
 #: and a legacy raw ``uint32[2]`` key.
 DROPOUTS = ("select", "multiply", "broadcast", "heads_after", "uniform", "folded", "raw_key")
+#: Where ``deferred_norm`` divides by the row sum after the value product ``e @ v``: the sum
+#: transposed to the output's ``[B, Q, H, 1]`` order; MaxText's (grouped heads ``[B, K, G,
+#: Q, S]``, the sum moved to ``[B, Q, K, G, 1]`` and reshaped to ``[B, Q, K·G, 1]``, the
+#: output reshaped to ``[B, Q, H, Dv]`` before the division); the heads merged with the
+#: features (``[B, Q, H·Dv]``, the sum broadcast along Dv and merged the same way); the sum
+#: in float32 divided into a float32 cast of the output.
+DEFERRED = ("transposed", "maxtext", "merged_features", "cast")
 SPELLINGS = ("jnn", "einsum", "matmul")
 SCHEDULES = ("ring", "ulysses", "allgather", "auto")
 LOAD_BALANCES = ("none", "zigzag", "striped", "auto")
@@ -280,6 +289,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "derived_sequence": ("mtp", "prefix_1", "prefix_3"),
         "combined_maps": COMBINATIONS,
         "dropout_probs": DROPOUTS,
+        "deferred_norm": DEFERRED,
         "llama_block": POSITION_DTYPES,
     }.get(cls, ("",))
     variant = choose("variant", variants)
@@ -882,6 +892,8 @@ def block(case: FuzzCase, p: dict, x, inputs: dict):
         o = combined_maps(case, q, k, v, p, inputs).astype(x.dtype)
     elif case.cls == "dropout_probs":
         o = dropped_attention(case, q, k, v, inputs).astype(x.dtype)
+    elif case.cls == "deferred_norm":
+        o = deferred_attention(case, q, k, v, inputs).astype(x.dtype)
     else:
         o = attend(case, q, k, v, p, inputs).astype(x.dtype)
     if case.cls == "gathered_keys":
@@ -941,6 +953,34 @@ def combined_maps(case: FuzzCase, q, k, v, params, inputs):
     if case.spelling == "matmul":
         return (p.astype(v.dtype) @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
+
+
+def deferred_attention(case: FuzzCase, q, k, v, inputs):
+    """The case's mask, softmax normalised after the value product (``case.variant`` in
+    :data:`DEFERRED`): q [B,S,H,D], k [B,S,K,D], v [B,S,K,Dv] -> [B,S,H,Dv]."""
+    b, sq, h, _ = q.shape
+    kh, dv = k.shape[2], v.shape[-1]
+    allowed = _allowed(case, inputs)
+    fill = _fill_value(case.fill, softmax_dtype(q.dtype))
+    qg = q.reshape(b, sq, kh, h // kh, q.shape[-1])
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k).astype(softmax_dtype(q.dtype))
+    s = s / math.sqrt(q.shape[-1])
+    if allowed is not None:
+        s = _masked(case, s, allowed[:, :, None], fill)
+    e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+    total = jnp.sum(e, axis=-1, keepdims=True)                  # [B, K, G, Q, 1]
+    o = jnp.einsum("bkgts,bskd->btkgd", e.astype(v.dtype), v)  # [B, Q, K, G, Dv]
+    if case.variant == "maxtext":
+        total = jnp.moveaxis(total, -2, 1).reshape(b, sq, h, 1)
+        return o.reshape(b, sq, h, dv) / total.astype(o.dtype)
+    if case.variant == "merged_features":
+        total = jnp.broadcast_to(jnp.moveaxis(total, -2, 1), (b, sq, kh, h // kh, dv))
+        return (o.reshape(b, sq, h * dv) / total.reshape(b, sq, h * dv).astype(o.dtype)
+                ).reshape(b, sq, h, dv)
+    total = total.transpose(0, 3, 1, 2, 4)                      # [B, Q, K, G, 1]
+    if case.variant == "cast":
+        return (o.astype(jnp.float32) / total).reshape(b, sq, h, dv)
+    return (o / total.astype(o.dtype)).reshape(b, sq, h, dv)
 
 
 def dropped_attention(case: FuzzCase, q, k, v, inputs):

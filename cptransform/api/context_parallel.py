@@ -394,22 +394,30 @@ class ContextParallelFunction:
 
     def _build(self, args, kwargs):
         split = self.options.split(args, kwargs)
-        key = (_signature(split.args, split.kwargs), split.static_key)
+        key = self._key(split)
         if key not in self._built:
             with compat.no_mesh_context(), gc_paused():
-                self._built[key], self._stats[key] = self._transform(split, args)
+                self._built[key], self._stats[key] = self._transform(split, args, key[-1])
             self.last_transform_stats = self._stats[key]
         final, written, call = self._built[key]
         return final, written, call, split
 
-    def _transform(self, split: CallArguments, args: tuple):
+    @staticmethod
+    def _key(split: CallArguments) -> tuple:
+        """One program per signature, static arguments and caller's mesh context (last)."""
+        return (_signature(split.args, split.kwargs), split.static_key, compat.context_mesh())
+
+    def _transform(self, split: CallArguments, args: tuple, context):
         abstract = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
             (split.args, split.kwargs))
         name, written = getattr(self.fn, "__name__", "fn"), []
         log.info("%s: tracing", name)
         start = time.perf_counter()
-        with _tracing(name):
+        # Traced under the caller's mesh context (Auto axes), as the function itself would
+        # be: the model's own annotations (Flax's logical constraints, a PartitionSpec
+        # without a mesh) resolve against it; lowering re-expresses them on the CP mesh.
+        with _tracing(name), compat.mesh_context(context):
             module = trace(returning_argument_writes(split.bind(self.fn), name, written),
                            *abstract[0], name=name, **abstract[1])
         traced = time.perf_counter() - start
@@ -468,8 +476,7 @@ class ContextParallelFunction:
         predicted times, the layouts' balance, the conversions and the pass timings."""
         from cptransform.api.plan import build_plan
         final, _, _, split = self._build(args, kwargs)
-        key = (_signature(split.args, split.kwargs), split.static_key)
-        return build_plan(final, self._stats[key].passes)
+        return build_plan(final, self._stats[self._key(split)].passes)
 
 
 def context_parallel(fn: Callable | None = None, **options) -> Any:

@@ -58,7 +58,9 @@ class Candidate:
     logits' masks (a pair is visible where all hold), as the mask analysis read them;
     ``coordinates``: the query coordinates of a coordinate band (an :class:`Opaque`) and
     ``coordinate_band`` its bounds (or None); ``dropout``: the dropout on the probabilities
-    (a :class:`~cptransform.passes.match_attention.dropout.DropoutPlan`) or None.
+    (a :class:`~cptransform.passes.match_attention.dropout.DropoutPlan`) or None;
+    ``after``: the moves from the product's arrangement (``out_labels``) to ``out``'s, where
+    the division by the row sum comes after them.
     """
 
     root: Any
@@ -92,6 +94,7 @@ class Candidate:
     coordinates: Any = None
     coordinate_band: tuple | None = None
     dropout: dropout.DropoutPlan | None = None
+    after: tuple = ()
 
     @property
     def heads(self) -> tuple:
@@ -207,7 +210,8 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         groups=hq // hk, mask_kinds=kinds, sink=sink,
         topk=None if topk is None else topk.indices, chunk=parts.chunk, visible=tuple(preds),
         coordinates=parts.coordinates[0] if parts.coordinates else None,
-        coordinate_band=parts.coordinates[1] if parts.coordinates else None, dropout=drop)
+        coordinate_band=parts.coordinates[1] if parts.coordinates else None, dropout=drop,
+        after=pv.after)
 
 
 def _kv_heads_and_batch(graph: Graph, qk: QKProduct, shared: list) -> tuple:

@@ -86,6 +86,8 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
         split = out.shape[:nbl + 1] + tuple(sizes[lab] for lab in heads) + out.shape[-1:]
         out = arrange(lax.reshape(out, split) if split != out.shape else out, out_target,
                       c.out_labels, sizes)
+        for eqn in c.after:
+            out = compat.bind_eqn(eqn, [out])[0]
         return [out if out.dtype == out_dtype else lax.convert_element_type(out, out_dtype)]
 
     sides = [s.var for s in c.segments]

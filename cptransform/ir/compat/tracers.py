@@ -22,6 +22,28 @@ def no_mesh_context() -> Iterator[None]:
             yield
 
 
+def context_mesh():
+    """The abstract mesh of the caller's ``jax.set_mesh`` / ``with mesh:`` context with
+    every axis Auto, or ``None`` without one."""
+    from jax._src import mesh as _mesh
+    from jax.sharding import AxisType
+    abstract = _mesh.get_abstract_mesh()
+    if abstract.empty:
+        return None
+    return abstract.update_axis_types({a: AxisType.Auto for a in abstract.axis_names})
+
+
+@contextlib.contextmanager
+def mesh_context(abstract) -> Iterator[None]:
+    """``abstract`` (from :func:`context_mesh`; ``None``: no mesh) as the mesh in context
+    while a function is traced: a model's annotations written for the caller's ``with
+    mesh:`` (Flax's logical constraints, a bare PartitionSpec) resolve against it."""
+    import jax
+    with contextlib.nullcontext() if abstract is None \
+            else jax.sharding.use_abstract_mesh(abstract):
+        yield
+
+
 def context_mesh_explicit_axes() -> tuple[str, ...]:
     """The axes of the ``jax.set_mesh`` context's mesh that are not Auto (Explicit or
     Manual; empty without a context mesh)."""
