@@ -198,6 +198,10 @@ class LowerContextParallel(Pass):
         index_of = {id(e): i for i, e in enumerate(
             e for e in iter_eqns(module.jaxpr) if e.primitive is attention_p)}
         n = len(index_of)
+        if n == 0 and not (module.facts.seq_axes and module.facts.seq_axes.lengths):
+            # Nothing is sharded: the program runs as written, the model's own annotations
+            # on the caller's mesh included (the API refuses it unless allow_unsharded).
+            return PassResult(module, False)
         # Attentions are in layout order only where reorder-sequence permuted the program
         # (``facts.layout``); otherwise a zigzag/striped attention permutes its operands.
         lowerer = _Lowerer(analyse(module), module.facts.mesh, module.facts.cp_axes,
