@@ -132,8 +132,21 @@ def _sinks(x, dims: Sequence[tuple], target: Sequence, sizes: dict):
     return arrange(x, labels, target, sizes)
 
 
-#: The compares a dense part's ``test`` names (``source op value``).
+#: The compares a dense part's ``test`` ends with (``source op value``).
 _COMPARE = {"eq": lax.eq, "ne": lax.ne, "lt": lax.lt, "le": lax.le, "gt": lax.gt, "ge": lax.ge}
+#: The steps a dense part's ``test`` takes before its compare (``mask_values.Data``).
+_STEPS = {"min": lax.min, "max": lax.max, "mul": lax.mul, "add": lax.add,
+          "and": lax.bitwise_and, "or": lax.bitwise_or,
+          "convert": lambda x, dtype: lax.convert_element_type(x, jnp.dtype(dtype))}
+
+
+def _tested(val, test):
+    """``val`` put through a dense part's ``test``: its steps, then its compare, each on
+    the value's own dtype, as the program computed them."""
+    *steps, (op, value) = test
+    for kind, arg in steps:
+        val = _STEPS[kind](val, arg if kind == "convert" else jnp.asarray(arg, val.dtype))
+    return _COMPARE[op](val, jnp.asarray(value, val.dtype))
 
 
 def _all_of(parts, values, target, sizes, full):
@@ -141,8 +154,7 @@ def _all_of(parts, values, target, sizes, full):
     mask = None
     for d, val in zip(parts, values):
         if d.test:
-            op, value = d.test
-            val = _COMPARE[op](val, jnp.asarray(value, val.dtype))
+            val = _tested(val, d.test)
         elif val.dtype != jnp.bool_:
             val = lax.ne(val, jnp.zeros((), val.dtype))
         val = lax.bitwise_not(val) if d.negated else val
