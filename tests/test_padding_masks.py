@@ -1,5 +1,6 @@
 """Padding masks read from data and merged with the analytic masks by the libraries' own
-arithmetic stay per-token operands (``[B, S]``, folded into segment ids), never ``S×S``.
+arithmetic stay per-token operands (``[B, S]``, the key and query padding terms' own),
+never ``S×S``.
 
 - every spelling of the fuzzer's ``mask_padding_merge`` class
   (``fuzz_programs.PADDING_MERGES``: gemma's product, keras-hub's ``minimum``, ``where``,
@@ -44,7 +45,7 @@ def test_every_merge_spelling_is_matched_without_a_dense_part(variant):
     f = context_parallel(loss, cp=4, schedule="ring", load_balance="zigzag")
     plans = f.module(params, inputs).facts.plan
     assert len(plans) == 1 and not plans[0].mask.dense, plans
-    assert plans[0].mask.segments, "the padding is a per-token operand"
+    assert plans[0].mask.kv_padding or plans[0].mask.q_padding, plans[0].mask
     assert plans[0].mask.causal
 
 
@@ -95,7 +96,7 @@ def test_int_data_beyond_zero_and_one_replays_the_programs_arithmetic(rng, spell
 
     module = check(fn, *_qkv(rng), _int_mask(rng))
     (spec,) = specs(module)
-    assert spec.mask.causal and spec.mask.segments and not spec.mask.dense
+    assert spec.mask.causal and spec.mask.kv_padding and not spec.mask.dense
 
 
 def test_int_minimum_tested_nonzero_stays_dense_and_exact(rng):

@@ -84,8 +84,9 @@ def _check_shapes(spec: AttentionSpec, avals) -> None:
             raise AttentionShapeError(
                 f"sinks has shape {sinks.shape}; its last dim must be the {hq} query heads")
         expect("sinks", "(*batch, heads)", (hq,))
-    if a["mask"] is not None and a["mask"].dtype != jnp.bool_:
-        raise AttentionShapeError(f"mask must be boolean, got {a['mask'].dtype}")
+    for name in (role.operand for role in ROLES.values() if role.boolean):
+        if a[name] is not None and a[name].dtype != jnp.bool_:
+            raise AttentionShapeError(f"{name} must be boolean, got {a[name].dtype}")
     _check_index_operands(a, expect, hq, tq)
 
 
