@@ -37,19 +37,16 @@ CI_SAMPLE = {"llama": "ring_zigzag", "mistral": "auto", "gpt_neo": "allgather",
              "mistral_window_padded": "auto", "gemma_padded": "ring_zigzag",
              "keras_llama_padded": "ring_zigzag", "keras_gemma_padded": "ring_zigzag",
              "keras_gpt2_padded": "ulysses", "keras_mistral_padded": "auto",
-             "gemma_padded_int": "ring_zigzag", "keras_gpt2_padded_int": "ring_zigzag",
-             "keras_gemma_padded_int": "auto"}
+             "gemma_padded_int": "ring_zigzag"}
 
 #: What a family does not reach yet, asserted exactly as it stands (a fix fails the test
-#: until its entry goes). Attentions whose mask keeps a dense part (DeepMind gemma's
-#: window over ``cumsum(input_mask) - 1`` is a coordinate band; an int padding mask
-#: multiplied into the causal one, or merged by ``minimum`` and tested ``> 0``, is a
-#: per-token test): keras-hub's layers that merge an int padding mask with ``minimum`` and
-#: then test ``!= 0`` (``logical_and`` in Gemma's sliding layer, the bool cast before
-#: ``dot_product_attention``) keep it dense, since a negative entry would make its key
-#: visible past the causal mask (a boolean padding mask, what keras-hub's preprocessors
-#: give, is analytic).
-DENSE_MASKS: dict[str, int] = {"keras_gpt2_padded_int": 2, "keras_gemma_padded_int": 1}
+#: until its entry goes). Attentions whose mask keeps a dense part: none (DeepMind gemma's
+#: window over ``cumsum(input_mask) - 1`` is a coordinate band; its int padding mask
+#: multiplied into the causal one is the key padding term). keras-hub given an int
+#: ``padding_mask`` merges it by ``minimum`` and some layers then test ``!= 0``, which stays
+#: dense (``docs/contract.md``; ``bench/padding_memory.py`` measures it, and
+#: ``tests/test_padding_masks.py`` holds the rule).
+DENSE_MASKS: dict[str, int] = {}
 #: Full-sequence all-gathers outside attention, per family: none left (keras-hub's Gemma
 #: zeroes the output rows that see no key with ``all(mask == 0, axis=-1)`` on the ``S×S``
 #: mask after the attention; the matcher folds that row test into the attention's

@@ -339,26 +339,34 @@ class Segments:
         return "segments"
 
 
-@dataclass(frozen=True)
-class QueryPadding:
-    """``q_valid[q]``: a query that is padding sees no key (``valid[:, :, None]`` of a
-    validity vector read from the tokens, ``tokens != pad``)."""
+class _Padding:
+    """Base of the padding terms: ``valid[token]`` of one side's boolean per-token operand
+    (``field``), from a validity vector read from the tokens (``tokens != pad``)."""
 
-    label = "query padding"
-    operands = ("q_valid",)
-    roles = {"q_valid": Role(Side.QUERY, "q_valid", boolean=True, mask=True)}
+    field: ClassVar[str]
+    key_hull = None
 
     def visible(self, t: Tile):
-        return t.q_valid
+        return getattr(t, self.field)
 
     def block_kind(self, b: Blocks):
-        # A bool's block range: lo is "all valid", hi "some valid".
-        return _query_side(b.q_valid.hi), _query_side(b.q_valid.lo)
+        # A boolean's block range: its max says "some valid", its min "all valid".
+        r = getattr(b, self.field)
+        side = _query_side if self.roles[self.field].side is Side.QUERY else _key_side
+        return side(r.hi), side(r.lo)
 
     def band(self):
         return None, None
 
-    key_hull = None
+
+@dataclass(frozen=True)
+class QueryPadding(_Padding):
+    """``q_valid[q]``: a query that is padding sees no key (``valid[:, :, None]``)."""
+
+    label = "query padding"
+    field = "q_valid"
+    operands = ("q_valid",)
+    roles = {"q_valid": Role(Side.QUERY, "q_valid", boolean=True, mask=True)}
 
     def padding(self, first) -> dict:
         return {"q_valid": True}
@@ -368,24 +376,14 @@ class QueryPadding:
 
 
 @dataclass(frozen=True)
-class KeyPadding:
+class KeyPadding(_Padding):
     """``kv_valid[kv]``: a key that is padding is seen by no query (``valid[:, None, :]``);
     its operand travels with the keys as their segment ids do."""
 
     label = "key padding"
+    field = "kv_valid"
     operands = ("kv_valid",)
     roles = {"kv_valid": Role(Side.KEY, "kv_valid", boolean=True, mask=True)}
-
-    def visible(self, t: Tile):
-        return t.kv_valid
-
-    def block_kind(self, b: Blocks):
-        return _key_side(b.kv_valid.hi), _key_side(b.kv_valid.lo)
-
-    def band(self):
-        return None, None
-
-    key_hull = None
 
     def padding(self, first) -> dict:
         # It brings no query-side operand: a padded query is aimed at a valid key
