@@ -73,6 +73,7 @@ FUZZ_SEEDS = (
     "FuzzCase(cls='dtype_f64', seed=42, cp=2, schedule='ring', load_balance='striped', batch=2, seq=56, heads=2, kv_heads=1, head_dim=16, v_head_dim=16, model_dim=32, mask='none', causal=False, window=0, spelling='matmul', gqa_style='reshape', fill='finfo_min_added', variant='', norm=True, rope=True, residual=True, bf16=False)",
     "FuzzCase(cls='dtype_fp16', seed=43, cp=4, schedule='allgather', load_balance='auto', batch=1, seq=48, heads=1, kv_heads=1, head_dim=4, v_head_dim=4, model_dim=32, mask='causal', causal=True, window=0, spelling='matmul', gqa_style='reshape', fill='finfo_min', variant='', norm=False, rope=False, residual=False, bf16=False)",
     "FuzzCase(cls='deferred_norm', seed=44, cp=8, schedule='ulysses', load_balance='zigzag', batch=1, seq=64, heads=8, kv_heads=4, head_dim=8, v_head_dim=8, model_dim=16, mask='causal', causal=True, window=0, spelling='matmul', gqa_style='repeat', fill='neg_inf', variant='maxtext', norm=False, rope=False, residual=False, bf16=False)",
+    "FuzzCase(cls='mask_padding_merge', seed=45, cp=8, schedule='allgather', load_balance='striped', batch=2, seq=48, heads=4, kv_heads=2, head_dim=16, v_head_dim=8, model_dim=32, mask='padding_merge', causal=True, window=5, spelling='matmul', gqa_style='reshape', fill='neg_big_added', variant='query_side_causal', norm=True, rope=False, residual=False, bf16=False)",
 )
 
 

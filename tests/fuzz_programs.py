@@ -100,7 +100,10 @@ LAYOUT_CLASSES = (
     "shift_extreme",    # logsumexp(t[:, :-1]) with a huge last token, sqrt(r[:, 1:]), r[:, 0]=0
 )
 PROGRAM_CLASSES += LAYOUT_CLASSES
-ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES
+#: A validity vector merged with the causal mask the libraries' ways (PADDING_MERGES); last
+#: in ALL_CLASSES, so that every other class keeps its index (the seed of its draws).
+PADDING_MERGE_CLASSES = ("mask_padding_merge",)
+ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES + PADDING_MERGE_CLASSES
 
 #: Classes that currently find bugs (wrong numbers or unclear crashes), with the reason.
 #: ``tests/test_fuzz.py`` skips them; ``bench/fuzz.py`` runs them. Fix the bug, delete the
@@ -117,6 +120,18 @@ WINDOW_VARIANTS = tuple(f"{kind}_{width}" for kind in WINDOW_KINDS for width in 
 #: masks (with Keras' post-softmax zeroing), a padding mask spelled ``data > 0``.
 MASK_BUILDERS = ("hf_slice", "hf_dynamic_slice", "neo_xor", "mistral_triu",
                  "tril_difference", "keras_minimum", "keras_softmax_zero", "data_padding")
+#: How libraries merge a validity vector (``valid = tokens != pad``, or the int mask a
+#: tokenizer gives) with the causal mask into an ``S×S`` one (the ``mask_padding_merge``
+#: class draws one, a window sometimes and-ed in): DeepMind gemma's ``mask[..., None, :] *
+#: causal`` (int or bool data) tested by ``where``; keras-hub's ``minimum`` of int masks,
+#: tested ``> 0`` (Keras' ``Softmax``) or cast to bool from a boolean padding mask; a
+#: ``where`` selecting the int data; ``jnp.logical_and`` of the int data; the query-side
+#: form and both sides (``valid[:, :, None] & valid[:, None, :]``); a float product
+#: through ``[B, 1, S, S]`` tested ``> 0.5``; a large negative additive bias
+#: (``(1 - valid) * -1e9``) or a ``where(.., 0, finfo.min)`` bias instead of a boolean.
+PADDING_MERGES = ("gemma_mul_int", "gemma_mul_bool", "keras_min_gt_int", "keras_min_bool",
+                  "where_int", "logical_and_int", "query_side", "both_sides", "b1ss_float",
+                  "bias_additive", "bias_where")
 #: The ``row_test`` class's row tests (keras-hub Gemma zeroes the attention's output rows
 #: that see no key): over the attention's own int mask, spelled ``all(mask == 0)``,
 #: ``~any(mask != 0)`` or ``all(~(mask > .5))``; over it while the attention also applies a
@@ -231,7 +246,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
             "mask_two_sided": "two_sided", "mask_segments": "segments",
             "mask_key_padding": "key_padding", "mask_dense": "dense",
             "mask_bias": "bias", "mask_builders": "builder", "mask_chunked": "chunked",
-            "mask_data_window": "data_window"}.get(cls)
+            "mask_data_window": "data_window",
+            "mask_padding_merge": "padding_merge"}.get(cls)
     if cls == "masked_rows":
         mask = "key_padding"
     elif cls == "row_test":
@@ -239,8 +255,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
     elif mask is None:
         mask = choose("mask", ("none", "causal", "causal", "window"))
     spelling = choose("spelling", SPELLINGS)
-    if cls in ("masked_rows", "mask_builders", "row_test", "mask_data_window") \
-            and spelling == "jnn":
+    if cls in ("masked_rows", "mask_builders", "row_test", "mask_data_window",
+               "mask_padding_merge") and spelling == "jnn":
         spelling = "einsum"   # the -inf fill is a hand-written where-mask
     if cls in ("dtype_f64", "dtype_fp16") and spelling == "jnn":
         # jax.nn.dot_product_attention's softmax is float32 even for f64, and its float16
@@ -257,8 +273,11 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         and choose("causal", (False, True)))
     if cls in ("masked_rows", "row_test"):
         causal = True
+    if mask == "padding_merge":
+        causal = True
     window = choose("window", (1, 3, 5, 8, 17)) \
-        if mask in ("window", "two_sided", "builder", "row_test", "data_window") \
+        if mask in ("window", "two_sided", "builder", "row_test", "data_window",
+                    "padding_merge") \
         else choose("chunk", (3, 4, 8, 16)) if mask == "chunked" else 0
     fill = choose("fill", ("neg_inf", "finfo_min_added") if cls == "masked_rows" else FILLS)
     variants = {
@@ -276,6 +295,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "windows": WINDOW_VARIANTS,
         "static_equal_hash": ((1, True, 1.0, 1), (True, 1, 1.0), (1.0, True, 1)),
         "mask_builders": MASK_BUILDERS,
+        "mask_padding_merge": tuple(f"{merge}_{window}" for merge in PADDING_MERGES
+                                    for window in ("causal", "window")),
         "mask_chunked": CHUNKED_SPELLINGS,
         "mask_data_window": DATA_WINDOWS,
         "merge_tokens": ("rows", "rows_heads", "rows_bf16"),
@@ -527,6 +548,49 @@ def _masked_attention(case: FuzzCase, q, k, v, visible, zero_hidden: bool):
     return (p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
 
 
+def _padding_merged(case: FuzzCase, q, k, v, inputs):
+    """Attention under a validity vector merged with the causal mask (and a window) the
+    drawn library's way (:data:`PADDING_MERGES`), a boolean, an int tested by ``where``,
+    or an additive bias."""
+    n = case.seq
+    merge, band = case.variant.rsplit("_", 1)
+    valid = inputs["key_valid"]
+    data = valid.astype(jnp.int32)
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    causal = (j <= i) & ((i - j < case.window) if band == "window" else True)
+    built = {
+        "gemma_mul_int": lambda: data[:, None, :] * causal[None],
+        "gemma_mul_bool": lambda: valid[:, None, :] * causal[None],
+        "keras_min_gt_int": lambda: jnp.minimum(data[:, None, :], causal[None].astype("int32"))
+        > jnp.asarray(0.5).astype("int32"),
+        "keras_min_bool": lambda: jnp.minimum(valid[:, None, :].astype("int32"),
+                                              causal[None].astype("int32")).astype(bool),
+        "where_int": lambda: jnp.where(causal[None], data[:, None, :], 0),
+        "logical_and_int": lambda: jnp.logical_and(data[:, None, :], causal[None]),
+        "query_side": lambda: valid[:, :, None] & causal[None],
+        "both_sides": lambda: valid[:, :, None] & valid[:, None, :] & causal[None],
+        "b1ss_float": lambda: (valid.astype(jnp.float32)[:, None, None, :]
+                               * causal.astype(jnp.float32)[None, None]) > 0.5,
+    }
+    if merge in built:
+        mask = built[merge]()
+        mask = mask if mask.ndim == 4 else mask[:, None]
+        return _masked_attention(case, q, k, v, mask, False)
+    h, kh = q.shape[2], k.shape[2]
+    if kh != h:
+        k, v = jnp.repeat(k, h // kh, axis=2), jnp.repeat(v, h // kh, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(softmax_dtype(q.dtype)) \
+        / math.sqrt(q.shape[-1])
+    if merge == "bias_additive":
+        # BERT's "extended attention mask": (1 - mask) * -1e9 added to the scores
+        both = valid[:, None, None, :].astype(s.dtype) * causal.astype(s.dtype)
+        s = s + (1.0 - both) * -1e9
+    else:
+        s = s + jnp.where(valid[:, None, None, :] & causal, 0.0, jnp.finfo(s.dtype).min)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
 def _row_tested(case: FuzzCase, q, k, v, inputs):
     """keras-hub Gemma's attention (``row_test``): causal and left padding merged into an int
     mask by ``minimum``, ``where(mask > .5, s, fill)``, then the output rows the drawn row
@@ -557,6 +621,8 @@ def attend(case: FuzzCase, q, k, v, params, inputs):
         return _attend_built(case, q, k, v, inputs)
     if case.mask == "row_test":
         return _row_tested(case, q, k, v, inputs)
+    if case.mask == "padding_merge":
+        return _padding_merged(case, q, k, v, inputs)
     h, kh = q.shape[2], k.shape[2]
     bias = _bias(case, params)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -703,6 +769,11 @@ def make_data(case: FuzzCase):
     if case.mask == "builder":
         lengths = rng.integers(s // 2, s + 1, (b,))
         inp["key_valid"] = np.arange(s)[None, :] < lengths[:, None]
+    if case.mask == "padding_merge":
+        # left padding (the first rows see no key under causal) or right padding
+        pads = rng.integers(1, s // 2, (b,))
+        left = np.arange(s)[None, :] >= pads[:, None]
+        inp["key_valid"] = left if rng.random() < 0.5 else left[:, ::-1].copy()
     if case.mask == "data_window":
         valid = np.ones((b, s), bool)
         for r in range(b):

@@ -49,7 +49,8 @@ class Candidate:
     for a single KV head); ``group``: query-only head labels; ``out_labels``: the labels of
     ``out``'s dims, in order; ``biases``: ``(operand, coefficient)`` pairs; ``band``:
     bounds on ``kv - q`` (or None); ``segments``: ``(q ids, kv ids)`` or ``()``;
-    ``q_pads``/``kv_pads``: keep-masks of one sequence only, folded into segment ids;
+    ``q_pads``/``kv_pads``: keep-masks of one sequence only (the query and key padding
+    terms' operands, and-ed);
     ``dense``: the rest of the mask, as data; ``topk``: the top-k indices selecting the
     keys (an :class:`Opaque` whose ``k`` dim is labelled ``TOPK_DIM``) or None;
     ``added_fill``: the finite fill is added to the scores (``MaskSpec.added_fill``);
@@ -106,7 +107,8 @@ class Candidate:
         """The mask parts for the match report."""
         return tuple(k for k in self.mask_kinds if (k != "dense" or self.dense)
                      and (k != "topk" or self.topk is not None)) \
-            + (("padding",) if self.q_pads or self.kv_pads else ()) \
+            + (("query_padding",) if self.q_pads else ()) \
+            + (("key_padding",) if self.kv_pads else ()) \
             + (("bias",) if self.biases else ()) + (("sinks",) if self.sink else ()) \
             + (("dropout",) if self.dropout else ())
 
@@ -124,7 +126,8 @@ class Candidate:
             causal=hi is not None and not two_sided,
             causal_offset=hi if hi is not None and not two_sided else 0,
             window=(-lo, hi if two_sided else None) if lo is not None else None,
-            segments=bool(self.segments) or bool(self.q_pads or self.kv_pads),
+            segments=bool(self.segments), q_padding=bool(self.q_pads),
+            kv_padding=bool(self.kv_pads),
             dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows,
             added_fill=self.added_fill,
             topk=self.topk is not None, chunk=self.chunk,
@@ -226,9 +229,9 @@ def _kv_heads_and_batch(graph: Graph, qk: QKProduct, shared: list) -> tuple:
 
 def _data_parts(parts: MaskParts, batch: list, q_seq, kv_seq) -> tuple:
     """``(q_pads, kv_pads, dense, topk, kinds)``: padding masks (a query-only or key-only
-    predicate, e.g. ``tokens != pad``) need no S×S operand: they are folded into segment
-    ids (see ``emit.padding_ids``); top-k indices shared by every query are no per-query
-    selection and stay dense data."""
+    predicate, e.g. ``tokens != pad``) need no S×S operand: they are the query and key
+    padding terms' per-token operands; top-k indices shared by every query are no
+    per-query selection and stay dense data."""
     q_pads = tuple(d for d in parts.dense if _only_on(d, batch, q_seq))
     kv_pads = tuple(d for d in parts.dense if d not in q_pads and _only_on(d, batch, kv_seq))
     dense = tuple(d for d in parts.dense if d not in q_pads and d not in kv_pads)
