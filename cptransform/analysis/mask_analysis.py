@@ -37,7 +37,7 @@ import numpy as np
 from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.intervals import normalize
 from cptransform.analysis.mask_values import (AbsAffine, Affine, And, Band, Const,
-                                              Dense, DimMap, FloorDiv,
+                                              Dense, DimMap, FloorDiv, IndexRange,
                                               Indicator, Opaque, Pred, Scalar, Segments, Shifted,
                                               is_known, p_and, p_not, p_or)
 from cptransform.analysis.mask_predicates import (FLIP, MAX_CONSTANT_MASK, NP_COMPARE,
@@ -69,7 +69,10 @@ class MaskAnalyzer:
 
     def analyze(self, atom: Any, dims: DimMap) -> Any:
         """The abstract value of ``atom`` whose dim ``i`` indexes top dim ``dims[i]``."""
-        dims = tuple(dims)
+        # A size-1 dim indexes no top dim: an operand of an elementwise equation may keep
+        # it where the result has the full size (``[1, S] & [T, S]``, as JAX 0.12 traces).
+        dims = tuple(None if n == 1 else d
+                     for d, n in zip(dims, compat.aval_of(atom).shape))
         if compat.is_literal(atom):
             return self._constant(np.asarray(compat.literal_value(atom)), atom, dims)
         key = (atom, dims)
@@ -508,6 +511,14 @@ def _shift(value: Any, shift: dict) -> Any:
                 return None
             out = p_and(out, moved)
         return out
+    if isinstance(value, IndexRange):
+        top, start = index(value.a)
+        ivs = tuple((None if lo is None else lo - start, None if hi is None else hi - start)
+                    for lo, hi in value.intervals)
+        if top is None:
+            return Const(value=any((lo is None or lo <= 0) and (hi is None or hi >= 0)
+                                   for lo, hi in ivs))
+        return IndexRange(top, normalize(ivs))
     if isinstance(value, Band):
         (ta, sa), (tb, sb) = index(value.a), index(value.b)
         # index_b - index_a = (top_b - top_a) + (sb - sa) lies in the intervals.
