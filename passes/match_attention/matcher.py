@@ -7,7 +7,8 @@ from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.ir.rewrite import Replacement
 from cptransform.op.attention_spec import EmptyRows
-from cptransform.passes.match_attention.anchor import Softmax, find_softmax, is_normalizer
+from cptransform.passes.match_attention.anchor import (Softmax, exponentials, find_softmax,
+                                                      is_normalizer)
 from cptransform.passes.match_attention.candidate import Candidate, build_candidate
 from cptransform.passes.match_attention.chain import ChainReader, side_dims
 from cptransform.passes.match_attention.emit import replacement
@@ -30,8 +31,10 @@ class Matcher:
         self.chains = ChainReader(graph, MaskAnalyzer(graph), stats)
         #: ``(report, attention_like)`` for every refusal.
         self.refusals: list[tuple[MatchReport, bool]] = []
-        #: ``(report, (k, dim))`` for every refused softmax over a q·k product's keys.
-        self.refused_keys: list[tuple[MatchReport, tuple]] = []
+        #: ``(report, keys, logits)`` for every refused softmax: ``keys`` the ``(k, dim)``
+        #: of the q·k product it normalizes over (None when the chain cannot be read),
+        #: ``logits`` the ``(value, axes)`` it normalizes.
+        self.refused: list[tuple[MatchReport, tuple | None, tuple]] = []
         #: ``(atom, dim)``: the q and k sequence dims of every rewritten attention.
         self.sequence_dims: list[tuple] = []
 
@@ -44,7 +47,18 @@ class Matcher:
             try:
                 with self.stats.attempt(Rule.SOFTMAX):
                     softmax = find_softmax(self.g, eqn)
-            except NotAttention:
+            except NotAttention as e:
+                # A sum of exponentials that is no softmax core (several axes, a shift
+                # that varies along the axis) is reported too: it may normalize a q·k
+                # product whole; any other sum is no softmax.
+                exp = exponentials(self.g, eqn)
+                if exp is not None:
+                    report = MatchReport(compat.source_line(exp), "refused", str(e),
+                                         depth=self.depth, rule=Rule.SOFTMAX.value)
+                    reports.append(report)
+                    self.refusals.append((report, False))
+                    self.refused.append((report, None, (exp.invars[0],
+                                                        tuple(eqn.params["axes"]))))
                 continue
             src = compat.source_line(softmax.exp_eqn)
             try:
@@ -53,9 +67,8 @@ class Matcher:
                 report = MatchReport(src, "refused", str(e), depth=self.depth, rule=e.rule)
                 reports.append(report)
                 self.refusals.append((report, e.attention_like))
-                keys = self._keys(softmax)
-                if keys is not None:
-                    self.refused_keys.append((report, keys))
+                self.refused.append((report, self._keys(softmax),
+                                     (softmax.logits, (softmax.axis,))))
                 continue
             spec, kinds = candidate.spec(), candidate.kinds
             row_test = find_row_test(self.g, self.chains.masks, candidate)
