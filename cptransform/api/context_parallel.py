@@ -318,21 +318,22 @@ def _on_mesh(leaves: list, mesh) -> list:
     return [placed(x) for x in leaves]
 
 
-def refuse_set_mesh_gradients(name: str, leaves: list) -> None:
+def refuse_set_mesh_gradients(name: str, leaves: list, mesh) -> None:
     """Raise when differentiated inside a ``jax.set_mesh`` context whose mesh has Explicit
-    axes: JAX builds the cotangents of the transformed program's outputs with the
-    program's shardings (over its Auto CP mesh) under that context, which it refuses (the
-    forward call alone works there, and so does a gradient under an Auto-axes mesh)."""
+    axes and is not the transform's mesh: JAX builds the cotangents of the transformed
+    program's outputs with the program's shardings (over its CP mesh) under that context,
+    which it refuses. On the transform's own mesh the call runs with the context's axes
+    made Auto (:meth:`ContextParallelFunction._call_typed`); the forward call alone works
+    under any mesh."""
     explicit = compat.context_mesh_explicit_axes()
     if explicit and compat.differentiated(leaves):
         raise ContextParallelError(
             f"{name} is differentiated inside `with jax.set_mesh(...)` whose mesh has "
-            f"Explicit axes {explicit}: the gradient's cotangents would be built over the "
-            "transform's CP mesh (Auto axes) under that context, which JAX refuses. Make the "
-            "mesh's axes Auto (jax.make_mesh(..., axis_types=(AxisType.Auto, ...))), or apply "
-            "jax.grad / jax.value_and_grad / jax.jvp outside the `with jax.set_mesh(...)` "
-            "block (calling the function inside it works), giving the mesh as "
-            "context_parallel(..., mesh=mesh)")
+            f"Explicit axes {explicit} and is not the transform's mesh {dict(mesh.shape)}: "
+            "the gradient's cotangents would be built over the transform's mesh under "
+            "that context, which JAX refuses. Give the transform the context's mesh, "
+            "context_parallel(..., mesh=mesh, axis=<its CP axis>), or apply jax.grad / "
+            "jax.value_and_grad / jax.jvp outside the `with jax.set_mesh(...)` block")
 
 
 def refuse_forward_over_reverse(name: str, leaves: list) -> None:
@@ -381,6 +382,9 @@ class ContextParallelFunction:
         self.options = options
         self._built: dict = {}
         self._stats: dict = {}
+        #: The output types of the undecorated function inside ``jax.set_mesh`` of an
+        #: Explicit-axes mesh, by argument types (:meth:`_call_typed`).
+        self._types: dict = {}
         #: The :class:`TransformStats` of the most recent transform (``None`` before the
         #: first call): per-pass wall times, for programs and profiles to read.
         self.last_transform_stats: TransformStats | None = None
@@ -437,17 +441,47 @@ class ContextParallelFunction:
             return self.fn(*args, **kwargs)
         final, written, call, split = self._build(args, kwargs)
         arguments = (split.args, split.kwargs)
-        refuse_set_mesh_gradients(final.name, jax.tree_util.tree_leaves(arguments))
-        refuse_forward_over_reverse(final.name, jax.tree_util.tree_leaves(arguments))
-        flat = _on_mesh(jax.tree_util.tree_leaves(arguments), final.facts.mesh)
+        leaves = jax.tree_util.tree_leaves(arguments)
+        refuse_forward_over_reverse(final.name, leaves)
+        mesh = final.facts.mesh
+        traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
         # Traced (under an outer jit or grad) this binds the program, and JAX linearizes
         # it here; called on arrays it runs it, which needs no pause.
-        traced = any(isinstance(x, jax.core.Tracer) for x in flat)
-        with compat.no_mesh_context(), gc_paused() if traced else contextlib.nullcontext():
-            flat_out = call.for_arguments(flat)(*flat)
+        with gc_paused() if traced else contextlib.nullcontext():
+            if compat.context_mesh_explicit_axes() and compat.context_mesh_is(mesh):
+                flat_out = self._call_typed(call, split, leaves)
+            else:
+                refuse_set_mesh_gradients(final.name, leaves, mesh)
+                flat = _on_mesh(leaves, mesh)
+                with compat.no_mesh_context():
+                    flat_out = call.for_arguments(flat)(*flat)
         out, writes = jax.tree_util.tree_unflatten(final.out_tree, flat_out)
         write_back(arguments, written, writes)
         return out
+
+    def _call_typed(self, call: _Program, split: CallArguments, leaves: list) -> list:
+        """The program called inside ``jax.set_mesh`` of its own mesh with Explicit axes
+        (``jax.make_mesh``'s default): run with the context's axes made Auto, as the
+        program's mesh has them, its outputs given the types the undecorated function's
+        outputs have there (``jax.sharding.auto_axes``; the types come from
+        ``jax.eval_shape`` of the function, once per argument types). Differentiated there,
+        the cotangents are built with those types, which the context accepts."""
+        key = (_signature(split.args, split.kwargs), split.static_key,
+               tuple(jax.typeof(x) for x in leaves))
+        if key not in self._types:
+            typed = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                               sharding=jax.typeof(x).sharding),
+                (split.args, split.kwargs))
+            name = getattr(self.fn, "__name__", "fn")
+            with _tracing(name):
+                out = jax.eval_shape(returning_argument_writes(split.bind(self.fn), name, []),
+                                     *typed[0], **typed[1])
+            self._types[key] = [PartitionSpec() if t.sharding is None else t.sharding.spec
+                                for t in jax.tree_util.tree_leaves(out)]
+        program = jax.sharding.auto_axes(lambda *flat: call.for_arguments(flat)(*flat),
+                                         out_sharding=self._types[key])
+        return program(*leaves)
 
     def lower(self, *args, **kwargs):
         """``jax.jit(...).lower`` of the transformed program (ShapeDtypeStructs allowed)."""

@@ -126,11 +126,12 @@ class MatchAttention(Pass):
 
 
 def _mark_over_keys(closed, reports: list, refused: list, sequence_dims: list) -> list:
-    """``reports`` with ``over_keys`` set on the refused softmaxes that dataflow links to a
-    rewritten attention's sequences: attentions left to run unsharded. A softmax is one
-    when the keys of its q·k product are a sequence's, or when the axis it normalizes and
-    another dim of its input both are (``S×S`` logits, whatever the refusal's reason and
-    however far the chain from the product was read)."""
+    """``reports`` with ``over_keys`` set on the refused softmaxes (those weighting values,
+    :attr:`Matcher.refused`) that dataflow links to a rewritten attention's sequences:
+    attentions left to run unsharded. A softmax is one when the keys of its q·k product
+    are a sequence's, or when the axis it normalizes and another dim of its input both
+    are (``S×S`` logits, whatever the refusal's reason and however far the chain from the
+    product was read)."""
     if not refused or not sequence_dims:
         return reports
     candidates = [keys for _, keys, _ in refused if keys is not None]

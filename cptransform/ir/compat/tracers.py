@@ -55,6 +55,15 @@ def context_mesh_explicit_axes() -> tuple[str, ...]:
                  if kind != AxisType.Auto)
 
 
+def context_mesh_is(mesh) -> bool:
+    """Whether the ``jax.set_mesh`` context's mesh has ``mesh``'s axis names and sizes
+    (whatever either's axis types)."""
+    from jax._src import mesh as _mesh
+    abstract = _mesh.get_abstract_mesh()
+    return tuple(abstract.axis_names) == tuple(mesh.axis_names) and \
+        tuple(abstract.axis_sizes) == tuple(mesh.devices.shape)
+
+
 def differentiated(values) -> bool:
     """Whether any of ``values`` is traced by JAX's autodiff (``jvp``, ``grad``,
     ``linearize``) rather than only staged (``jit``)."""
