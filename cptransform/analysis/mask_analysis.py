@@ -69,10 +69,7 @@ class MaskAnalyzer:
 
     def analyze(self, atom: Any, dims: DimMap) -> Any:
         """The abstract value of ``atom`` whose dim ``i`` indexes top dim ``dims[i]``."""
-        # A size-1 dim indexes no top dim: an operand of an elementwise equation may keep
-        # it where the result has the full size (``[1, S] & [T, S]``, as JAX 0.12 traces).
-        dims = tuple(None if n == 1 else d
-                     for d, n in zip(dims, compat.aval_of(atom).shape))
+        dims = tuple(dims)
         if compat.is_literal(atom):
             return self._constant(np.asarray(compat.literal_value(atom)), atom, dims)
         key = (atom, dims)
@@ -134,6 +131,15 @@ class MaskAnalyzer:
             return self._opaque(atom, here)
         name = eqn.primitive.name
         ins = eqn.invars
+
+        def at(x):
+            # An elementwise operand's size-1 dim under a full-size result dim (``[1, S] &
+            # [T, S]``, as JAX 0.12 traces implicit broadcasts) indexes no top dim.
+            shape = compat.aval_of(x).shape
+            return tuple(None if n == 1 and m != 1 else d for d, n, m in
+                         zip(dims, shape, compat.aval_of(atom).shape)) \
+                if len(shape) == len(dims) else dims
+
         if name in _PASS_THROUGH or name in _MOVES:
             return self._moved(eqn, atom, dims, here)
         if name == "iota":
@@ -146,24 +152,23 @@ class MaskAnalyzer:
             if starts is not None:
                 return self._sliced(ins[0], dims, starts, atom, here)
         if name in ("add", "sub", "mul"):
-            a, b = (self.analyze(x, dims) for x in ins)
+            a, b = (self.analyze(x, at(x)) for x in ins)
             out = self._arith(name, a, b, atom, here)
             return self._combine(name, a, b, atom, here) if out is here else out
         if name in ("min", "max") or (name in ("and", "or", "xor") and
                                       compat.aval_of(atom).dtype != np.bool_):
-            return self._combine(name, *(self.analyze(a, dims) for a in ins), atom, here)
+            return self._combine(name, *(self.analyze(a, at(a)) for a in ins), atom, here)
         if name == "xor":
-            return self._combine(name, *(self.predicate(a, dims) for a in ins), atom, here)
+            return self._combine(name, *(self.predicate(a, at(a)) for a in ins), atom, here)
         if name == "neg":
             return self._arith("mul", self.analyze(ins[0], dims), Scalar(-1), atom, here)
         if name == "abs":
             inner = self.analyze(ins[0], dims)
             return AbsAffine(inner) if isinstance(inner, Affine) else here
         if name in NP_COMPARE:
-            return self._compare(name, self.analyze(ins[0], dims), self.analyze(ins[1], dims),
-                                 atom, here)
+            return self._compare(name, *(self.analyze(x, at(x)) for x in ins), atom, here)
         if name in ("and", "or", "not") and compat.aval_of(atom).dtype == np.bool_:
-            ps = [self.predicate(a, dims) for a in ins]
+            ps = [self.predicate(a, at(a)) for a in ins]
             if name == "not":
                 return p_not(ps[0], here)
             return p_and(ps[0], ps[1], here) if name == "and" else p_or(ps[0], ps[1], here)
@@ -171,8 +176,9 @@ class MaskAnalyzer:
         if found is not None:
             return found
         if name == "select_n" and len(ins) == 3 and compat.aval_of(ins[0]).dtype == np.bool_:
-            return self._select(self.predicate(ins[0], dims), self.analyze(ins[1], dims),
-                                self.analyze(ins[2], dims), atom, here)
+            return self._select(self.predicate(ins[0], at(ins[0])),
+                                self.analyze(ins[1], at(ins[1])),
+                                self.analyze(ins[2], at(ins[2])), atom, here)
         return self._opaque(atom, here)
 
     def _moved(self, eqn, atom: Any, dims: DimMap, here: Opaque) -> Any:

@@ -276,20 +276,22 @@ def _tracing(name: str):
         _TRACING.reset(token)
 
 
-def _on_mesh(leaves: list, mesh) -> list:
-    """Arrays committed to devices outside ``mesh`` (``jax.device_put(x,
-    jax.devices()[3])``) copied onto it, replicated, and arrays typed with Explicit mesh
-    axes moved to ``mesh`` (Auto axes); the program shards them from there.
+def _on_mesh(leaves: list, mesh) -> tuple[list, Any]:
+    """``(leaves on mesh, home)``: arrays committed to devices outside ``mesh``
+    (``jax.device_put(x, jax.devices()[3])``) copied onto it, replicated, and arrays typed
+    with Explicit mesh axes moved to ``mesh`` (Auto axes); the program shards them from
+    there. ``home`` (:func:`_home_device`): the one device the committed arrays share, where
+    the undecorated function would run and leave its outputs; they are moved there
+    (:func:`_at_home`). (The gradient of an argument left uncommitted stays on the mesh,
+    where the program computed it; one device's would be on ``home``.)
     Under ``grad`` / ``jvp`` of an eager call the copy is of the tracer whose primal is so
     committed: ``device_put`` is differentiable, and its transpose brings the gradient back
-    to the input's device, as on one device."""
+    to the input's device, as on one device. (Under an outer ``jax.jit`` the arrays are
+    tracers with no device: JAX itself pins that jit to a committed argument's device and
+    refuses the mesh's shardings inside it.)"""
     devices = set(mesh.devices.flat)
     replicated = NamedSharding(mesh, PartitionSpec())
-
-    def elsewhere(x) -> bool:
-        value = compat.concrete_primal(x)
-        return isinstance(value, jax.Array) and value.committed \
-            and value.sharding.device_set != devices
+    home = _home_device(leaves, mesh)
 
     def explicit(x):
         """The spec of ``x``'s Explicit sharding type (``2@data``) on ``mesh``'s Auto
@@ -313,9 +315,33 @@ def _on_mesh(leaves: list, mesh) -> list:
         spec = explicit(x)
         if spec is not None:
             return jax.device_put(x, NamedSharding(mesh, spec))
-        return jax.device_put(x, replicated) if elsewhere(x) else x
+        value = compat.concrete_primal(x)
+        if isinstance(value, jax.Array) and value.committed \
+                and value.sharding.device_set != devices:
+            return jax.device_put(x, replicated)
+        return x
 
-    return [placed(x) for x in leaves]
+    return [placed(x) for x in leaves], home
+
+
+def _home_device(leaves: list, mesh):
+    """The one device every array committed outside ``mesh`` is on (None when no array
+    is, or they are on several devices, which one device would refuse)."""
+    devices = set(mesh.devices.flat)
+    homes = set()
+    for x in leaves:
+        value = compat.concrete_primal(x)
+        if isinstance(value, jax.Array) and value.committed \
+                and value.sharding.device_set != devices:
+            homes.add(frozenset(value.sharding.device_set))
+    (home,) = homes if len(homes) == 1 else ((),)
+    return next(iter(home)) if len(home) == 1 else None
+
+
+def _at_home(flat_out: list, home) -> list:
+    """The outputs committed to ``home``, the device the inputs were committed to (as the
+    undecorated function's would be), or left on the mesh (``home`` None)."""
+    return flat_out if home is None else [jax.device_put(o, home) for o in flat_out]
 
 
 def refuse_set_mesh_gradients(name: str, leaves: list, mesh) -> None:
@@ -452,9 +478,9 @@ class ContextParallelFunction:
                 flat_out = self._call_typed(call, split, leaves)
             else:
                 refuse_set_mesh_gradients(final.name, leaves, mesh)
-                flat = _on_mesh(leaves, mesh)
+                flat, home = _on_mesh(leaves, mesh)
                 with compat.no_mesh_context():
-                    flat_out = call.for_arguments(flat)(*flat)
+                    flat_out = _at_home(call.for_arguments(flat)(*flat), home)
         out, writes = jax.tree_util.tree_unflatten(final.out_tree, flat_out)
         write_back(arguments, written, writes)
         return out
