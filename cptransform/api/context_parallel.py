@@ -507,6 +507,8 @@ class ContextParallelFunction:
                                 for t in jax.tree_util.tree_leaves(out)]
         program = jax.sharding.auto_axes(lambda *flat: call.for_arguments(flat)(*flat),
                                          out_sharding=self._types[key])
+        if not compat.forward_differentiated(leaves):
+            leaves = [compat.typed_cotangent(x) for x in leaves]
         return program(*leaves)
 
     def lower(self, *args, **kwargs):

@@ -124,3 +124,34 @@ def forward_over_reverse(values) -> bool:
                 return True
     return False
 
+
+
+def typed_cotangent(x):
+    """``x``, whose cotangent is resharded to ``x``'s own type in the ``jax.set_mesh``
+    context (a ``custom_vjp`` identity; not for forward-mode tangents). JAX 0.10 and 0.11
+    give the gradient of an input of ``jax.sharding.auto_axes`` under ``jit`` the Auto
+    mesh's type, which the Explicit context then refuses to combine with its arrays."""
+    import jax
+    return _typed_cotangent(x, jax.typeof(x).sharding.spec)
+
+
+def _typed_cotangent_rule():
+    import functools
+
+    import jax
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+    def identity(x, spec):
+        return x
+
+    def forward(x, spec):
+        return x, None
+
+    def backward(spec, _, cotangent):
+        return (jax.sharding.reshard(cotangent, spec),)
+
+    identity.defvjp(forward, backward)
+    return identity
+
+
+_typed_cotangent = _typed_cotangent_rule()
