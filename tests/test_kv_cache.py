@@ -11,6 +11,7 @@ import pytest
 from conftest import assert_rewritten, assert_tree_close
 
 from cptransform import context_parallel
+from cptransform.passes.reorder_sequence import ReorderError
 
 B, PROMPT, MAX_LEN, HEADS, KV_HEADS, HEAD_DIM, DIM = 2, 32, 64, 4, 2, 8, 16
 
@@ -79,6 +80,17 @@ def test_prefill_into_a_longer_cache_runs_sharded():
 ])
 def test_prefill_schedules_and_spellings(schedule, load_balance, spelling):
     check_prefill(schedule, load_balance, spelling)
+
+
+@pytest.mark.slow
+def test_keep_permuted_is_refused_for_the_cache():
+    """Two sequences run zigzag inside the attentions only: the caches cannot be returned
+    in the layout, and ``keep_permuted=True`` says so (dropping it is the fix, which the
+    tests above run)."""
+    f = context_parallel(prefill, cp=8, schedule="ring", load_balance="zigzag",
+                         keep_permuted=True)
+    with pytest.raises(ReorderError, match="inside the attentions only.*drop keep_permuted"):
+        f.module(*prefill_args())
 
 
 @pytest.mark.slow
