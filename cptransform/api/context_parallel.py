@@ -344,6 +344,17 @@ def _at_home(flat_out: list, home) -> list:
     return flat_out if home is None else [jax.device_put(o, home) for o in flat_out]
 
 
+def _is_transform_mesh(abstract, options: Options) -> bool:
+    """Whether the abstract mesh ``abstract`` has the axis names and sizes of the mesh the
+    transform builds for ``options`` (the one given, or ``cp`` devices on its one axis)."""
+    if options.mesh is not None:
+        names, sizes = options.mesh.axis_names, options.mesh.devices.shape
+    else:
+        names, sizes = options.axes, (options.cp or len(jax.devices()),)
+    return (tuple(abstract.axis_names), tuple(abstract.axis_sizes)) == \
+        (tuple(names), tuple(sizes))
+
+
 def refuse_set_mesh_gradients(name: str, leaves: list, mesh) -> None:
     """Raise when differentiated inside a ``jax.set_mesh`` context whose mesh has Explicit
     axes and is not the transform's mesh: JAX builds the cotangents of the transformed
@@ -432,10 +443,15 @@ class ContextParallelFunction:
         final, written, call = self._built[key]
         return final, written, call, split
 
-    @staticmethod
-    def _key(split: CallArguments) -> tuple:
-        """One program per signature, static arguments and caller's mesh context (last)."""
-        return (_signature(split.args, split.kwargs), split.static_key, compat.context_mesh())
+    def _key(self, split: CallArguments) -> tuple:
+        """One program per signature, static arguments and caller's mesh context (last:
+        the context's mesh when it is the transform's own, whose axes its model's
+        annotations may name; a context of another mesh is not traced under, as the
+        program the transform builds runs on its own mesh)."""
+        context = compat.context_mesh()
+        if context is not None and not _is_transform_mesh(context, self.options):
+            context = None
+        return (_signature(split.args, split.kwargs), split.static_key, context)
 
     def _transform(self, split: CallArguments, args: tuple, context):
         abstract = jax.tree_util.tree_map(
