@@ -81,6 +81,10 @@ PROGRAM_CLASSES = (
                         # instead of the attention
     "deferred_norm",    # the division by the row sum after the value product, through
                         # moves of either side (DEFERRED: MaxText's), instead of the attention
+    "kv_cache",         # K/V written into a longer cache (a prefill) or a cache prefix
+                        # concatenated to them (KV_CACHES), the cache in the loss too
+    "logit_chain",      # a data factor on the logits (a learned temperature...) or a
+                        # finite fill then a soft-cap (LOGIT_CHAINS)
 )
 #: The calls around the transform: state across steps, static arguments, dtypes.
 CALL_CLASSES = (
@@ -182,6 +186,18 @@ DROPOUTS = ("select", "multiply", "broadcast", "heads_after", "uniform", "folded
 #: features (``[B, Q, H·Dv]``, the sum broadcast along Dv and merged the same way); the sum
 #: in float32 divided into a float32 cast of the output.
 DEFERRED = ("transposed", "maxtext", "merged_features", "cast")
+#: How ``kv_cache`` attends over a cache: the prompt's K/V written at position 0 of a cache
+#: twice as long by ``dynamic_update_slice`` (a cache of zeros made inside, or one passed
+#: in) or by ``.at[:, :S].set``, the queries over the whole cache (``key < S`` and the drawn
+#: mask); or a cache of ``S/2`` earlier tokens concatenated before the prompt's keys.
+KV_CACHES = ("write_created", "write_input", "at_set", "concat")
+#: What ``logit_chain`` puts on the logits before the drawn mask: a learned temperature per
+#: head, a scalar one, a scale per query computed from the queries, a divisor per head
+#: (all folded into q); a temperature applied after the mask (refused: on one device its
+#: gradient is NaN under a -inf fill); a finite fill of -8 then a soft-cap (refused: the
+#: masked keys keep a share of the probability).
+LOGIT_CHAINS = ("temperature_head", "temperature_scalar", "scale_query", "divisor",
+                "after_mask", "softcap_fill")
 SPELLINGS = ("jnn", "einsum", "matmul")
 SCHEDULES = ("ring", "ulysses", "allgather", "auto")
 LOAD_BALANCES = ("none", "zigzag", "striped", "auto")
@@ -256,7 +272,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         mask = choose("mask", ("none", "causal", "causal", "window"))
     spelling = choose("spelling", SPELLINGS)
     if cls in ("masked_rows", "mask_builders", "row_test", "mask_data_window",
-               "mask_padding_merge") and spelling == "jnn":
+               "mask_padding_merge", "kv_cache", "logit_chain") and spelling == "jnn":
         spelling = "einsum"   # the -inf fill is a hand-written where-mask
     if cls in ("dtype_f64", "dtype_fp16") and spelling == "jnn":
         # jax.nn.dot_product_attention's softmax is float32 even for f64, and its float16
@@ -311,6 +327,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "combined_maps": COMBINATIONS,
         "dropout_probs": DROPOUTS,
         "deferred_norm": DEFERRED,
+        "kv_cache": KV_CACHES,
+        "logit_chain": LOGIT_CHAINS,
         "llama_block": POSITION_DTYPES,
     }.get(cls, ("",))
     variant = choose("variant", variants)
@@ -792,6 +810,13 @@ def make_data(case: FuzzCase):
         inp["picks"] = picks
     if case.cls == "combined_maps":
         p["lam"] = _normal(rng, (h,))
+    if case.cls == "kv_cache" and case.variant != "write_created":
+        length = s // 2 if case.variant == "concat" else 2 * s
+        p["cache_k"] = _normal(rng, (b, length, kh, d))
+        p["cache_v"] = _normal(rng, (b, length, kh, dv))
+    if case.cls == "logit_chain":
+        p["temp"] = rng.uniform(0.5, 2.0, () if case.variant == "temperature_scalar"
+                                else (h,)).astype(np.float32)
     if case.cls == "dropout_probs":
         inp["dropout_key"] = np.asarray(jax.random.key_data(jax.random.key(case.seed)))
     if case.cls == "recurrence":
@@ -965,6 +990,11 @@ def block(case: FuzzCase, p: dict, x, inputs: dict):
         o = dropped_attention(case, q, k, v, inputs).astype(x.dtype)
     elif case.cls == "deferred_norm":
         o = deferred_attention(case, q, k, v, inputs).astype(x.dtype)
+    elif case.cls == "kv_cache":
+        o, cache = cached_attention(case, q, k, v, p)
+        o = o.astype(x.dtype) + jnp.mean(jnp.tanh(cache)).astype(x.dtype)
+    elif case.cls == "logit_chain":
+        o = chained_attention(case, q, k, v, p, inputs).astype(x.dtype)
     else:
         o = attend(case, q, k, v, p, inputs).astype(x.dtype)
     if case.cls == "gathered_keys":
@@ -1052,6 +1082,73 @@ def deferred_attention(case: FuzzCase, q, k, v, inputs):
     if case.variant == "cast":
         return (o.astype(jnp.float32) / total).reshape(b, sq, h, dv)
     return (o / total.astype(o.dtype)).reshape(b, sq, h, dv)
+
+
+def cached_attention(case: FuzzCase, q, k, v, params):
+    """The queries over a KV cache (``case.variant`` in :data:`KV_CACHES`) under the drawn
+    mask, its positions offset by the cache's earlier tokens; returns the output and the
+    written key cache. q/k [B,S,H,D], v [B,S,K,Dv]."""
+    s, h = q.shape[1], q.shape[2]
+    if case.variant == "concat":
+        keys = jnp.concatenate([params["cache_k"].astype(k.dtype), k], axis=1)
+        values = jnp.concatenate([params["cache_v"].astype(v.dtype), v], axis=1)
+    else:
+        def write(cache, new):
+            if case.variant == "at_set":
+                return cache.at[:, :s].set(new)
+            return lax.dynamic_update_slice(cache, new, (0, 0, 0, 0))
+        if case.variant == "write_created":
+            shape = lambda x: (x.shape[0], 2 * s) + x.shape[2:]  # noqa: E731
+            keys, values = write(jnp.zeros(shape(k), k.dtype), k), \
+                write(jnp.zeros(shape(v), v.dtype), v)
+        else:
+            keys = write(params["cache_k"].astype(k.dtype), k)
+            values = write(params["cache_v"].astype(v.dtype), v)
+    offset = keys.shape[1] - s if case.variant == "concat" else 0
+    query = jnp.arange(s)[:, None] + offset
+    key = jnp.arange(keys.shape[1])[None, :]
+    visible = key < s + offset
+    if case.causal:
+        visible = visible & (key <= query)
+    if case.mask == "window":
+        visible = visible & (query - key < case.window)
+    kk, vv = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (keys, values))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, kk).astype(softmax_dtype(q.dtype))
+    logits = _masked(case, logits / math.sqrt(q.shape[-1]), visible,
+                     _fill_value(case.fill, softmax_dtype(q.dtype)))
+    p = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vv), keys
+
+
+def chained_attention(case: FuzzCase, q, k, v, params, inputs):
+    """Attention whose logits carry ``case.variant`` of :data:`LOGIT_CHAINS` around the
+    drawn mask. q/k [B,S,H,D], v [B,S,K,Dv]."""
+    h = q.shape[2]
+    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(softmax_dtype(q.dtype))
+    s = s / math.sqrt(q.shape[-1])
+    t = params["temp"]
+    per_head = t[None, :, None, None] if t.ndim else t
+    if case.variant in ("temperature_head", "temperature_scalar"):
+        s = s * per_head
+    elif case.variant == "scale_query":
+        norms = jnp.linalg.norm(q.astype(s.dtype), axis=-1)
+        s = s * jnp.log1p(norms).transpose(0, 2, 1)[..., None]
+    elif case.variant == "divisor":
+        s = s / per_head
+    allowed = _allowed(case, inputs)
+    if allowed is not None and case.variant == "softcap_fill":
+        s = jnp.where(allowed, s, -8.0)
+    elif allowed is not None:
+        s = _masked(case, s, allowed, _fill_value(case.fill, s.dtype))
+    if case.variant == "after_mask":
+        s = s * per_head
+    if case.variant == "softcap_fill":
+        s = 5.0 * jnp.tanh(s / 5.0)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    if case.spelling == "matmul":
+        return (p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
 def dropped_attention(case: FuzzCase, q, k, v, inputs):

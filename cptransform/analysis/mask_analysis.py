@@ -39,7 +39,7 @@ from cptransform.analysis.intervals import normalize
 from cptransform.analysis.mask_data import (MAX_REGIONS, NEGATED, compared,
                                             converted, data_cases, step)
 from cptransform.analysis.mask_values import (AbsAffine, Affine, And, Band, Cases, Const,
-                                              Data, Dense, DimMap, FloorDiv,
+                                              Data, Dense, DimMap, FloorDiv, IndexRange,
                                               Indicator, Opaque, Pred, Scalar, Segments, Shifted,
                                               conjuncts, is_known, p_and, p_not, p_or)
 from cptransform.analysis.mask_predicates import (FLIP, MAX_CONSTANT_MASK, NP_COMPARE,
@@ -137,6 +137,15 @@ class MaskAnalyzer:
             return self._opaque(atom, here)
         name = eqn.primitive.name
         ins = eqn.invars
+
+        def at(x):
+            # An elementwise operand's size-1 dim under a full-size result dim (``[1, S] &
+            # [T, S]``, as JAX 0.12 traces implicit broadcasts) indexes no top dim.
+            shape = compat.aval_of(x).shape
+            return tuple(None if n == 1 and m != 1 else d for d, n, m in
+                         zip(dims, shape, compat.aval_of(atom).shape)) \
+                if len(shape) == len(dims) else dims
+
         if name in _PASS_THROUGH or name in _MOVES:
             return self._moved(eqn, atom, dims, here)
         if name == "iota":
@@ -149,24 +158,23 @@ class MaskAnalyzer:
             if starts is not None:
                 return self._sliced(ins[0], dims, starts, atom, here)
         if name in ("add", "sub", "mul"):
-            a, b = (self.analyze(x, dims) for x in ins)
+            a, b = (self.analyze(x, at(x)) for x in ins)
             out = self._arith(name, a, b, atom, here)
             return self._combine(name, a, b, atom, here) if out is here else out
         if name in ("min", "max") or (name in ("and", "or", "xor") and
                                       compat.aval_of(atom).dtype != np.bool_):
-            return self._combine(name, *(self.analyze(a, dims) for a in ins), atom, here)
+            return self._combine(name, *(self.analyze(a, at(a)) for a in ins), atom, here)
         if name == "xor":
-            return self._combine(name, *(self.predicate(a, dims) for a in ins), atom, here)
+            return self._combine(name, *(self.predicate(a, at(a)) for a in ins), atom, here)
         if name == "neg":
             return self._arith("mul", self.analyze(ins[0], dims), Scalar(-1), atom, here)
         if name == "abs":
             inner = self.analyze(ins[0], dims)
             return AbsAffine(inner) if isinstance(inner, Affine) else here
         if name in NP_COMPARE:
-            return self._compare(name, self.analyze(ins[0], dims), self.analyze(ins[1], dims),
-                                 atom, here)
+            return self._compare(name, *(self.analyze(x, at(x)) for x in ins), atom, here)
         if name in ("and", "or", "not") and compat.aval_of(atom).dtype == np.bool_:
-            ps = [self.predicate(a, dims) for a in ins]
+            ps = [self.predicate(a, at(a)) for a in ins]
             if name == "not":
                 return p_not(ps[0], here)
             return p_and(ps[0], ps[1], here) if name == "and" else p_or(ps[0], ps[1], here)
@@ -174,8 +182,9 @@ class MaskAnalyzer:
         if found is not None:
             return found
         if name == "select_n" and len(ins) == 3 and compat.aval_of(ins[0]).dtype == np.bool_:
-            return self._select(self.predicate(ins[0], dims), self.analyze(ins[1], dims),
-                                self.analyze(ins[2], dims), atom, here)
+            return self._select(self.predicate(ins[0], at(ins[0])),
+                                self.analyze(ins[1], at(ins[1])),
+                                self.analyze(ins[2], at(ins[2])), atom, here)
         return self._opaque(atom, here)
 
     def _moved(self, eqn, atom: Any, dims: DimMap, here: Opaque) -> Any:
@@ -541,6 +550,14 @@ def _shift(value: Any, shift: dict) -> Any:
                 return None
             out = p_and(out, moved)
         return out
+    if isinstance(value, IndexRange):
+        top, start = index(value.a)
+        ivs = tuple((None if lo is None else lo - start, None if hi is None else hi - start)
+                    for lo, hi in value.intervals)
+        if top is None:
+            return Const(value=any((lo is None or lo <= 0) and (hi is None or hi >= 0)
+                                   for lo, hi in ivs))
+        return IndexRange(top, normalize(ivs))
     if isinstance(value, Band):
         (ta, sa), (tb, sb) = index(value.a), index(value.b)
         # index_b - index_a = (top_b - top_a) + (sb - sa) lies in the intervals.

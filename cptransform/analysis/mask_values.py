@@ -116,6 +116,19 @@ class Band(Pred):
 
 
 @dataclass(frozen=True)
+class IndexRange(Pred):
+    """``index[a]`` lies in ``intervals``: a bound on one index alone (``kv < prompt_len``
+    over a longer KV cache)."""
+
+    a: int = 0
+    intervals: tuple = ()
+
+    @property
+    def line(self) -> tuple:
+        return IndexRange, self.a
+
+
+@dataclass(frozen=True)
 class Chunk(Pred):
     """``index[a] // size == index[b] // size`` (``a < b`` are top dims): Llama-4 chunked
     attention's fixed chunks of ``size`` positions."""

@@ -61,7 +61,9 @@ class Candidate:
     ``coordinate_band`` its bounds (or None); ``dropout``: the dropout on the probabilities
     (a :class:`~cptransform.passes.match_attention.dropout.DropoutPlan`) or None;
     ``after``: the moves from the product's arrangement (``out_labels``) to ``out``'s, where
-    the division by the row sum comes after them.
+    the division by the row sum comes after them;
+    ``factors``: ``(operand, exponent)`` of the data factors on the logits (a temperature
+    per head or per query), folded into q (the operand's labels are tuples, as the sink's).
     """
 
     root: Any
@@ -96,6 +98,7 @@ class Candidate:
     coordinate_band: tuple | None = None
     dropout: dropout.DropoutPlan | None = None
     after: tuple = ()
+    factors: tuple = ()
 
     @property
     def heads(self) -> tuple:
@@ -110,7 +113,7 @@ class Candidate:
             + (("query_padding",) if self.q_pads else ()) \
             + (("key_padding",) if self.kv_pads else ()) \
             + (("bias",) if self.biases else ()) + (("sinks",) if self.sink else ()) \
-            + (("dropout",) if self.dropout else ())
+            + (("dropout",) if self.dropout else ()) + (("factor",) if self.factors else ())
 
     def spec(self) -> AttentionSpec:
         """The spec of the ``attention_p`` equation: operands as ``(*batch, T, H, D)``."""
@@ -150,7 +153,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
 
     q_in, q_scale = strip_scale(graph, qk.q)
     k_in, k_scale = strip_scale(graph, qk.k)
-    scale, softcap, biases = visible_form(qk.steps, q_scale * k_scale)
+    scale, softcap, biases, factors = visible_form(qk.steps, q_scale * k_scale)
     rows, preds = empty_rows(qk.steps)
     if zeroing:
         rows = _zeroed_rows(preds, zeroing, column)
@@ -178,6 +181,8 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     heads = ((kv_head,) if kv_head is not None else ()) + group
     sink = None if column is None else _sink_operand(graph, column, qk, batch, q_seq, heads)
 
+    factor_operands = tuple((_factor_operand(side, qk), exponent)
+                            for side, exponent in factors)
     drop = None if pv.dropout is None else dropout.plan(
         pv.dropout, qk.labels, qk.merged, qk.sizes, q_seq, qk.kv, set(batch) | set(heads),
         rows, _rows_may_be_empty(parts, qk.sizes[q_seq], qk.sizes[qk.kv]))
@@ -214,7 +219,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         topk=None if topk is None else topk.indices, chunk=parts.chunk, visible=tuple(preds),
         coordinates=parts.coordinates[0] if parts.coordinates else None,
         coordinate_band=parts.coordinates[1] if parts.coordinates else None, dropout=drop,
-        after=pv.after)
+        after=pv.after, factors=factor_operands)
 
 
 def _kv_heads_and_batch(graph: Graph, qk: QKProduct, shared: list) -> tuple:
@@ -290,6 +295,17 @@ def _sink_operand(graph: Graph, column: SinkColumn, qk: QKProduct, batch: list, 
     if not np.issubdtype(compat.aval_of(atom).dtype, np.floating):
         raise NotAttention("the sink column is not floating point")
     return Operand(atom, dims)
+
+
+def _factor_operand(side, qk: QKProduct) -> Operand:
+    """A data factor on the logits, labelled for the queries to take it: constant along
+    the keys, any dim a reshape of the logits merged given as its parts."""
+    if qk.kv in side.dims:
+        raise NotAttention("the logits are multiplied by data that varies along the keys, "
+                           "not a temperature per query or per head (scale the keys before "
+                           "the q·k product instead)")
+    return Operand(side.var, tuple(() if lab is None else qk.merged.get(lab, (lab,))
+                                   for lab in side.dims))
 
 
 def _resolve(p_dims: tuple, qk: QKProduct) -> tuple:

@@ -1,7 +1,8 @@
 """From a :class:`Candidate` to the equations that replace the attention subgraph.
 
 The replacement runs while the program is re-traced: it arranges q, k, v (and segment ids,
-padding, the dense mask and biases) into the spec's ``(*batch, T, H, D)`` layout, binds
+padding, the dense mask and biases) into the spec's ``(*batch, T, H, D)`` layout, folds
+the logits' data factors (a temperature per head or per query) into q, binds
 ``attention_p``, and arranges the result back into the layout of the output it replaces.
 """
 from __future__ import annotations
@@ -27,8 +28,8 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     """The rewrite of ``c.root``: one ``attention_p`` with ``spec`` and the arranging around
     it. Its inputs are q, k, v, then the segment ids, the query and key padding parts (each
     and-ed into one boolean ``[*batch, T]`` operand), the dense mask parts, the
-    biases, the sink source, the top-k indices, the query coordinates and the dropout key,
-    in that order."""
+    biases, the sink source, the top-k indices, the query coordinates, the dropout key and
+    the data factors, in that order."""
     sizes, nbl = c.sizes, len(c.batch)
     batch, heads = list(c.batch), c.heads
     q_target = [*batch, c.q_seq, heads, Q_FEATURE]
@@ -66,7 +67,7 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
             operands.append(_bias_sum(c.biases, vals, pair_target, sizes, full))
         vals = vals[len(c.biases):]
         if c.sink is not None:
-            operands.append(_sinks(vals[0], c.sink.labels, [*batch, heads], sizes))
+            operands.append(_split_arrange(vals[0], c.sink.labels, [*batch, heads], sizes))
             vals = vals[1:]
         if c.topk is not None:
             k = compat.aval_of(c.topk.var).shape[c.topk.dims.index(TOPK_DIM)]
@@ -81,6 +82,9 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
         if c.dropout is not None:
             operands.append(_dropout_seed(vals[0], dict(c.dropout.strides), sizes, batch,
                                           heads))
+            vals = vals[1:]
+        if c.factors:
+            operands[0] = _fold_factors(operands[0], c.factors, vals, q_target, sizes)
         out = attention_p.bind(*operands, spec=spec)
         split = out.shape[:nbl + 1] + tuple(sizes[lab] for lab in heads) + out.shape[-1:]
         out = arrange(lax.reshape(out, split) if split != out.shape else out, out_target,
@@ -96,6 +100,7 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     sides += [c.topk.var] if c.topk is not None else []
     sides += [c.coordinates.var] if c.coordinates is not None else []
     sides += [c.dropout.key] if c.dropout is not None else []
+    sides += [f.atom for f, _ in c.factors]
     return Replacement(c.root, (c.q.atom, c.k.atom, c.v.atom, *sides), build)
 
 
@@ -119,9 +124,23 @@ def _dropout_seed(key, strides: dict, sizes: dict, batch: list, heads: tuple):
     return lax.concatenate([data, jnp.asarray(where)], len(where.shape) - 1)
 
 
-def _sinks(x, dims: Sequence[tuple], target: Sequence, sizes: dict):
-    """The sink source (each dim holding a tuple of labels, in order) as ``target``'s
-    ``(*batch, heads)``: dims holding several labels are split first."""
+def _fold_factors(q, factors, values, target, sizes: dict):
+    """``q`` (arranged to ``target``) multiplied by each data factor of the logits (or
+    divided by it), in the dtype the two promote to: ``(q·t)·k`` is ``(q·k)·t``."""
+    for (factor, exponent), value in zip(factors, values):
+        dtype = jnp.promote_types(q.dtype, value.dtype)
+        term = _split_arrange(lax.convert_element_type(value, dtype), factor.labels, target,
+                              sizes)
+        term = lax.broadcast_in_dim(term, q.shape, tuple(range(q.ndim)))
+        wide = lax.convert_element_type(q, dtype)
+        wide = lax.mul(wide, term) if exponent > 0 else lax.div(wide, term)
+        q = lax.convert_element_type(wide, q.dtype)
+    return q
+
+
+def _split_arrange(x, dims: Sequence[tuple], target: Sequence, sizes: dict):
+    """``x`` (each dim holding a tuple of labels, in order: a sink source, a data factor)
+    as ``target``: dims holding several labels are split first."""
     shape, labels = [], []
     for n, labs in zip(x.shape, dims):
         shape += [sizes[lab] for lab in labs] if len(labs) > 1 else [n]
