@@ -31,8 +31,10 @@ from cptransform.ir.rewrite import Rewriter, trace_like
 from cptransform.lowering.context_parallel_attention import (context_parallel_attention,
                                                               sequence_mesh_axes)
 from cptransform.lowering.seq_permute import collective_permutable, permuted_sequence
+from cptransform.lowering.recurrence import passed_recurrence
 from cptransform.lowering.seq_window import halo_bytes, windowed_op
 from cptransform.op.attention import attention_p
+from cptransform.op.recurrence import Method, recurrence_p
 from cptransform.op.seq_permute import seq_permute_p
 from cptransform.op.seq_window import seq_window_p
 
@@ -109,6 +111,8 @@ class _Lowerer(Rewriter):
                 self.log.append(f"{window.describe()} at {compat.source_line(eqn)}: halo "
                                 f"exchange of {halo_bytes(window, aval.shape, aval.dtype.itemsize)}"
                                 " bytes per rank")
+        elif eqn.primitive is recurrence_p:
+            outs = self._recurrence(eqn, invals)
         elif eqn.primitive is seq_permute_p and self._collective(eqn):
             params = eqn.params
             with compat.eqn_context(eqn):
@@ -131,6 +135,18 @@ class _Lowerer(Rewriter):
         dims = self.axes.full_dims(eqn.outvars[0])
         return any(not compat.is_literal(a) and self.axes.full_dims(a) == dims
                    and a.aval.shape == eqn.outvars[0].aval.shape for a in eqn.invars)
+
+    def _recurrence(self, eqn, invals) -> list:
+        """A recurrence planned to pass state (or totals) runs under ``shard_map``
+        (:mod:`cptransform.lowering.recurrence`); a gathered one is the op it was, in
+        natural order, for XLA's partitioner."""
+        rec = eqn.params["recurrence"]
+        with compat.eqn_context(eqn):
+            if rec.method in (None, Method.GATHER):
+                return rec.apply(*invals) if rec.layout is None else \
+                    recurrence_p.bind(*invals, recurrence=rec)
+            self.log.append(f"{rec.describe()} at {compat.source_line(eqn)}")
+            return passed_recurrence(*invals, recurrence=rec, mesh=self.mesh, seq=self.seq)
 
     def _collective(self, eqn) -> bool:
         """A layout conversion of a whole sequence-sharded dim: moved by collectives (a

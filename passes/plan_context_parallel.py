@@ -52,6 +52,8 @@ from cptransform.analysis.hardware import HARDWARE, Hardware, hardware_for_devic
 from cptransform.analysis.load_balance import LayoutBalance, best_layout, rank_flops
 from cptransform.analysis.prediction import Prediction
 from cptransform.analysis.primitives import INLINABLE
+from cptransform.analysis.recurrence_cost import RecurrencePlan, plan_recurrence
+from cptransform.analysis.seq_axes_summary import analyse
 from cptransform.ir import compat
 from cptransform.ir.errors import PlanError, unknown_name
 from cptransform.ir.facts import Fact
@@ -62,6 +64,7 @@ from cptransform.lowering.kernels import kernels
 from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
 from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention import attention_p
+from cptransform.op.recurrence import recurrence_p
 from cptransform.op import mask_terms
 from cptransform.op.attention_spec import MaskSpec
 from cptransform.op.layouts import LAYOUTS, LayoutName, SequenceLayout, layout_multiple
@@ -263,18 +266,6 @@ class PlanContextParallel(Pass):
         # attention, for the plan kept.
         for p in plans:
             warn_passed_over(p.kernel)
-        # The re-trace walks these same equation objects (inside bodies too): the plan is
-        # found by the equation's identity, never by the order of visits.
-        plan_of = {id(e): p for e, p in zip(eqns, plans)}
-
-        def decide(eqn, invals):
-            plan = plan_of[id(eqn)]
-            spec = eqn.params["spec"].replace(schedule=plan.schedule, layout=layout,
-                                              kernel=plan.kernel_name)
-            return [attention_p.bind(*invals, spec=spec)]
-
-        new = Rewriter(rules={attention_p.name: decide}, inlinable=INLINABLE).run(module.jaxpr) if eqns \
-            else module.jaxpr
         # Sequences of one common length (an encoder and a decoder of equal lengths) share
         # one permutation: every op between them (cross attention, a sum of encoder and
         # decoder states) then sees both in the same order, as in natural order.
@@ -283,6 +274,28 @@ class PlanContextParallel(Pass):
         reordered = layout != "contiguous" and seq_len is not None \
             and seq_len % layout_multiple(layout, cp) == 0
         sequence = SequenceLayout(layout, seq_len, cp) if reordered else None
+        recurrences = self.plan_recurrences(module, sequence, mesh, axes, hardware, limit)
+        # The re-trace walks these same equation objects (inside bodies too): the plan is
+        # found by the equation's identity, never by the order of visits.
+        plan_of = {id(e): p for e, p in zip(eqns, plans)}
+        plan_of.update(recurrences)
+
+        def decide(eqn, invals):
+            plan = plan_of[id(eqn)]
+            spec = eqn.params["spec"].replace(schedule=plan.schedule, layout=layout,
+                                              kernel=plan.kernel_name)
+            return [attention_p.bind(*invals, spec=spec)]
+
+        def run_by(eqn, invals):
+            # A recurrence off the sequence is the op it was; the others carry their method.
+            rec, method = eqn.params["recurrence"], plan_of[id(eqn)].method
+            if method is None:
+                return rec.apply(*invals)
+            return recurrence_p.bind(*invals, recurrence=rec.with_method(method))
+
+        rules = {attention_p.name: decide, recurrence_p.name: run_by}
+        new = Rewriter(rules=rules, inlinable=INLINABLE).run(module.jaxpr) \
+            if eqns or recurrences else module.jaxpr
         where = "" if reordered or layout == "contiguous" else \
             " inside each attention only: " + (
                 f"{len(lengths)} sequences of different lengths" if seq_len is None else
@@ -293,8 +306,36 @@ class PlanContextParallel(Pass):
         log = choice.log + tuple(p.describe() for p in plans) + (
             f"layout: {layout} ({why}{';' if where else ''}{where})",)
         log += tuple(f"  {b.describe()}" for b in balances)
+        log += tuple(p.describe() for p in recurrences.values())
         return PassResult(module.with_jaxpr(new, plan=plans, layout=sequence, mesh=mesh,
-                                            cp_axes=axes, balance=balances), bool(eqns), log)
+                                            cp_axes=axes, balance=balances,
+                                            recurrences=tuple(recurrences.values())),
+                          bool(eqns or recurrences), log)
+
+    def plan_recurrences(self, module: Module, sequence: SequenceLayout | None, mesh,
+                         axes: tuple[str, ...], hardware: Hardware | None,
+                         limit: int | None) -> dict[int, RecurrencePlan]:
+        """A :class:`RecurrencePlan` per ``recurrence_p`` equation, keyed by the equation's
+        identity: each runs by the cheapest method its kind allows, two chunks per device
+        when the program runs zigzag and its steps keep the chunks whole."""
+        found = [e for e in iter_eqns(module.jaxpr) if e.primitive is recurrence_p]
+        if not found:
+            return {}
+        seq_axes = analyse(module)
+        producers = {v: e for e in iter_eqns(module.jaxpr) for v in e.outvars}
+        cp = module.facts.cp
+        span = max(axis_spans(mesh, axes))
+        plans = {}
+        for index, eqn in enumerate(found):
+            chunks = 1
+            if sequence is not None and sequence.name == "zigzag":
+                first = plan_recurrence(index, eqn, seq_axes, producers, cp, 1, None,
+                                        None, span)
+                coarse = sequence.coarsen(first.chunk) if first.method else None
+                chunks = 2 if coarse is not None else 1
+            plans[id(eqn)] = plan_recurrence(index, eqn, seq_axes, producers, cp, chunks,
+                                             hardware, limit, span)
+        return plans
 
     def plan_layout(self, eqns, layout: str, cp: int, mesh, axes: tuple[str, ...],
                     build: Schedule | None, hardware: Hardware | None,

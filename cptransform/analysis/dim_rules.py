@@ -357,3 +357,28 @@ def acts_on_contracting(eqn) -> list[set[int]]:
     """A contraction sums over its contracting dims of both operands."""
     (lc, rc), _ = eqn.params["dimension_numbers"]
     return [set(lc), set(rc)]
+
+
+def link_recurrence(eqn) -> list[Link]:
+    """A recurrence links the axis of every operand and result that runs along it (the
+    steps: a scan's ``xs`` and ``ys``); an elementwise-shaped one (a cumulative op, an
+    associative scan) links each operand's dims to its result's, leaf by leaf. A scan's
+    consts and carries link nothing through it."""
+    rec = eqn.params["recurrence"]
+    ins = [x for x, it in zip(eqn.invars, rec.iterated) if it and not compat.is_literal(x)]
+    outs = [y for y, it in zip(eqn.outvars, rec.iterated_out) if it]
+    if rec.loop is None:
+        return [(x, d, y, d) for x, y in zip(ins, outs) for d in range(x.aval.ndim)]
+    axis = rec.axis
+    steps = ins + outs
+    return [(a, axis, b, axis) for a, b in zip(steps, steps[1:])]
+
+
+def acts_on_recurrence(eqn) -> list[set[int]]:
+    """A recurrence reads across its axis; a scan's body may read across any dim of its
+    step slices and of its consts and carries."""
+    rec = eqn.params["recurrence"]
+    if rec.loop is None:
+        return [{rec.axis} if it else set(range(compat.aval_of(x).ndim))
+                for x, it in zip(eqn.invars, rec.iterated)]
+    return [set(range(compat.aval_of(x).ndim)) for x in eqn.invars]

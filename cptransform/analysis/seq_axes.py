@@ -23,6 +23,7 @@ from cptransform.analysis.primitives import seq_links
 from cptransform.ir import compat
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import ROLES
+from cptransform.op.recurrence import recurrence_p
 from cptransform.op.operand_roles import Side
 from cptransform.ir.errors import SeqAxisError
 
@@ -237,6 +238,8 @@ def infer_seq_axes(closed: Any, overrides: dict[int, tuple[int, ...]] | None = N
                 graph.add_edges_from(zip(side, side[1:]))
                 seeds += side
     jaxpr = compat.open_jaxpr(closed)
+    recurrences = [] if attentions or overrides else recurrence_seeds(closed)
+    seeds += [seed for _, seed in recurrences]
     blocked = set()
     for index, dims in (overrides or {}).items():
         var = jaxpr.invars[index]
@@ -247,5 +250,40 @@ def infer_seq_axes(closed: Any, overrides: dict[int, tuple[int, ...]] | None = N
     try:
         sequence, lengths = _assign(graph, seeds, attentions)
     except SeqAxisError:
+        if recurrences:
+            raise _several_axes(recurrences, graph) from None
         sequence, lengths = _assign_derived(graph, seeds, attentions)
+    if recurrences and len(lengths) > 1:
+        raise _several_axes(recurrences, graph)
     return SeqAxes(tuple(lengths), sequence, attentions)
+
+
+def recurrence_seeds(closed: Any) -> list[tuple[Any, tuple[Any, int]]]:
+    """``(equation, (atom, dim))`` for the axis of every operand and result a recurrence
+    runs along: a program without attention is sharded along its recurrences."""
+    seeds = []
+    for eqn in _walk(closed):
+        if eqn.primitive is not recurrence_p:
+            continue
+        rec = eqn.params["recurrence"]
+        atoms = [x for x, it in zip(eqn.invars, rec.iterated) if it] + \
+            [y for y, it in zip(eqn.outvars, rec.iterated_out) if it]
+        seeds += [(eqn, (a, rec.axis)) for a in atoms if not compat.is_literal(a)]
+    return seeds
+
+
+def _several_axes(recurrences: list, graph: nx.Graph) -> SeqAxisError:
+    """A program without attention whose recurrences run along several unlinked axes:
+    which is the sequence is the user's to say."""
+    groups: dict = {}
+    for eqn, seed in recurrences:
+        component = frozenset(nx.node_connected_component(graph, seed)) if seed in graph \
+            else frozenset({seed})
+        groups.setdefault(component, []).append((eqn, seed))
+    where = "; ".join(
+        f"{eqn.params['recurrence'].describe()} at {compat.source_line(eqn)} "
+        f"(length {seed[0].aval.shape[seed[1]]})" for members in groups.values()
+        for eqn, seed in members[:1])
+    return SeqAxisError(
+        f"the function has no attention, and its recurrences run along {len(groups)} "
+        f"different axes: {where}; pass seq_axes= to say which input dims are the sequence")

@@ -29,6 +29,7 @@ from cptransform.passes.canonicalize import Canonicalize
 from cptransform.passes.infer_seq_axes import InferSeqAxes
 from cptransform.passes.lower_context_parallel import LowerContextParallel
 from cptransform.passes.match_attention import MatchAttention
+from cptransform.passes.match_recurrences import MatchRecurrences
 from cptransform.passes.match_windows import MatchWindows
 from cptransform.passes.plan_context_parallel import PlanContextParallel
 from cptransform.passes.reorder_sequence import ReorderSequence
@@ -196,7 +197,8 @@ def prepare(module: Module, options: Options, overrides: dict | None = None) -> 
 def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipeline:
     """The context-parallel pass pipeline for a prepared module, as pass objects (the CLI
     prints it with ``spelled()``); ``lower=False`` stops before lowering (for plans)."""
-    passes = [Canonicalize(), MatchAttention(), MatchWindows(), InferSeqAxes(),
+    passes = [Canonicalize(), MatchAttention(), MatchWindows(), MatchRecurrences(),
+              InferSeqAxes(),
               PlanContextParallel(**options.pass_arguments(PlanContextParallel.name)),
               ReorderSequence(**options.pass_arguments(ReorderSequence.name))]
     if lower:

@@ -32,6 +32,7 @@ from cptransform.ir.rewrite import fit_body, interpret, map_bodies, trace_like
 from cptransform.analysis.primitives import acting_dims
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.op.layouts import Conversion, SequenceLayout
+from cptransform.op.recurrence import Method, recurrence_p
 from cptransform.op.seq_window import seq_window_p
 from cptransform.lowering.halo import CHUNKS_PER_RANK
 from cptransform.ir.errors import ReorderError
@@ -91,6 +92,8 @@ class _Reorderer(MergedOrders, ShiftedSlices):
                 return outs
             where = f"{name} at {compat.source_line(eqn)}"
             invals = [self.settle(x, where) for x in invals]
+        if eqn.primitive is recurrence_p:
+            return self.recurrence(eqn, invals)
         merged = [i for i, x in enumerate(invals) if isinstance(self.get(x), Merged)]
         if merged and not (name in CALLS and name not in REBUILT | CUSTOM_RULES):
             outs = self.merged(eqn, invals, merged)
@@ -167,6 +170,47 @@ class _Reorderer(MergedOrders, ShiftedSlices):
         params = {**eqn.params, "window": eqn.params["window"].in_layout(self.layout)}
         (out,) = compat.bind_eqn(eqn, invals, params)
         return [self.put(out, PERM)]
+
+    def recurrence(self, eqn, invals):
+        """Keep a recurrence planned to pass state (or totals) in layout order: it
+        records the layout of its steps, the program's on a full sequence dim or the
+        layout of the chunks on a chunked one (zigzag: each device's two chunks take their
+        incoming state from the chunks before them in natural order). Gathered ones, and
+        any under a layout that does not keep chunks whole (striped), run in natural
+        order, converted around them."""
+        rec = eqn.params["recurrence"]
+        steps = [i for i, it in enumerate(rec.iterated) if it]
+        layout = self._steps_layout(eqn, invals, steps)
+        if layout is None:
+            invals = [self.natural(x, eqn) if isinstance(self.get(x), Merged) else x
+                      for x in invals]
+            carrying = [i for i, a in enumerate(eqn.invars) if self.axes.full_dims(a)
+                        and self.get(invals[i]) != INV]
+            return self.positional(eqn, invals, carrying,
+                                   {self.get(invals[i]) for i in carrying})
+        state = Merged(rec.axis, 1, layout)
+        with compat.eqn_context(eqn):
+            outs = recurrence_p.bind(*invals, recurrence=rec.in_layout(layout))
+        return [self.put(o, self.merged_state(v, state) if it else INV)
+                for o, v, it in zip(outs, eqn.outvars, rec.iterated_out)]
+
+    def _steps_layout(self, eqn, invals, steps) -> SequenceLayout | None:
+        """The layout a recurrence's steps are held in when it can keep it: the program's
+        (a layout-order full sequence dim) or a merged dim's chunk layout, the same for
+        every step operand; ``None``: it runs in natural order."""
+        rec = eqn.params["recurrence"]
+        if rec.method in (None, Method.GATHER) or self.layout.name not in CHUNKS_PER_RANK:
+            return None
+        found = set()
+        for i in steps:
+            st = self.get(invals[i])
+            if st == PERM and rec.axis in self.axes.full_dims(eqn.invars[i]):
+                found.add(self.layout)
+            elif isinstance(st, Merged) and st.dim == rec.axis and st.inner == 1:
+                found.add(st.layout)
+            elif st != INV:
+                return None
+        return found.pop() if len(found) == 1 else None
 
     def priced(self, eqn_or_name, kind: str, nbytes: int, where: str | None = None):
         """Record one conversion (what :func:`explain` lists with its bytes)."""
