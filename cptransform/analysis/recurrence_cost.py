@@ -169,19 +169,25 @@ def method_costs(rec: Recurrence, avals: list, out_avals: list, cp: int, chunks:
 def choose_method(costs: tuple[MethodCost, ...], limit: int | None) -> tuple[MethodCost, str]:
     """The method with the least predicted time among those fitting ``limit`` (ties and
     unpriced rows: the least memory), and why."""
-    fits = [c for c in costs if limit is None or c.memory_bytes <= limit] or list(costs)
-    if all(c.time_s is not None for c in fits):
+    fits = [c for c in costs if limit is None or c.memory_bytes <= limit]
+    over = [c for c in costs if c not in fits]
+    fits = fits or list(costs)
+    if len(costs) == 1:
+        best, reason = costs[0], "the only method of its kind"
+    elif all(c.time_s is not None for c in fits):
         best = min(fits, key=lambda c: (c.time_s, c.memory_bytes))
-        others = [c for c in fits if c is not best]
         reason = f"least predicted time: {best.time_s * 1e3:.3g} ms fwd+bwd"
+        others = [c for c in fits if c is not best]
         if others:
             reason += "; runner-up " + ", ".join(
                 f"{c.method} {c.time_s * 1e3:.3g} ms" for c in others)
     else:
         best = min(fits, key=lambda c: c.memory_bytes)
         reason = "least memory (no hardware row to price it)"
-    if len(costs) == 1:
-        reason = "the only method of its kind"
+    if over and limit is not None:
+        reason += "; excluded: " + ", ".join(
+            f"{c.method} needs {c.memory_bytes / MiB:.2f} MiB, over the memory limit of "
+            f"{limit / MiB:.2f} MiB" for c in over if c is not best)
     return best, reason
 
 

@@ -29,6 +29,7 @@ from cptransform.passes.canonicalize import Canonicalize
 from cptransform.passes.infer_seq_axes import InferSeqAxes
 from cptransform.passes.lower_context_parallel import LowerContextParallel
 from cptransform.passes.match_attention import MatchAttention
+from cptransform.op.recurrence import Method
 from cptransform.passes.match_recurrences import MatchRecurrences
 from cptransform.passes.match_windows import MatchWindows
 from cptransform.passes.plan_context_parallel import PlanContextParallel
@@ -207,16 +208,18 @@ def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipe
 
 
 def report_unsharded(module: Module, options: Options) -> None:
-    """A transform that shards less than asked never passes for success. With ``cp > 1``
-    and no attention rewritten, nothing is sharded: raise, naming each softmax seen and why
-    it was left (``allow_unsharded=True``: warn and run unchanged). With attentions
+    """A transform that shards less than asked never passes for success. With ``cp > 1``,
+    no attention rewritten and no recurrence passing state, nothing is sharded: raise,
+    naming each softmax and recurrence seen and why it was left (``allow_unsharded=True``:
+    warn and run unchanged). With attentions
     rewritten, each attention left whole (a softmax over a q·k product refused: its
     probabilities multiplied by data, a softmax combined with a non-softmax) runs its whole
     S×S work on every device: a :class:`PartlyShardedWarning` names each (``strict=True``:
     raise)."""
     if module.facts.cp <= 1:
         return
-    if module.facts.plan:
+    if module.facts.plan or any(r.method not in (None, Method.GATHER)
+                                for r in module.facts.recurrences):
         whole = [m for m in module.facts.matches or () if m.runs_unsharded]
         if not whole:
             return
@@ -229,8 +232,10 @@ def report_unsharded(module: Module, options: Options) -> None:
         warnings.warn(message, PartlyShardedWarning, stacklevel=4)
         return
     refused = [f"  {m}" for m in module.facts.matches or () if not m.rewritten]
-    message = (f"{module.name}: no attention found, so nothing is sharded over cp="
-               f"{module.facts.cp}; the function would run as on one device"
+    refused += [f"  {r.describe()}" for r in module.facts.recurrences]
+    message = (f"{module.name}: no attention found and no recurrence sharded, so nothing "
+               f"is sharded over cp={module.facts.cp}; the function would run as on one "
+               "device"
                + (":\n" + "\n".join(refused) if refused else " (no softmax either)")
                + "\nUse cptransform.attention(q, k, v, ...) for an attention the matcher "
                  "cannot see, or pass allow_unsharded=True to run the function unsharded "

@@ -104,9 +104,9 @@ def find_associative_scans(jaxpr) -> list[Found]:
     found, taken = [], set()
     for eqn in program.eqns:
         place = _stride_slice(eqn, 0)
-        leaf = eqn.invars[0]
-        if place is None or compat.is_literal(leaf) or leaf in taken:
+        if place is None or compat.is_literal(eqn.invars[0]) or eqn.invars[0] in taken:
             continue
+        leaf = eqn.invars[0]
         hit = _candidate(program, leaf, *place)
         if hit is not None:
             found.append(hit)

@@ -180,6 +180,7 @@ class _Reorderer(MergedOrders, ShiftedSlices):
         order, converted around them."""
         rec = eqn.params["recurrence"]
         steps = [i for i, it in enumerate(rec.iterated) if it]
+        invals = list(invals)
         layout = self._steps_layout(eqn, invals, steps)
         if layout is None:
             invals = [self.natural(x, eqn) if isinstance(self.get(x), Merged) else x
@@ -197,20 +198,35 @@ class _Reorderer(MergedOrders, ShiftedSlices):
     def _steps_layout(self, eqn, invals, steps) -> SequenceLayout | None:
         """The layout a recurrence's steps are held in when it can keep it: the program's
         (a layout-order full sequence dim) or a merged dim's chunk layout, the same for
-        every step operand; ``None``: it runs in natural order."""
+        every step operand; ``None``: it runs in natural order. Step operands are put in
+        it as an order-free op's would be: a natural-order one beside a layout-order one
+        is permuted, and one that is not a sequence dim of its own (``inv``: chunks cut
+        from natural-order tokens, or steps made apart from the tokens) is aligned with
+        merged ones."""
         rec = eqn.params["recurrence"]
         if rec.method in (None, Method.GATHER) or self.layout.name not in CHUNKS_PER_RANK:
             return None
-        found = set()
+        found, natural, loose = set(), [], []
         for i in steps:
-            st = self.get(invals[i])
-            if st == PERM and rec.axis in self.axes.full_dims(eqn.invars[i]):
+            st, full = self.get(invals[i]), rec.axis in self.axes.full_dims(eqn.invars[i])
+            if st == PERM and full:
                 found.add(self.layout)
+            elif st == NAT and full:
+                natural.append(i)
             elif isinstance(st, Merged) and st.dim == rec.axis and st.inner == 1:
                 found.add(st.layout)
+            elif st == INV and not full:
+                loose.append(i)
             elif st != INV:
                 return None
-        return found.pop() if len(found) == 1 else None
+        if len(found) != 1 or (natural and found != {self.layout}):
+            return None
+        layout = found.pop()
+        for i in natural:
+            invals[i] = self.to(invals[i], eqn.invars[i], PERM)
+        for i in loose:
+            invals[i] = self.align(invals[i], rec.axis, Merged(rec.axis, 1, layout))
+        return layout
 
     def priced(self, eqn_or_name, kind: str, nbytes: int, where: str | None = None):
         """Record one conversion (what :func:`explain` lists with its bytes)."""
