@@ -14,6 +14,10 @@ before a causal attention, as hybrid models interleave them.
 * ``deltanet``: DeltaNet's delta rule, a matrix state ``S - β k (kᵀS - vᵀ)`` by ``lax.scan``;
 * ``ema``: an exponential moving average with data-dependent decay by ``cumprod``;
 * ``gru``: a GRU by ``lax.scan`` (its carry is not affine).
+
+Every layer takes ``cut=True`` for its twin without the recurrence: the same computation
+with each step's state started afresh (a token-wise op), the control that isolates what
+the recurrence itself costs.
 """
 from __future__ import annotations
 
@@ -52,12 +56,15 @@ def init(name: str, key, dim: int) -> dict:
     raise KeyError(name)
 
 
-def mamba(p, x):
+def mamba(p, x, cut=False):
     delta = jax.nn.softplus(x @ p["dt"])                                   # [B, S, D]
     a = -jnp.exp(p["a_log"])                                               # [D, N]
     da = jnp.exp(delta[..., None] * a)                                     # [B, S, D, N]
     dbx = (delta * x)[..., None] * (x @ p["b"])[:, :, None, :]             # [B, S, D, N]
     c = x @ p["c"]                                                         # [B, S, N]
+
+    if cut:
+        return jnp.einsum("bsdn,bsn->bsd", dbx, c)
 
     def step(h, inputs):
         da_t, dbx_t, c_t = inputs
@@ -74,16 +81,17 @@ def _heads(x, w):
     return (x @ w).reshape(b, s, HEADS, -1)
 
 
-def linear_attention(p, x):
+def linear_attention(p, x, cut=False):
     q, k, v = (jax.nn.elu(_heads(x, p[w])) + 1 if w != "v" else _heads(x, p[w])
                for w in ("q", "k", "v"))
-    kv = jnp.cumsum(k[..., :, None] * v[..., None, :], axis=1)             # [B, S, H, d, d]
-    z = jnp.cumsum(k, axis=1)
+    kv, z = k[..., :, None] * v[..., None, :], k                           # [B, S, H, d, d]
+    if not cut:
+        kv, z = jnp.cumsum(kv, axis=1), jnp.cumsum(z, axis=1)
     out = jnp.einsum("bshd,bshde->bshe", q, kv) / jnp.einsum("bshd,bshd->bsh", q, z)[..., None]
     return out.reshape(x.shape) @ p["o"]
 
 
-def gla(p, x):
+def gla(p, x, cut=False):
     b, s, dim = x.shape
     q, k, v = (_heads(x, p[w]) for w in ("q", "k", "v"))
     g = jax.nn.log_sigmoid(_heads(x, p["g"])) / 16                         # log decays
@@ -107,15 +115,21 @@ def gla(p, x):
         return state, out
 
     state = jnp.zeros((b, HEADS, dim // HEADS, dim // HEADS))
-    _, out = lax.scan(step, state, tuple(chunks(t) for t in (q, k, v, g)))
+    inputs = tuple(chunks(t) for t in (q, k, v, g))
+    if cut:
+        out = jax.vmap(lambda *c: step(state, c)[1])(*inputs)
+    else:
+        _, out = lax.scan(step, state, inputs)
     return jnp.moveaxis(out, 0, 1).reshape(b, s, dim) @ p["o"]
 
 
-def rg_lru(p, x):
+def rg_lru(p, x, cut=False):
     r = jax.nn.sigmoid(x @ p["a"])
     log_a = -8.0 * r * jax.nn.softplus(p["lam"])
     a = jnp.exp(log_a)
     b = jnp.sqrt(1 - jnp.exp(2 * log_a)) * jax.nn.sigmoid(x @ p["i"]) * x
+    if cut:
+        return a * b
 
     def combine(left, right):
         return left[0] * right[0], right[0] * left[1] + right[1]
@@ -123,7 +137,7 @@ def rg_lru(p, x):
     return lax.associative_scan(combine, (a, b), axis=1)[1]
 
 
-def deltanet(p, x):
+def deltanet(p, x, cut=False):
     q, k, v = (_heads(x, p[w]) for w in ("q", "k", "v"))
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     beta = jax.nn.sigmoid(x @ p["g"])                                      # [B, S, H]
@@ -135,29 +149,38 @@ def deltanet(p, x):
         return state, jnp.einsum("bhk,bhkv->bhv", q_t, state)
 
     d = x.shape[-1] // HEADS
-    _, out = lax.scan(step, jnp.zeros((x.shape[0], HEADS, d, d)),
-                      tuple(jnp.moveaxis(t, 1, 0) for t in (q, k, v, beta)))
+    state = jnp.zeros((x.shape[0], HEADS, d, d))
+    inputs = tuple(jnp.moveaxis(t, 1, 0) for t in (q, k, v, beta))
+    if cut:
+        out = jax.vmap(lambda *t: step(state, t)[1])(*inputs)
+    else:
+        _, out = lax.scan(step, state, inputs)
     return jnp.moveaxis(out, 0, 1).reshape(x.shape) @ p["o"]
 
 
-def ema(p, x):
+def ema(p, x, cut=False):
     alpha = 1 - 0.01 * jax.nn.sigmoid(x @ p["a"])                          # decay in (0.99, 1)
+    if cut:
+        return (1 - alpha) * x
     decay = jnp.cumprod(alpha, axis=1)
     return decay * jnp.cumsum((1 - alpha) * x / decay, axis=1)
 
 
-def gru(p, x):
+def gru(p, x, cut=False):
     def step(h, x_t):
         z = jax.nn.sigmoid(x_t @ p["wz"] + h @ p["uz"])
         r = jax.nn.sigmoid(x_t @ p["wr"] + h @ p["ur"])
         h = (1 - z) * h + z * jnp.tanh(x_t @ p["wh"] + (r * h) @ p["uh"])
         return h, h
 
-    _, out = lax.scan(step, jnp.zeros_like(x[:, 0]), jnp.moveaxis(x, 1, 0))
+    h = jnp.zeros_like(x[:, 0])
+    if cut:
+        return jax.vmap(lambda x_t: step(h, x_t)[1], 1, 1)(x)
+    _, out = lax.scan(step, h, jnp.moveaxis(x, 1, 0))
     return jnp.moveaxis(out, 0, 1)
 
 
-def token_wise(p, x):
+def token_wise(p, x, cut=False):
     """The control: a token-wise op in a recurrence's place."""
     return jnp.tanh(x @ p["o"])
 
@@ -176,10 +199,11 @@ def rms(x):
     return x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-def hybrid_block(layer):
-    """``loss(params, x)`` of one block: ``layer`` then a causal attention, residual."""
+def hybrid_block(layer, cut=False):
+    """``loss(params, x)`` of one block: ``layer`` (its ``cut`` twin) then a causal
+    attention, residual."""
     def loss(params, x):
-        h = x + layer(params["mix"], rms(x))
+        h = x + layer(params["mix"], rms(x), cut)
         h = h + attention(params["attn"], rms(h))
         return jnp.mean(jnp.tanh(h) ** 2)
     return loss

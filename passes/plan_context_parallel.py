@@ -64,7 +64,7 @@ from cptransform.lowering.kernels import kernels
 from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
 from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention import attention_p
-from cptransform.op.recurrence import recurrence_p
+from cptransform.op.recurrence import Method, recurrence_p
 from cptransform.op import mask_terms
 from cptransform.op.attention_spec import MaskSpec
 from cptransform.op.layouts import LAYOUTS, LayoutName, SequenceLayout, layout_multiple
@@ -80,6 +80,10 @@ def schedule_choices() -> tuple[str, ...]:
     with the least predicted time) and every registered schedule, in listing order."""
     return ("auto", *schedules())
 
+
+#: ``recurrences`` option values: ``auto`` (each recurrence's cheapest method) or
+#: ``gather`` (every one on the whole sequence, as XLA partitions it).
+RECURRENCE_CHOICES = ("auto", Method.GATHER.value)
 
 #: ``load_balance`` values that name a real scheme this planner cannot plan, and why.
 REFUSED_LOAD_BALANCES = {
@@ -206,6 +210,7 @@ class PlanContextParallel(Pass):
     hardware: str | None = None
     memory_limit: int | str | None = None
     kernel: str = "auto"
+    recurrences: str = "auto"
 
     def check(self) -> None:
         """One clear error for an unknown option value."""
@@ -216,6 +221,8 @@ class PlanContextParallel(Pass):
             raise NotImplementedError(REFUSED_LOAD_BALANCES[self.load_balance])
         if self.load_balance not in LOAD_BALANCES:
             raise PlanError(unknown_name("load_balance", self.load_balance, LOAD_BALANCES))
+        if self.recurrences not in RECURRENCE_CHOICES:
+            raise PlanError(unknown_name("recurrences", self.recurrences, RECURRENCE_CHOICES))
         if self.hardware is not None and self.hardware not in HARDWARE:
             raise PlanError(unknown_name("hardware", self.hardware, HARDWARE))
         problem = memory_limit_problem(self.memory_limit)
@@ -334,7 +341,8 @@ class PlanContextParallel(Pass):
                 coarse = sequence.coarsen(first.chunk) if first.method else None
                 chunks = 2 if coarse is not None else 1
             plans[id(eqn)] = plan_recurrence(index, eqn, seq_axes, producers, cp, chunks,
-                                             hardware, limit, span)
+                                             hardware, limit, span,
+                                             gather=self.recurrences == Method.GATHER)
         return plans
 
     def plan_layout(self, eqns, layout: str, cp: int, mesh, axes: tuple[str, ...],

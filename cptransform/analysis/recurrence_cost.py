@@ -192,13 +192,14 @@ def choose_method(costs: tuple[MethodCost, ...], limit: int | None) -> tuple[Met
 
 
 def plan_recurrence(index: int, eqn, axes: SeqAxes, producers: dict, cp: int, chunks: int,
-                    hardware: Hardware | None, limit: int | None,
-                    span: int) -> RecurrencePlan:
+                    hardware: Hardware | None, limit: int | None, span: int,
+                    gather: bool = False) -> RecurrencePlan:
     """The :class:`RecurrencePlan` of one ``recurrence_p`` equation: ``None`` when its axis
     is not a sequence; ``gather`` when passing state cannot be exact (a const or carry
     holding the sequence, a second sequence dim, a length the chunks do not divide);
-    otherwise its kind's methods priced and the cheapest chosen. ``chunks``: per device
-    under the program's layout, when the recurrence's steps fit its chunks."""
+    otherwise its kind's methods priced and the cheapest chosen (``gather``: gathered
+    whatever they cost). ``chunks``: per device under the program's layout, when the
+    recurrence's steps fit its chunks."""
     rec = eqn.params["recurrence"]
     source = compat.source_line(eqn)
     plan = partial(RecurrencePlan, index, source, rec.describe(), rec.kind)
@@ -217,6 +218,8 @@ def plan_recurrence(index: int, eqn, axes: SeqAxes, producers: dict, cp: int, ch
         problem = "an operand carries the sequence on a second dim"
     if steps % (cp * chunks):
         problem = f"its {steps} steps do not split into {cp * chunks} chunks"
+    if gather:
+        problem = "recurrences='gather'"
     avals = [compat.aval_of(x) for x in eqn.invars]
     out_avals = [compat.aval_of(y) for y in eqn.outvars]
     if problem is not None:

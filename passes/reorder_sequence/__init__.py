@@ -29,7 +29,7 @@ from cptransform.op.attention import attention_p
 from cptransform.ir.module import Module
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import fit_body, interpret, map_bodies, trace_like
-from cptransform.analysis.primitives import acting_dims
+from cptransform.analysis.primitives import CallKind, Family, acting_dims, calls, names_of
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.op.layouts import Conversion, SequenceLayout
 from cptransform.op.recurrence import Method, recurrence_p
@@ -43,6 +43,10 @@ from cptransform.passes.reorder_sequence.states import (PERM, NAT, INV, EQUIVARI
                                                         REBUILT, LOOPS, CUSTOM_RULES)
 from cptransform.passes.reorder_sequence.merged import MergedOrders
 from cptransform.passes.reorder_sequence.shifted import ShiftedSlices
+
+#: Elementwise primitives, and the jit calls a custom rule's body may hold.
+ELEMENTWISE = names_of(Family.ELEMENTWISE)
+JITS = calls(CallKind.JIT)
 
 
 @dataclass
@@ -325,6 +329,9 @@ class _Reorderer(MergedOrders, ShiftedSlices):
         if name in CUSTOM_RULES:
             carrying = [i for i, a in enumerate(eqn.invars)
                         if self.axes.full_dims(a) and self.get(invals[i]) != INV]
+            if elementwise_rule(eqn):
+                return self.equivariant(eqn, invals, carrying,
+                                        {self.get(invals[i]) for i in carrying})
             return self.positional(eqn, invals, carrying,
                                    {self.get(invals[i]) for i in carrying},
                                    "has a custom derivative rule, which must see the tokens "
@@ -437,6 +444,33 @@ class _Reorderer(MergedOrders, ShiftedSlices):
             return [self.to(o, v, order) for o, v in zip(outs, jaxpr.outvars)]
 
         return fit_body(closed, trace_like(jaxpr, fn))
+
+
+def _elementwise(jaxpr) -> bool:
+    """Every equation of ``jaxpr`` is elementwise, a fill (a scalar broadcast), or a call
+    of a body that is (a jit, the function itself re-bound inside its rule)."""
+    for eqn in compat.open_jaxpr(jaxpr).eqns:
+        name = eqn.primitive.name
+        if name in ELEMENTWISE or (name == "broadcast_in_dim"
+                                   and compat.aval_of(eqn.invars[0]).ndim == 0):
+            continue
+        body = compat.call_body(eqn) if name in JITS | CUSTOM_RULES else None
+        if body is None or not _elementwise(body):
+            return False
+    return True
+
+
+def elementwise_rule(eqn) -> bool:
+    """A ``custom_jvp`` function whose primal and derivative rule are both elementwise
+    (``jax.nn.relu``, ``softplus``, ``log_sigmoid``): each output entry reads only the same
+    entry of each operand, so the function and its rule commute with any order of the
+    tokens and run in layout order, unchanged. Any other custom rule may read the tokens
+    in their order."""
+    if eqn.primitive.name != "custom_jvp_call":
+        return False
+    body, rule = compat.call_body(eqn), compat.custom_jvp_rule(eqn)
+    return body is not None and rule is not None and _elementwise(body) \
+        and _elementwise(rule)
 
 
 @dataclass(frozen=True)
