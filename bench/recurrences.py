@@ -140,6 +140,9 @@ def run(args) -> dict:
                 for g, r in zip(jax.tree.leaves(got_grads), jax.tree.leaves(ref_grads))])
             module = f.module(params, x)
             methods = [f"{r.what.split(' axis')[0]}: {r.method}" for r in module.facts.recurrences]
+            chosen = {"schedules": [a.schedule for a in module.facts.plan],
+                      "layout": module.facts.layout.name if module.facts.layout
+                      else "contiguous"}
             sent = {}
             control = R.block_params("token_wise", jax.random.key(0), d)
             for variant, fn, p in (("block", loss, params),
@@ -150,12 +153,13 @@ def run(args) -> dict:
                 sent[variant] = collective_bytes(hlo)
             total = {k: sum(v.values()) for k, v in sent.items()}
             added = total["block"] - total["cut"]
-            rows.append(dict(layer=name, config=config, error=error, methods=methods,
+            rows.append(dict(layer=name, config=config, **chosen, error=error, methods=methods,
                              bytes=sent, totals=total, added_bytes=added,
                              added_activations=added / activation,
                              over_token_wise=(total["block"] - total["token_wise"]) / activation,
                              seconds=time.perf_counter() - start))
-            print(f"{name:>16} {config:>11}  error {error:.1e}  added "
+            print(f"{name:>16} {config:>11} ({'+'.join(chosen['schedules'])}, "
+                  f"{chosen['layout']})  error {error:.1e}  added "
                   f"{added / 2**20:7.3f} MiB = {added / activation:5.2f} act "
                   f"(vs token-wise {rows[-1]['over_token_wise']:5.2f} act)  "
                   f"{'; '.join(methods)}", flush=True)

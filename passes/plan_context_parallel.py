@@ -81,9 +81,10 @@ def schedule_choices() -> tuple[str, ...]:
     return ("auto", *schedules())
 
 
-#: ``recurrences`` option values: ``auto`` (each recurrence's cheapest method) or
+#: ``recurrences`` option values: ``auto`` (each recurrence's cheapest method), ``pass``
+#: (state, totals or a pipelined carry passed between devices wherever that is exact) or
 #: ``gather`` (every one on the whole sequence, as XLA partitions it).
-RECURRENCE_CHOICES = ("auto", Method.GATHER.value)
+RECURRENCE_CHOICES = ("auto", "pass", Method.GATHER.value)
 
 #: ``load_balance`` values that name a real scheme this planner cannot plan, and why.
 REFUSED_LOAD_BALANCES = {
@@ -341,8 +342,7 @@ class PlanContextParallel(Pass):
                 coarse = sequence.coarsen(first.chunk) if first.method else None
                 chunks = 2 if coarse is not None else 1
             plans[id(eqn)] = plan_recurrence(index, eqn, seq_axes, producers, cp, chunks,
-                                             hardware, limit, span,
-                                             gather=self.recurrences == Method.GATHER)
+                                             hardware, limit, span, self.recurrences)
         return plans
 
     def plan_layout(self, eqns, layout: str, cp: int, mesh, axes: tuple[str, ...],

@@ -193,11 +193,12 @@ def choose_method(costs: tuple[MethodCost, ...], limit: int | None) -> tuple[Met
 
 def plan_recurrence(index: int, eqn, axes: SeqAxes, producers: dict, cp: int, chunks: int,
                     hardware: Hardware | None, limit: int | None, span: int,
-                    gather: bool = False) -> RecurrencePlan:
+                    choice: str = "auto") -> RecurrencePlan:
     """The :class:`RecurrencePlan` of one ``recurrence_p`` equation: ``None`` when its axis
     is not a sequence; ``gather`` when passing state cannot be exact (a const or carry
     holding the sequence, a second sequence dim, a length the chunks do not divide);
-    otherwise its kind's methods priced and the cheapest chosen (``gather``: gathered
+    otherwise its kind's methods priced and the cheapest chosen (``choice``, the
+    ``recurrences`` option: ``gather`` gathers, ``pass`` takes the kind's own method,
     whatever they cost). ``chunks``: per device under the program's layout, when the
     recurrence's steps fit its chunks."""
     rec = eqn.params["recurrence"]
@@ -218,7 +219,7 @@ def plan_recurrence(index: int, eqn, axes: SeqAxes, producers: dict, cp: int, ch
         problem = "an operand carries the sequence on a second dim"
     if steps % (cp * chunks):
         problem = f"its {steps} steps do not split into {cp * chunks} chunks"
-    if gather:
+    if choice == Method.GATHER:
         problem = "recurrences='gather'"
     avals = [compat.aval_of(x) for x in eqn.invars]
     out_avals = [compat.aval_of(y) for y in eqn.outvars]
@@ -226,6 +227,8 @@ def plan_recurrence(index: int, eqn, axes: SeqAxes, producers: dict, cp: int, ch
         return plan(Method.GATHER, f"gathered: {problem}", steps=steps, chunk=along.chunk)
     costs = method_costs(rec, avals, out_avals, cp, chunks, hardware, span)
     best, reason = choose_method(costs, limit)
+    if choice == "pass":
+        best, reason = costs[0], "recurrences='pass'"
     if rec.kind is Kind.CARRIED:
         reason += f"; not affine: {rec.why}"
     return plan(best.method, reason, costs, steps, along.chunk)

@@ -114,8 +114,9 @@ OPTIONS: dict[str, OptionSpec] = {spec.name: spec for spec in (
                problem=memory_limit_problem, consumer=PLAN, flag=True, metavar="BYTES|N%",
                parse=memory_limit_text),
     OptionSpec("recurrences", "str", "auto", "per recurrence along the sequence: auto "
-               "prices passing state against gathering and takes the faster; gather runs "
-               "each on the whole sequence", choices=lambda: RECURRENCE_CHOICES,
+               "prices passing state against gathering and takes the faster; pass always "
+               "passes state where exact; gather runs each on the whole sequence",
+               choices=lambda: RECURRENCE_CHOICES,
                consumer=PLAN, flag=True),
 )}
 

@@ -158,6 +158,11 @@ def _combine_region(program: _Program, halves: dict, d: int, n: int):
         joined = True
         for x in outside:
             producer = program.producer.get(x)
+            if producer is not None and all(map(compat.is_literal, producer.invars)):
+                # A constant the combine makes (``ones_like``): made inside it.
+                eqns.append(producer)
+                values |= set(producer.outvars)
+                continue
             leaf = producer.invars[0] if producer is not None else None
             pair = program.halves(leaf, d, n) if leaf is not None and \
                 not compat.is_literal(leaf) else None
@@ -172,6 +177,7 @@ def _combine_region(program: _Program, halves: dict, d: int, n: int):
         values |= set(eqn.outvars)
     if not eqns:
         return None
+    eqns = sorted(set(eqns), key=lambda e: program.index[id(e)])
     leaves = sorted(halves, key=lambda x: program.index[id(halves[x][0])])
     inner = set().union(*(set(e.outvars) for e in eqns))
     results = [v for v in inner if v in program.outvars
