@@ -742,6 +742,7 @@ def make_data(case: FuzzCase):
     if case.cls in ("recurrence",) + PASSING_CLASSES:
         p["w_rec"] = _normal(rng, (e, e), 0.5 / math.sqrt(e))
         p["a_rec"] = _normal(rng, (e,))
+    if case.cls in PASSING_CLASSES:
         p["w_gate"] = _normal(rng, (e, e), 1 / math.sqrt(e))
     if case.cls == "windows" and case.variant.startswith("conv"):
         p["w_conv"] = _normal(rng, (int(case.variant.rsplit("_", 1)[1]), 1, e), 0.5)
