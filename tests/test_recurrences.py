@@ -170,6 +170,7 @@ def _clipped(x):
 _clipped.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.01, 0.01),))
 
 
+@pytest.mark.slow
 def test_custom_vjp_in_the_step_is_kept():
     """A custom gradient rule on the step's input stays the user's rule: the gradients are
     the clipped ones, as on one device."""
@@ -190,6 +191,7 @@ def test_explain_names_each_recurrence_its_method_and_bytes():
     assert "forward communication per device: state passing" in text and "gather" in text
 
 
+@pytest.mark.slow
 def test_gather_on_request_and_strict_refuses_its_round_trip():
     """``recurrences="gather"`` runs each recurrence on the whole sequence (exact, as XLA
     partitions it); in a load-balanced layout that is a round trip through natural order,
