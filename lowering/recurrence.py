@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from cptransform.analysis.affine_carry import carry_slice
 from cptransform.analysis.primitives import Linear, facts
 from cptransform.ir import compat
+from cptransform.ir.rewrite import interpret
 from cptransform.op.recurrence import CUMULATIVE, CarryMap, Method, Recurrence
 
 #: Chunks per rank of the layouts whose chunks stay whole on one rank.
@@ -52,8 +54,9 @@ def _layout(rec: Recurrence) -> str:
     return "contiguous" if rec.layout is None else rec.layout.name
 
 
-def natural_chunk(layout: str, rank, piece: int, cp: int):
-    """The natural-order index of local chunk ``piece`` of ``rank``."""
+def natural_chunk(rank, piece: int, cp: int):
+    """The natural-order index of local chunk ``piece`` of ``rank`` (piece 1: zigzag's
+    high chunk)."""
     return rank if piece == 0 else 2 * cp - 1 - rank
 
 
@@ -123,7 +126,7 @@ def _prefix(rec: Recurrence, xs: list, seq, cp, rank) -> list:
         before[first] = chunk_totals[first]
     outs = []
     for j, ys in enumerate(scanned):
-        k = natural_chunk(layout, rank, j, cp)
+        k = natural_chunk(rank, j, cp)
         offset = [jnp.broadcast_to(o, y.shape) for o, y in zip(_pick(before, k), ys)]
         if identity is not None:
             outs.append(combine(offset, ys))
@@ -209,27 +212,27 @@ def _linear(eqn, values: list, lin: dict, dep: list[int]) -> list:
 def _summary_step(rec: Recurrence, needed: list, consts, state, x):
     """One step of the summary scan: the carry from zero and the basis columns."""
     loop = rec.loop
-    jaxpr = compat.open_jaxpr(loop.body)
+    body = compat.open_jaxpr(loop.body)
     hb, columns = state
-    carry_in = jaxpr.invars[loop.consts:loop.consts + loop.carries]
-    env = dict(zip(jaxpr.constvars, compat.consts_of(loop.body)))
-    env.update(zip(jaxpr.invars, list(consts) + list(hb) + list(x)))
+    carry_in = body.invars[loop.consts:loop.consts + loop.carries]
     lin = {v: c for v, c, leaf in zip(carry_in, columns, rec.carries) if leaf.depends}
 
-    def read(a):
-        return compat.literal_value(a) if compat.is_literal(a) else env[a]
-
-    for index in needed:
-        eqn = jaxpr.eqns[index]
+    def step(eqn, read):
         values = [read(a) for a in eqn.invars]
-        env.update(zip(eqn.outvars, compat.bind_eqn(eqn, values)))
+        outs = compat.bind_eqn(eqn, values)
         dep = [i for i, a in enumerate(eqn.invars) if not compat.is_literal(a) and a in lin]
         if dep:
             lin.update(zip(eqn.outvars, _linear(eqn, values, lin, dep)))
-    outs = jaxpr.outvars[:loop.carries]
+        return outs
+
+    # Only the equations the next carry depends on (the outputs are not needed here).
+    outs = body.outvars[:loop.carries]
+    carry = interpret(SimpleNamespace(constvars=body.constvars, invars=body.invars,
+                                      eqns=[body.eqns[i] for i in needed], outvars=outs),
+                      compat.consts_of(loop.body), list(consts) + list(hb) + list(x), step)
     new_columns = tuple(lin[v] if leaf.depends else c
                         for v, c, leaf in zip(outs, columns, rec.carries))
-    return (tuple(read(v) for v in outs), new_columns), None
+    return (tuple(carry), new_columns), None
 
 
 def _summary(rec: Recurrence, consts, xs: list):
@@ -279,10 +282,9 @@ def _state_passing(rec: Recurrence, operands: list, seq, cp, rank):
 
 def _rerun(rec: Recurrence, consts, parts, incoming, rank, cp):
     """Each chunk's scan from its incoming carry: ``(final carry per chunk, ys)``."""
-    layout = _layout(rec)
     finals, ys = [], []
     for j, part in enumerate(parts):
-        h = _pick(incoming, natural_chunk(layout, rank, j, cp))
+        h = _pick(incoming, natural_chunk(rank, j, cp))
         carry, out = rec.loop.run(consts, h, part)
         finals.append(carry)
         ys.append(out)

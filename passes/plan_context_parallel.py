@@ -324,8 +324,8 @@ class PlanContextParallel(Pass):
                          axes: tuple[str, ...], hardware: Hardware | None,
                          limit: int | None) -> dict[int, RecurrencePlan]:
         """A :class:`RecurrencePlan` per ``recurrence_p`` equation, keyed by the equation's
-        identity: each runs by the cheapest method its kind allows, two chunks per device
-        when the program runs zigzag and its steps keep the chunks whole."""
+        identity: each runs by the cheapest method its kind allows (the ``recurrences``
+        option), over the program's layout ``sequence``."""
         found = [e for e in iter_eqns(module.jaxpr) if e.primitive is recurrence_p]
         if not found:
             return {}
@@ -333,17 +333,9 @@ class PlanContextParallel(Pass):
         producers = {v: e for e in iter_eqns(module.jaxpr) for v in e.outvars}
         cp = module.facts.cp
         span = max(axis_spans(mesh, axes))
-        plans = {}
-        for index, eqn in enumerate(found):
-            chunks = 1
-            if sequence is not None and sequence.name == "zigzag":
-                first = plan_recurrence(index, eqn, seq_axes, producers, cp, 1, None,
-                                        None, span)
-                coarse = sequence.coarsen(first.chunk) if first.method else None
-                chunks = 2 if coarse is not None else 1
-            plans[id(eqn)] = plan_recurrence(index, eqn, seq_axes, producers, cp, chunks,
-                                             hardware, limit, span, self.recurrences)
-        return plans
+        return {id(eqn): plan_recurrence(index, eqn, seq_axes, producers, cp, sequence,
+                                         hardware, limit, span, self.recurrences)
+                for index, eqn in enumerate(found)}
 
     def plan_layout(self, eqns, layout: str, cp: int, mesh, axes: tuple[str, ...],
                     build: Schedule | None, hardware: Hardware | None,

@@ -32,6 +32,7 @@ from cptransform.analysis.recurrence_axes import along_sequence, sequence_elsewh
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.ir import compat
 from cptransform.ir.module import iter_eqns
+from cptransform.op.layouts import SequenceLayout
 from cptransform.op.recurrence import Kind, Method, Recurrence
 
 MiB = 2 ** 20
@@ -191,16 +192,16 @@ def choose_method(costs: tuple[MethodCost, ...], limit: int | None) -> tuple[Met
     return best, reason
 
 
-def plan_recurrence(index: int, eqn, axes: SeqAxes, producers: dict, cp: int, chunks: int,
-                    hardware: Hardware | None, limit: int | None, span: int,
-                    choice: str = "auto") -> RecurrencePlan:
+def plan_recurrence(index: int, eqn, axes: SeqAxes, producers: dict, cp: int,
+                    layout: SequenceLayout | None, hardware: Hardware | None,
+                    limit: int | None, span: int, choice: str = "auto") -> RecurrencePlan:
     """The :class:`RecurrencePlan` of one ``recurrence_p`` equation: ``None`` when its axis
     is not a sequence; ``gather`` when passing state cannot be exact (a const or carry
     holding the sequence, a second sequence dim, a length the chunks do not divide);
     otherwise its kind's methods priced and the cheapest chosen (``choice``, the
     ``recurrences`` option: ``gather`` gathers, ``pass`` takes the kind's own method,
-    whatever they cost). ``chunks``: per device under the program's layout, when the
-    recurrence's steps fit its chunks."""
+    whatever they cost). ``layout``: the program's (``None``: contiguous); under zigzag a
+    device holds two chunks of the steps when the steps' chunks of tokens fit its pieces."""
     rec = eqn.params["recurrence"]
     source = compat.source_line(eqn)
     plan = partial(RecurrencePlan, index, source, rec.describe(), rec.kind)
@@ -210,6 +211,8 @@ def plan_recurrence(index: int, eqn, axes: SeqAxes, producers: dict, cp: int, ch
     if along is None:
         return plan(None, "its axis is not the sequence: left as it was")
     steps = iterated[0].aval.shape[rec.axis]
+    chunks = 2 if layout is not None and layout.name == "zigzag" \
+        and layout.coarsen(along.chunk) is not None else 1
     held = [x for x, it in zip(eqn.invars, rec.iterated) if not it and axes.dims(x)] + \
         [y for y, it in zip(eqn.outvars, rec.iterated_out) if not it and axes.dims(y)]
     problem = None

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from cptransform.ir import compat
+from cptransform.ir.rewrite import interpret
 from cptransform.ir.spelled_enum import SpelledEnum
 from cptransform.op.layouts import SequenceLayout
 
@@ -74,28 +75,21 @@ class Combine:
     resize: tuple = ()
 
     def __call__(self, a, b):
-        a, b = list(a), list(b)
         n = a[0].shape[self.axis]
         jaxpr = compat.open_jaxpr(self.jaxpr)
         fixes: dict[int, list] = {}
         for index, name, positions in self.resize:
             fixes.setdefault(index, []).append((name, positions))
-        env = dict(zip(jaxpr.constvars, compat.consts_of(self.jaxpr)))
-        env.update(zip(jaxpr.invars, a + b))
+        index_of = {id(e): i for i, e in enumerate(jaxpr.eqns)}
 
-        def read(atom):
-            return compat.literal_value(atom) if compat.is_literal(atom) else env[atom]
-
-        for index, eqn in enumerate(jaxpr.eqns):
+        def step(eqn, read):
             params = dict(eqn.params)
-            for name, positions in fixes.get(index, ()):
-                value = list(params[name])
-                for p in positions:
-                    value[p] = n
-                params[name] = tuple(value)
-            env.update(zip(eqn.outvars,
-                           compat.bind_eqn(eqn, [read(x) for x in eqn.invars], params)))
-        return [read(v) for v in jaxpr.outvars]
+            for name, positions in fixes.get(index_of[id(eqn)], ()):
+                params[name] = tuple(n if i in positions else size
+                                     for i, size in enumerate(params[name]))
+            return compat.bind_eqn(eqn, [read(x) for x in eqn.invars], params)
+
+        return interpret(jaxpr, compat.consts_of(self.jaxpr), list(a) + list(b), step)
 
 
 #: The cumulative primitives: their combine and the identity element of each.

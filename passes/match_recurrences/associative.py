@@ -20,7 +20,7 @@ the same way from the reversed leaves.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -29,6 +29,7 @@ from jax import lax
 from cptransform.analysis.primitives import Family, acting_dims, facts
 from cptransform.analysis.seq_axes import linked_dims
 from cptransform.ir import compat
+from cptransform.ir.rewrite import interpret
 from cptransform.op.recurrence import Combine
 
 #: Params that hold a length: the combine runs at other lengths with them rewritten.
@@ -198,11 +199,10 @@ def _combine(eqns, inputs, outputs, d: int) -> Combine | None:
     """The combine as a :class:`Combine`, or None when it is not position-wise along
     ``d`` or holds a length it cannot rewrite."""
     def run(*xs):
-        env = dict(zip(inputs, xs))
-        read = lambda a: compat.literal_value(a) if compat.is_literal(a) else env[a]  # noqa: E731
-        for eqn in eqns:
-            env.update(zip(eqn.outvars, compat.bind_eqn(eqn, [read(x) for x in eqn.invars])))
-        return [env[v] for v in outputs]
+        region = SimpleNamespace(constvars=[], invars=list(inputs), eqns=eqns,
+                                 outvars=list(outputs))
+        return interpret(region, [], xs,
+                         lambda eqn, read: compat.bind_eqn(eqn, [read(x) for x in eqn.invars]))
 
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in inputs]
     closed = compat.canonical_params(jax.make_jaxpr(run)(*avals))
