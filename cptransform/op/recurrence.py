@@ -224,21 +224,7 @@ def _abstract_eval(*avals, recurrence: Recurrence):
     return [compat.ShapedArray(o.shape, o.dtype) for o in outs]
 
 
-def _jvp(primals, tangents, *, recurrence: Recurrence):
-    outs = recurrence_p.bind(*primals, recurrence=recurrence)
-    tans = [compat.instantiate_zeros(t) for t in tangents]
-    _, t_out = jax.jvp(lambda *xs: _impl(*xs, recurrence=recurrence), list(primals), tans)
-    return outs, t_out
-
-
-def _batch(args, dims, *, recurrence: Recurrence):
-    outs = jax.vmap(lambda *xs: _impl(*xs, recurrence=recurrence),
-                    in_axes=tuple(dims))(*args)
-    return outs, [0] * len(outs)
-
-
-recurrence_p = compat.define_primitive(
-    "recurrence", multiple_results=True, impl=_impl, abstract_eval=_abstract_eval,
-    jvp=_jvp, batch=_batch)
+recurrence_p = compat.define_wrapper("recurrence", multiple_results=True, impl=_impl,
+                                    abstract_eval=_abstract_eval)
 compat.register_pp_rule(recurrence_p,
                         lambda params: f"recurrence[{params['recurrence'].describe()}]")

@@ -24,11 +24,12 @@ from cptransform.ir.compat.jaxprs import (
 from cptransform.ir.compat.source_info import (
     eqn_context, inlining, source_line, source_lines)
 from cptransform.ir.compat.primitives import (
-    Primitive, define_primitive, define_transpose, instantiate_zeros, register_pp_rule)
+    Primitive, define_primitive, define_transpose, define_wrapper, instantiate_zeros,
+    register_pp_rule)
 from cptransform.ir.compat.tracers import (
     concrete_primal, context_mesh_explicit_axes, differentiated, forward_differentiated,
     forward_over_reverse, no_mesh_context)
 from cptransform.ir.compat.collectives import (
     cudnn_attention, cudnn_missing, ppermute)
 
-__all__ = ['ALLOW_UNTESTED_JAX', 'Body', 'canonical_params', 'jax_function', 'stable_params', 'ClosedJaxpr', 'JAXPR_CLASSES_MERGED', 'Jaxpr', 'JaxprTypeError', 'Literal', 'Primitive', 'SUPPORTED_JAX', 'ShapedArray', 'UnsupportedJaxError', 'aval_of', 'bind_eqn', 'bodies', 'call_body', 'check_jax_version', 'check_jaxpr', 'close_jaxpr', 'compiler_crash', 'concrete_primal', 'cond_branches', 'consts_of', 'context_mesh_explicit_axes', 'custom_jvp_rule', 'cudnn_attention', 'cudnn_missing', 'dce', 'define_primitive', 'define_transpose', 'differentiated', 'eqn_context', 'eqn_subjaxprs', 'eval_jaxpr', 'forward_differentiated', 'forward_over_reverse', 'inlining', 'instantiate_zeros', 'is_jaxpr_like', 'is_literal', 'jax_release', 'literal_value', 'name_stack', 'no_mesh_context', 'open_jaxpr', 'ppermute', 'register_pp_rule', 'scan_counts', 'source_line', 'source_lines', 'while_counts']
+__all__ = ['ALLOW_UNTESTED_JAX', 'Body', 'canonical_params', 'jax_function', 'stable_params', 'ClosedJaxpr', 'JAXPR_CLASSES_MERGED', 'Jaxpr', 'JaxprTypeError', 'Literal', 'Primitive', 'SUPPORTED_JAX', 'ShapedArray', 'UnsupportedJaxError', 'aval_of', 'bind_eqn', 'bodies', 'call_body', 'check_jax_version', 'check_jaxpr', 'close_jaxpr', 'compiler_crash', 'concrete_primal', 'cond_branches', 'consts_of', 'context_mesh_explicit_axes', 'custom_jvp_rule', 'cudnn_attention', 'cudnn_missing', 'dce', 'define_primitive', 'define_transpose', 'define_wrapper', 'differentiated', 'eqn_context', 'eqn_subjaxprs', 'eval_jaxpr', 'forward_differentiated', 'forward_over_reverse', 'inlining', 'instantiate_zeros', 'is_jaxpr_like', 'is_literal', 'jax_release', 'literal_value', 'name_stack', 'no_mesh_context', 'open_jaxpr', 'ppermute', 'register_pp_rule', 'scan_counts', 'source_line', 'source_lines', 'while_counts']
