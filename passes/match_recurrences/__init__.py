@@ -38,6 +38,14 @@ REWRITTEN_INSIDE = frozenset({attention_p.name, seq_window_p.name, recurrence_p.
 ITERATING = names_of(Family.CUMULATIVE) | {"scan", "while", recurrence_p.name}
 
 
+def _candidate(eqn) -> bool:
+    """An equation a recurrence may start at: a cumulative op, a scan, or a slice with
+    stride 2 (an associative scan's first level)."""
+    name = eqn.primitive.name
+    return name in CUMULATIVE or name == "scan" or (
+        name == "slice" and 2 in (eqn.params.get("strides") or ()))
+
+
 def _sorted(params: dict) -> tuple:
     return tuple(sorted(params.items()))
 
@@ -122,14 +130,15 @@ class MatchRecurrences(Pass):
                "(sharded by passing state)")
 
     def run(self, module: Module) -> PassResult:
-        names = set(CUMULATIVE) | {"scan", "slice"}
-        if not any(e.primitive.name in names for e in iter_eqns(module.jaxpr)):
+        if not any(_candidate(e) for e in iter_eqns(module.jaxpr)):
             return PassResult(module, False)
         rules = {name: wrap_cumulative for name in CUMULATIVE}
         rules["scan"] = wrap_scan
         new = Rewriter(plan=plan_associative, rules=rules, inlinable=INLINABLE).run(
             module.jaxpr)
         found = [e.params["recurrence"] for e in iter_eqns(new) if e.primitive is recurrence_p]
+        if not found:
+            return PassResult(module, False)
         kinds = {k: sum(r.kind is k for r in found) for k in Kind}
         log = (f"match-recurrences: {len(found)} recurrence(s) wrapped ("
                + ", ".join(f"{n} {k}" for k, n in kinds.items()) + ")",)
