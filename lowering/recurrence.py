@@ -96,20 +96,13 @@ def _combine_of(rec: Recurrence):
     return (lambda a, b: [op(a[0], b[0])]), identity
 
 
-def _local_scan(rec: Recurrence, leaves: list) -> list:
-    if rec.primitive is None:
-        return list(lax.associative_scan(rec.combine, tuple(leaves), reverse=rec.reverse,
-                                         axis=rec.axis))
-    return [rec.primitive.bind(leaves[0], **dict(rec.params))]
-
-
 def _prefix(rec: Recurrence, xs: list, seq, cp, rank) -> list:
     layout, d = _layout(rec), rec.axis
     pieces = CHUNKS[layout]
     combine, identity = _combine_of(rec)
     parts = [[lax.slice_in_dim(x, j * x.shape[d] // pieces, (j + 1) * x.shape[d] // pieces,
                                axis=d) for x in xs] for j in range(pieces)]
-    scanned = [_local_scan(rec, part) for part in parts]
+    scanned = [rec.apply(*part) for part in parts]
     edge = 0 if rec.reverse else -1
     totals = [[lax.index_in_dim(y, edge, axis=d, keepdims=True) for y in ys] for ys in scanned]
     gathered = _by_rank(jax.tree.map(lambda *t: jnp.stack(t), *totals), seq)

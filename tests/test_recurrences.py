@@ -253,3 +253,27 @@ def test_map_over_tokens_and_scan_over_layers_are_no_recurrences():
          "w": jax.random.normal(jax.random.fold_in(key, 1), (2, 3, D, D)) / np.sqrt(D)}
     module = check(model, (p,), [], load_balance="zigzag")
     assert not [m for m in module.facts.reorder_log if "un-permute" in m]
+
+
+@pytest.mark.slow
+def test_recurrence_inside_a_scan_over_layers():
+    """Layers stacked by ``lax.scan`` (its body holds an attention: no recurrence itself):
+    each layer's selective scan passes state, in layout order inside the loop body."""
+    keys = jax.random.split(jax.random.key(5), 3)
+
+    def stacked(name):
+        return jax.tree.map(lambda *xs: jnp.stack(xs),
+                            *[R.init(name, k, D) for k in jax.random.split(keys[0], 2)])
+
+    params = {"mix": stacked("mamba"), "attn": stacked("linear_attention")}
+    x = jax.random.normal(keys[1], (B, S, D))
+
+    def loss(p, x):
+        def layer(h, lp):
+            h = h + R.mamba(lp["mix"], R.rms(h))
+            return h + R.attention(lp["attn"], R.rms(h)), None
+        h, _ = lax.scan(layer, x, p)
+        return jnp.mean(jnp.tanh(h) ** 2)
+
+    module = check(loss, (params, x), [Method.STATE_PASSING], load_balance="zigzag")
+    assert not module.facts.reorder_log, module.facts.reorder_log
