@@ -231,7 +231,7 @@ def _summary_step(rec: Recurrence, needed: list, consts, state, x):
 def _summary(rec: Recurrence, consts, xs: list):
     """``(maps, offsets)`` of one chunk: per carry leaf its composed map and ``b``."""
     loop = rec.loop
-    needed, _ = carry_slice(loop.body, loop.consts, loop.carries)
+    needed = carry_slice(loop.body, loop.carries)
     carry_avals = [compat.aval_of(v) for v in
                    compat.open_jaxpr(loop.body).invars[loop.consts:loop.consts + loop.carries]]
     zero = tuple(jnp.zeros(a.shape, a.dtype) for a in carry_avals)

@@ -37,9 +37,9 @@ def _floating(atom) -> bool:
     return np.issubdtype(compat.aval_of(atom).dtype, np.floating)
 
 
-def carry_slice(body, consts: int, carries: int) -> tuple[list[int], dict]:
-    """The indices of the body equations the next carry depends on, and for each body
-    variable that depends on the carry, the index of the carry leaf it reads."""
+def carry_slice(body, carries: int) -> list[int]:
+    """The indices of the body equations the next carry (the first ``carries`` results)
+    depends on."""
     jaxpr = compat.open_jaxpr(body)
     wanted = {v for v in jaxpr.outvars[:carries] if not compat.is_literal(v)}
     needed = []
@@ -48,14 +48,7 @@ def carry_slice(body, consts: int, carries: int) -> tuple[list[int], dict]:
         if any(v in wanted for v in eqn.outvars):
             needed.append(index)
             wanted |= {v for v in eqn.invars if not compat.is_literal(v)}
-    needed.reverse()
-    leaf_of = {v: i for i, v in enumerate(jaxpr.invars[consts:consts + carries])}
-    for eqn in jaxpr.eqns:
-        leaves = {leaf_of[v] for v in eqn.invars if not compat.is_literal(v) and v in leaf_of}
-        if leaves:
-            leaf = min(leaves)
-            leaf_of.update((v, leaf) for v in eqn.outvars)
-    return needed, leaf_of
+    return needed[::-1]
 
 
 def _constant_dims(eqn, constant: dict) -> list[set[int]]:
@@ -88,7 +81,7 @@ def affine_carries(body, consts: int, carries: int) -> tuple[tuple[CarryMap, ...
     for v in carry_in:
         if not _floating(v):
             return None, f"its carry holds a {v.aval.dtype} value (only float carries are affine)"
-    needed, _ = carry_slice(body, consts, carries)
+    needed = carry_slice(body, carries)
     labels = {v: tuple(range(v.aval.ndim)) for v in carry_in}
     leaf_of = {v: i for i, v in enumerate(carry_in)}
     leaves = [_Leaf() for _ in carry_in]
