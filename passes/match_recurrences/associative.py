@@ -146,6 +146,26 @@ def _reads_across(eqn, values: set, d: int) -> bool:
                if not compat.is_literal(x) and x in values)
 
 
+def _joined(program: _Program, outside: list, d: int, n: int):
+    """``(constants made, halves of further leaves)`` when every operand of a combine
+    equation from outside it is a constant the combine makes (``ones_like``) or a half of
+    another leaf; ``None`` when one is not."""
+    made, pairs = [], {}
+    for x in outside:
+        producer = program.producer.get(x)
+        if producer is None:
+            return None
+        if all(map(compat.is_literal, producer.invars)):
+            made.append(producer)
+            continue
+        leaf = producer.invars[0]
+        pair = None if compat.is_literal(leaf) else program.halves(leaf, d, n)
+        if pair is None or producer not in pair:
+            return None
+        pairs[leaf] = pair
+    return made, pairs
+
+
 def _combine_region(program: _Program, halves: dict, d: int, n: int):
     """The first level's combine: ``(equations, leaves in order, results in order)``."""
     values = {h.outvars[0] for pair in halves.values() for h in pair}
@@ -155,27 +175,14 @@ def _combine_region(program: _Program, halves: dict, d: int, n: int):
         ins = [x for x in eqn.invars if not compat.is_literal(x)]
         if not any(x in values for x in ins) or _reads_across(eqn, values, d):
             continue
-        outside = [x for x in ins if x not in values]
-        joined = True
-        for x in outside:
-            producer = program.producer.get(x)
-            if producer is not None and all(map(compat.is_literal, producer.invars)):
-                # A constant the combine makes (``ones_like``): made inside it.
-                eqns.append(producer)
-                values |= set(producer.outvars)
-                continue
-            leaf = producer.invars[0] if producer is not None else None
-            pair = program.halves(leaf, d, n) if leaf is not None and \
-                not compat.is_literal(leaf) else None
-            if pair is None or producer not in pair:
-                joined = False
-                break
-            halves[leaf] = pair
-            values |= {h.outvars[0] for h in pair}
-        if not joined:
+        joined = _joined(program, [x for x in ins if x not in values], d, n)
+        if joined is None:
             continue
-        eqns.append(eqn)
-        values |= set(eqn.outvars)
+        made, pairs = joined
+        eqns += made + [eqn]
+        halves.update(pairs)
+        values |= {v for e in made + [eqn] for v in e.outvars}
+        values |= {h.outvars[0] for pair in pairs.values() for h in pair}
     if not eqns:
         return None
     eqns = sorted(set(eqns), key=lambda e: program.index[id(e)])
