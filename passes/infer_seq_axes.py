@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cptransform.ir.errors import SeqAxisError
 from cptransform.ir.facts import Fact
 from cptransform.ir.module import Module
 from cptransform.ir.pipeline import Pass, PassResult
-from cptransform.analysis.seq_axes import SeqAxisError, infer_seq_axes
+from cptransform.analysis.seq_axes import infer_seq_axes
 from cptransform.analysis.seq_axes_summary import analyse, summarize
 
 
