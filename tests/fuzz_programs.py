@@ -108,8 +108,8 @@ PROGRAM_CLASSES += LAYOUT_CLASSES
 #: A validity vector merged with the causal mask the libraries' ways (PADDING_MERGES); last
 #: in ALL_CLASSES, so that every other class keeps its index (the seed of its draws).
 PADDING_MERGE_CLASSES = ("mask_padding_merge",)
-#: Recurrences along the tokens passed as state between devices, after the others for the
-#: same reason.
+#: Recurrences along the tokens, which must pass state between devices (a gathered one is
+#: a failure); after the others for the same reason.
 RECURRENCE_CLASSES = (
     "affine_scan",      # a lax.scan over the tokens whose carry is affine, a random body
                         # (AFFINE_BODIES), forward or reversed, before or after the block
@@ -193,8 +193,6 @@ PREFIX_KINDS = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "linear
                 "max_plus")
 PREFIXES = tuple(f"{kind}/{direction}" for kind in PREFIX_KINDS
                  for direction in ("forward", "reverse"))
-#: Classes whose recurrences must pass state (a gathered one is a failure).
-PASSING_CLASSES = ("affine_scan", "chunked_scan", "prefix_scan")
 
 #: How ``combined_maps`` combines attention maps: two softmaxes and a scalar λ, one softmax
 #: over twice the heads viewed ``[B, H, 2, Q, K]`` (the Diff Transformer's reference code),
@@ -850,10 +848,10 @@ def make_data(case: FuzzCase):
                                 else (h,)).astype(np.float32)
     if case.cls == "dropout_probs":
         inp["dropout_key"] = np.asarray(jax.random.key_data(jax.random.key(case.seed)))
-    if case.cls in ("recurrence",) + PASSING_CLASSES:
+    if case.cls in ("recurrence",) + RECURRENCE_CLASSES:
         p["w_rec"] = _normal(rng, (e, e), 0.5 / math.sqrt(e))
         p["a_rec"] = _normal(rng, (e,))
-    if case.cls in PASSING_CLASSES:
+    if case.cls in RECURRENCE_CLASSES:
         p["w_gate"] = _normal(rng, (e, e), 1 / math.sqrt(e))
     if case.cls == "windows" and case.variant.startswith("conv"):
         p["w_conv"] = _normal(rng, (int(case.variant.rsplit("_", 1)[1]), 1, e), 0.5)
@@ -1594,7 +1592,7 @@ def _run_program(case: FuzzCase) -> Outcome:
     try:
         # The recurrence classes pass state whatever it costs: the planner prices passing
         # against gathering, and these short sequences would often gather.
-        passing = {"recurrences": "pass"} if case.cls in PASSING_CLASSES else {}
+        passing = {"recurrences": "pass"} if case.cls in RECURRENCE_CLASSES else {}
         f = context_parallel(loss, cp=case.cp, schedule=case.schedule,
                              load_balance=case.load_balance, allow_unsharded=True, **passing)
         with warnings.catch_warnings(record=True) as caught:
@@ -1610,7 +1608,7 @@ def _run_program(case: FuzzCase) -> Outcome:
     unsharded = [w for w in caught if issubclass(w.category, UnshardedWarning)]
     if unsharded:
         return Outcome("unmatched", _refusals(str(unsharded[0].message)))
-    if case.cls in PASSING_CLASSES:
+    if case.cls in RECURRENCE_CLASSES:
         gathered = [r.describe() for r in f.module(params, inputs).facts.recurrences
                     if r.method in (None, Method.GATHER)]
         if gathered:

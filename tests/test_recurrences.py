@@ -66,10 +66,16 @@ def test_layer_in_a_hybrid_block(name, load_balance, cp):
     assert not module.facts.reorder_log, module.facts.reorder_log
 
 
+LAYOUTS = ("none", "zigzag", "striped", "auto")
+#: Each layer in two layouts, rotated so that every layout holds three or four layers: the
+#: whole product took the slow tier twice as long for layouts the fuzzer draws anyway.
+LAYER_LAYOUTS = [(name, LAYOUTS[(i + shift) % 4])
+                 for i, name in enumerate(sorted(R.LAYERS)) for shift in (0, 1)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("load_balance", ["none", "zigzag", "striped", "auto"])
-@pytest.mark.parametrize("name", sorted(R.LAYERS))
-def test_every_layer_in_every_layout(name, load_balance):
+@pytest.mark.parametrize("name,load_balance", LAYER_LAYOUTS)
+def test_every_layer_in_two_layouts(name, load_balance):
     params = R.block_params(name, jax.random.key(3), D)
     x = jax.random.normal(jax.random.key(4), (B, 128, D))
     count = 2 if name in ("linear_attention", "ema") else 1
