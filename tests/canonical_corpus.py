@@ -72,6 +72,7 @@ FUZZ_SEEDS = (
     "FuzzCase(cls='static_equal_hash', seed=41, cp=4, schedule='auto', load_balance='none', batch=2, seq=64, heads=8, kv_heads=1, head_dim=4, v_head_dim=4, model_dim=32, mask='causal', causal=True, window=0, spelling='matmul', gqa_style='reshape', fill='finfo_min', variant=(1.0, True, 1), norm=True, rope=False, residual=False, bf16=False)",
     "FuzzCase(cls='dtype_f64', seed=42, cp=2, schedule='ring', load_balance='striped', batch=2, seq=56, heads=2, kv_heads=1, head_dim=16, v_head_dim=16, model_dim=32, mask='none', causal=False, window=0, spelling='matmul', gqa_style='reshape', fill='finfo_min_added', variant='', norm=True, rope=True, residual=True, bf16=False)",
     "FuzzCase(cls='dtype_fp16', seed=43, cp=4, schedule='allgather', load_balance='auto', batch=1, seq=48, heads=1, kv_heads=1, head_dim=4, v_head_dim=4, model_dim=32, mask='causal', causal=True, window=0, spelling='matmul', gqa_style='reshape', fill='finfo_min', variant='', norm=False, rope=False, residual=False, bf16=False)",
+    "FuzzCase(cls='equal_dims', seed=40, cp=4, schedule='ring', load_balance='zigzag', batch=2, seq=16, heads=4, kv_heads=4, head_dim=8, v_head_dim=8, model_dim=32, mask='causal', causal=True, window=0, spelling='jnn', gqa_style='reshape', fill='neg_big_added', variant='2|a1,a1,a0,a1|batched|around', norm=False, rope=True, residual=False, bf16=False)",
 )
 
 

@@ -93,3 +93,30 @@ def test_one_sequence_of_two_lengths_is_refused():
     module = matched(cached, jnp.ones((1, 8, 2, 4)), jnp.ones((1, 4, 2, 4)))
     with pytest.raises(SeqAxisError, match="lengths 8 and 12|lengths 12 and 8"):
         infer_seq_axes(module.jaxpr)
+
+
+def test_batch_dims_are_one_axis_across_q_k_and_v():
+    """Frames are batch dims of a spatial attention over ``[B, T, P, H, D]`` and the
+    sequence of a temporal one. k's frames, merged with the batch by a reshape and split
+    back, still reach the frames through the spatial attention: their order must agree
+    with q's (a dim the analysis lost was once left in natural order beside q's
+    permuted one, a silent wrong answer under zigzag)."""
+    def space_time(x, y):
+        b, t, p, h, d = y.shape
+        k = (y.reshape(b * t, p, h, d) * 2.0).reshape(b, t, p, h, d)
+        s = jnp.einsum("btqhd,btkhd->bthqk", x, k)
+        o = jnp.einsum("bthqk,btkhd->btqhd", jax.nn.softmax(s, -1), k)
+        s = jnp.einsum("bqphd,bkphd->bphqk", o, x)
+        return jnp.einsum("bphqk,bkphd->bqphd", jax.nn.softmax(s, -1), x).sum()
+
+    shape = (2, 4, 8, 1, 4)
+    module = matched(space_time, jnp.ones(shape), jnp.ones(shape))
+    axes = infer_seq_axes(module.jaxpr)
+    spatial = next(e for e in axes.attentions if e.invars[0].aval.shape[2] == 8
+                   and e.params["spec"].q.seq == 2)
+    q, k, v = spatial.invars[:3]
+    spec = spatial.params["spec"]
+    frames = axes.sequence.get((q, spec.q.batch[1]))
+    assert frames is not None and axes.lengths[frames] == 4
+    assert axes.sequence.get((k, spec.k.batch[1])) == frames
+    assert axes.sequence.get((v, spec.v.batch[1])) == frames

@@ -278,11 +278,23 @@ def link_unstack(eqn) -> list[Link]:
 
 
 def link_attention(eqn) -> list[Link]:
-    """Attention links its q and out dims (other than seq and features); K, V, masks and
-    the sinks link nothing through it."""
+    """Attention links its q and out dims (other than features), and each batch dim of q to
+    the same batch dim of every other operand (k and v at their layouts' batch dims, the
+    optional operands at their leading dims; not where one broadcasts it): a batch dim is
+    one axis across the operands (the frames of a spatial attention over ``[B, T, P, H,
+    D]``), whose order must agree in all of them. The keys' sequence and heads dims link
+    nothing through it (cross-attention keys are a sequence of their own; GQA heads are
+    not the queries')."""
     spec = eqn.params["spec"]
     q, out = eqn.invars[0], eqn.outvars[0]
-    return [(q, d, out, d) for d in range(q.aval.ndim) if d != spec.q.feature]
+    links = [(q, d, out, d) for d in range(q.aval.ndim) if d != spec.q.feature]
+    batch_dims = {"k": spec.k.batch, "v": spec.v.batch}
+    for name, operand in zip(spec.operand_names()[1:], eqn.invars[1:]):
+        dims = batch_dims.get(name, range(len(spec.q.batch)))
+        links += [(q, a, operand, b) for a, b in zip(spec.q.batch, dims)
+                  if not compat.is_literal(operand)
+                  and q.aval.shape[a] == operand.aval.shape[b]]
+    return links
 
 
 def link_seq_window(eqn) -> list[Link]:
