@@ -14,6 +14,7 @@ op ``match-windows`` could not wrap is refused there, never left to the partitio
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -21,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cptransform.analysis.primitives import INLINABLE, Family, names_of
 from cptransform.analysis.seq_axes import SeqAxes
+from cptransform.analysis.sequence_groups import sharded_dim
 from cptransform.analysis.seq_axes_summary import analyse
 from cptransform.ir import compat
 from cptransform.ir.errors import ContextParallelError, PipelineError
@@ -73,10 +75,15 @@ class _Lowerer(Rewriter):
         self.cp_axes = tuple(cp_axes)
         self.log: list[str] = []
         self.seq = sequence_mesh_axes(self.cp_axes)
+        self.cp = math.prod(mesh.shape[a] for a in self.cp_axes)  # devices over the CP axes
 
     def constrain(self, value, atom):
-        dims = self.axes.full_dims(atom)
-        if not dims or not hasattr(value, "shape"):
+        if not hasattr(value, "shape"):
+            return value
+        dims = self.axes.full_dims(atom) or tuple(
+            d for d in (sharded_dim(atom.aval.shape, g, self.cp)
+                        for g in self.axes.groups(atom)) if d is not None)
+        if not dims:
             return value
         spec = [P.UNCONSTRAINED] * value.ndim
         spec[dims[0]] = self.seq if len(self.seq) > 1 else self.seq[0]
