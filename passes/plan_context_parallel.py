@@ -52,6 +52,9 @@ from cptransform.analysis.hardware import HARDWARE, Hardware, hardware_for_devic
 from cptransform.analysis.load_balance import LayoutBalance, best_layout, rank_flops
 from cptransform.analysis.prediction import Prediction
 from cptransform.analysis.primitives import INLINABLE
+from cptransform.analysis.seq_axes_summary import analyse
+from cptransform.analysis.sharded_sequence import LOCAL, ShardedSequence, attention_axes, \
+    choose
 from cptransform.ir import compat
 from cptransform.ir.errors import PlanError, unknown_name
 from cptransform.ir.facts import Fact
@@ -182,6 +185,7 @@ class LayoutPlan:
     mesh: object
     axes: tuple[str, ...]
     log: tuple[str, ...]
+    sharded: ShardedSequence | None = None
 
 
 def _mib(n: int) -> str:
@@ -244,10 +248,12 @@ class PlanContextParallel(Pass):
         limit = None if hardware is None else memory_limit_bytes(self.memory_limit, hardware)
         forced = LOAD_BALANCES[self.load_balance]
         options, errors = {}, {}
+        seq_axes = analyse(module)
+        found = [attention_axes(seq_axes, e, cp) for e in eqns]
         for layout in candidate_layouts(forced):
             try:
                 options[layout] = self.plan_layout(eqns, layout, cp, mesh, axes, build,
-                                                   hardware, limit)
+                                                   hardware, limit, (found, seq_axes.lengths))
             except PlanError as err:
                 if layout == forced:
                     raise
@@ -259,6 +265,7 @@ class PlanContextParallel(Pass):
         balances = tuple(replace(o.balance, chosen=o is choice) for o in options.values())
         layout, plans, mesh, axes = choice.balance.layout, choice.plans, choice.mesh, choice.axes
 
+        sharded = choice.sharded
         # The kernel was chosen under every candidate layout alike; warned of once per
         # attention, for the plan kept.
         for p in plans:
@@ -293,14 +300,56 @@ class PlanContextParallel(Pass):
         log = choice.log + tuple(p.describe() for p in plans) + (
             f"layout: {layout} ({why}{';' if where else ''}{where})",)
         log += tuple(f"  {b.describe()}" for b in balances)
+        log += (sharded.describe(),) if sharded is not None else ()
         return PassResult(module.with_jaxpr(new, plan=plans, layout=sequence, mesh=mesh,
-                                            cp_axes=axes, balance=balances), bool(eqns), log)
+                                            cp_axes=axes, balance=balances,
+                                            sharded_sequence=sharded), bool(eqns), log)
+
+    @staticmethod
+    def shard_sequence(plans, found, lengths, hardware: Hardware | None, spans
+                       ) -> tuple[tuple[AttentionPlan, ...], ShardedSequence | None]:
+        """Where one value holds several sequences (frames × patches), the one to shard
+        (:mod:`cptransform.analysis.sharded_sequence`; ``found``: each attention's
+        :class:`AttentionAxes`), and ``plans`` with the attentions it lets run on each
+        device's part of their batch planned ``local``."""
+        chosen = [next((x for x in p.predictions if x.schedule == p.schedule), None)
+                  for p in plans]
+        if hardware is None or None in chosen:
+            # Unpriced: every attention counts one, a local one half, a moved one two.
+            time_s, compute_s, move_s = ([1.0] * len(plans), [0.5] * len(plans),
+                                         [1.0] * len(plans))
+        else:
+            link = hardware.link(max(spans))
+            time_s = [c.time_s for c in chosen]
+            compute_s = [c.compute_s for c in chosen]
+            move_s = [2 * p.shape.operand_bytes * (p.shape.cp - 1) / p.shape.cp ** 2
+                      / link.bytes_per_s for p in plans]
+        sharded = choose(found, time_s, compute_s, move_s, lengths)
+        if sharded is None:
+            return plans, None
+
+        def local(i, p):
+            s = sharded.sequence
+            reason = (f"its batch dim {found[i].batch[s]} holds the sharded sequence {s}: "
+                      "each device attends over its own part of the batch, no "
+                      f"communication (planned otherwise: {p.schedule})")
+            predictions = p.predictions if chosen[i] is None else (replace(
+                chosen[i], schedule=LOCAL, time_s=compute_s[i], forward_s=compute_s[i] / 3.5,
+                comm_s=0.0, bytes=0),) + p.predictions
+            return replace(p, schedule=LOCAL, runner_up=p.schedule, reason=reason,
+                           predictions=predictions,
+                           bytes_per_device={LOCAL: 0, **p.bytes_per_device})
+
+        return tuple(local(i, p) if i in sharded.local else p
+                     for i, p in enumerate(plans)), sharded
 
     def plan_layout(self, eqns, layout: str, cp: int, mesh, axes: tuple[str, ...],
                     build: Schedule | None, hardware: Hardware | None,
-                    limit: int | None) -> LayoutPlan:
+                    limit: int | None, sequences) -> LayoutPlan:
         """Every attention planned under ``layout``, and the program's balance under it;
-        ``build``: the two-axis schedule whose mesh is built from the one CP axis."""
+        ``build``: the two-axis schedule whose mesh is built from the one CP axis;
+        ``sequences``: each attention's :class:`AttentionAxes` and the sequences' lengths
+        (which of several sequences to shard is decided under each layout)."""
         log: tuple[str, ...] = ()
         degree_note = None
         if build is not None and eqns:
@@ -312,16 +361,18 @@ class PlanContextParallel(Pass):
         spans = axis_spans(mesh, axes)
         plans = tuple(self.plan_one(i, e, cp, len(axes), inner, layout, hardware, limit,
                                     spans, degree_note) for i, e in enumerate(eqns))
+        plans, sharded = self.shard_sequence(plans, *sequences, hardware, spans)
         known = schedules()
-        flops = sum((rank_flops(known[p.schedule].work(p.shape), cp)
-                     for p in plans), np.zeros(cp))
+        # A local attention does the work of the schedule it was planned otherwise.
+        flops = sum((rank_flops(known[p.runner_up if p.schedule == LOCAL else p.schedule]
+                                .work(p.shape), cp) for p in plans), np.zeros(cp))
         times = [next((x.time_s for x in p.predictions if x.schedule == p.schedule), None)
                  for p in plans]
         time_s = None if None in times else sum(times)
         data = any(not mask_terms.positional(p.mask.terms()) for p in plans)
         balance = LayoutBalance(layout, tuple(p.schedule for p in plans),
                                 tuple(float(f) for f in flops), time_s, data)
-        return LayoutPlan(balance, plans, mesh, axes, log)
+        return LayoutPlan(balance, plans, mesh, axes, log, sharded)
 
     def choose_degree(self, schedule: Schedule, eqns, cp: int, layout: str,
                       hardware: Hardware, limit: int) -> tuple[int, str]:

@@ -272,3 +272,42 @@ def test_seq_axes_takes_merged_dims(rng):
     assert f.module(*args).facts.seq_axes.inputs[-1] == inferred
     with pytest.raises(SeqAxisError, match=r"dims \(2, 3\) merged"):
         context_parallel(grid_loss, cp=8, seq_axes=(None, ((2, 3),))).module(*args)
+
+
+# -- factorised attention planned as one model ---------------------------------------------
+
+def test_factorised_attention_shards_one_sequence_and_runs_the_other_locally(rng):
+    """Frames × patches in one value: the planner shards one of the two sequences; the
+    attention whose batch holds it runs on each device's own part with no communication
+    (``local``), the other runs its schedule; explain says which and why. The compiled
+    program moves nothing by all-to-all (each layer's spatial attention once moved q, k,
+    v and o between the two shardings, forward and backward)."""
+    args = space_time_args(rng)
+    f = check(space_time_loss, args, 2, argnums=(0, 1), schedule="ring", load_balance="none")
+    module = f.module(*args)
+    sharded = module.facts.sharded_sequence
+    assert sorted(p.schedule for p in module.facts.plan) == ["local", "ring"]
+    assert sharded is not None and len(sharded.local) == 1
+    text = f.explain(*args)
+    assert "sharded sequence: sequence" in text and "schedule: local — its batch dim" in text
+    hlo = jax.jit(jax.value_and_grad(f)).lower(*args).compile().as_text()
+    assert "all-to-all(" not in hlo and "all-gather(" not in hlo
+
+
+def test_choosing_the_sharded_sequence():
+    from cptransform.analysis.sharded_sequence import AttentionAxes, choose
+
+    space, time = AttentionAxes(own=1, batch={0: 1}), AttentionAxes(own=0, batch={1: 2})
+    # Sharding sequence 0 runs the spatial attention locally: 1 + 5 (its compute) beats
+    # 4 (its schedule) + 3 (the temporal attention's compute).
+    picked = choose([space, time], time_s=[4.0, 1.0], compute_s=[1.0, 3.0],
+                    move_s=[9.0, 9.0], lengths=(16, 16))
+    assert picked.sequence == 0 and picked.local == (0,)
+    assert [c.time_s for c in picked.choices] == [2.0, 7.0]
+    # An attention whose batch holds neither sequence it is not along is moved.
+    other = AttentionAxes(own=1, batch={})
+    picked = choose([space, time, other], time_s=[4.0, 1.0, 1.0],
+                    compute_s=[1.0, 3.0, 0.5], move_s=[9.0, 9.0, 2.0], lengths=(16, 16))
+    assert (picked.sequence, picked.choices[0].moved, picked.choices[0].time_s) == \
+        (0, (2,), 5.0)
+    assert choose([AttentionAxes(own=0, batch={})], [1.0], [1.0], [1.0], (16,)) is None

@@ -16,6 +16,7 @@ if TYPE_CHECKING:  # types only: the records are defined in the layers above
     from cptransform.analysis.load_balance import LayoutBalance
     from cptransform.analysis.match_report import MatchReport
     from cptransform.analysis.seq_axes_summary import SeqAxesSummary
+    from cptransform.analysis.sharded_sequence import ShardedSequence
     from cptransform.op.layouts import Conversion, SequenceLayout
     from cptransform.passes.plan_context_parallel import AttentionPlan
 
@@ -44,6 +45,7 @@ class Facts:
     balance: tuple[LayoutBalance, ...] = ()            # one per candidate layout (planner)
     reorder_log: tuple[str, ...] = ()
     conversions: tuple[Conversion, ...] = ()          # reorder-sequence: priced conversions
+    sharded_sequence: ShardedSequence | None = None    # planner: which of several sequences
 
     def has(self, fact: Fact) -> bool:
         """Whether ``fact`` has been provided."""
