@@ -19,6 +19,8 @@ Shapes (``B`` = all batch dims flattened, a heads dim always present):
 * ``topk`` int32 ``[B|1, H|1, Tq, k]`` or ``None``: the global key positions each query
   may see (a top-k sparse mask). It belongs to the queries: sharded with them, never
   sent with the keys and never narrowed, since it names positions, not columns.
+* ``q_valid``/``kv_valid`` bool ``[B|1, T]`` or ``None``: which queries and keys are no
+  padding (``MaskSpec.q_padding``/``kv_padding``); ``kv_valid`` travels with the keys.
 * ``q_coord`` int32 ``[B|1, Tq]`` or ``None``: the queries' data coordinates of a
   coordinate band (``MaskSpec.coordinate_band``), compared with the keys' positions. It
   belongs to the queries like ``q_seg``.
@@ -46,6 +48,8 @@ from cptransform.op.operand_roles import Role, Side
 
 #: The fields that belong to the keys: they travel together (ring) or are gathered together.
 KEY_FIELDS = tuple(name for name, role in ROLES.items() if role.side is Side.KEY)
+#: The key fields the mask terms bring (segment ids, validity): sent with K and V as they are.
+KEY_DATA = tuple(name for name in KEY_FIELDS if name in TERM_ROLES)
 
 
 @jax.tree_util.register_dataclass
@@ -66,6 +70,8 @@ class Block:
     sinks: Any = None
     topk: Any = None
     q_coord: Any = None
+    q_valid: Any = None
+    kv_valid: Any = None
     dropout: Any = None
 
     def replace(self, **fields) -> "Block":

@@ -66,7 +66,7 @@ from cptransform.analysis.cost_model import Transfer, metadata, operands
 from cptransform.analysis.local_memory import F32
 from cptransform.analysis.schedule_statement import Calls, Grid, LocalStep, Statement
 from cptransform.ir import compat
-from cptransform.lowering.block import Block
+from cptransform.lowering.block import KEY_DATA, Block
 from cptransform.lowering.kernels import row_delta, zero_times
 from cptransform.lowering.ring import packed, unpacked
 from cptransform.lowering.schedule import Schedule, differentiable, finished, \
@@ -153,19 +153,20 @@ def receive_halos(tree, runs, axes, cp: int) -> dict:
 
 
 def _exchange(block: Block, runs, axes, cp: int, rank):
-    """The kernel's keys ``(kv, kv_pos, kv_seg)`` (``kv`` :func:`packed`), the pieces of
-    ``runs`` concatenated: local pieces cut from ``block``, halos received from the
-    neighbours (:func:`receive_halos`), with positions :data:`NO_KEY` where the neighbour
-    does not exist."""
-    keys = (packed(block.k, block.v), block.kv_pos, block.kv_seg)
+    """The kernel's keys ``(kv, kv_pos, key data)`` (``kv`` :func:`packed`, the terms' key
+    data :data:`KEY_DATA` by name), the pieces of ``runs`` concatenated: local pieces cut
+    from ``block``, halos received from the neighbours (:func:`receive_halos`), with
+    positions :data:`NO_KEY` where the neighbour does not exist."""
+    keys = (packed(block.k, block.v), block.kv_pos,
+            {name: getattr(block, name) for name in KEY_DATA})
     got = receive_halos(keys, runs, axes, cp)
 
     def piece(p: Piece):
         if not p.shift:
             return _cut(keys, p.offset, p.width)
-        kv, pos, seg = got[p]
+        kv, pos, data = got[p]
         sent = (rank + p.shift >= 0) & (rank + p.shift < cp)
-        return kv, jnp.where(sent, pos, NO_KEY), seg
+        return kv, jnp.where(sent, pos, NO_KEY), data
 
     return _joined([piece(p) for p in runs])
 
@@ -193,10 +194,10 @@ def _kernel_block(block: Block, spec, axes, layout: str) -> Block:
     """The one kernel call's problem: the local queries against halos and local keys."""
     cp, rank = lax.axis_size(axes), lax.axis_index(axes)
     runs = _runs(block, spec, layout)
-    kv, pos, seg = _exchange(block, runs, axes, cp, rank)
+    kv, pos, data = _exchange(block, runs, axes, cp, rank)
     k, v = unpacked(kv, block.k.shape[-1])
     tkv = block.k.shape[1]
-    return block.replace(k=k, v=v, kv_pos=pos, kv_seg=seg,
+    return block.replace(k=k, v=v, kv_pos=pos, **data,
                          mask=_columns(block.mask, runs, rank, tkv),
                          bias=_columns(block.bias, runs, rank, tkv))
 

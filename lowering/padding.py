@@ -11,14 +11,16 @@ so that the result, cut back to the real queries, is exactly the unpadded attent
   query uses, which exists among ``0 … n`` for ``n`` query ids). K and V of pad keys are
   zero, so the ``"uniform"`` fill, which sums V and divides by ``spec.real_keys``, and the
   ``0·V`` an empty row adds, stay those of the real keys;
-* **pad queries see a real key** (key 0): their positions are ``kv_pos[0] - d`` with ``d``
-  inside the mask's band, and every term gives its own operands' values at them
-  (:meth:`~cptransform.op.mask_terms.Segments.padding` and its siblings: key 0's segment
-  id, an all-True dense-mask row, key 0's position as every top-k index, …), so no pad row
+* **pad queries see a real key** (key 0, or under key padding the first valid key): their
+  positions are that key's position minus ``d`` with ``d`` inside the mask's band, and
+  every term gives its own operands' values at them
+  (:meth:`~cptransform.op.mask_terms.Segments.padding` and its siblings: the key's segment
+  id, an all-True dense-mask row, the key's position as every top-k index, …), so no pad row
   is empty and none turns into NaN under ``empty_rows="nan"``; their outputs are dropped
   and their cotangents are zero, so they add nothing to any gradient.
 
-Dense masks are padded with True (the segment mask hides pad keys), biases with 0.
+Dense masks are padded with True (the segment mask hides pad keys), biases with 0, pad
+keys' validity with False.
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ def _pad_rows(x, tq: int, fill):
     return jnp.concatenate([x, tail.astype(x.dtype)], axis=2)
 
 
-def _unused_id(ids):
+def unused_id(ids):
     """The smallest non-negative id not in ``ids`` (traced; at most ``ids.size``)."""
     flat = ids.reshape(-1).astype(jnp.int32)
     n = flat.shape[0]
@@ -80,17 +82,17 @@ def pad_block(block: Block, spec: AttentionSpec, tq: int, tkv: int) -> tuple[Blo
     padded_spec = spec.replace(mask=spec.mask.replace(segments=True), real_keys=real_kv)
     if spec.mask.segments:
         q_seg, kv_seg = block.q_seg, block.kv_seg
-        hidden = _unused_id(q_seg)
+        hidden = unused_id(q_seg)
     else:
         q_seg = jnp.zeros((1, real_q), jnp.int32)
         kv_seg = jnp.zeros((1, real_kv), jnp.int32)
         hidden = jnp.ones((), jnp.int32)
     n = _batch_of(q_seg, kv_seg)
     q_seg, kv_seg = (jnp.broadcast_to(x, (n, x.shape[1])) for x in (q_seg, kv_seg))
-    n = _batch_of(block.q_pos, block.kv_pos)
+    n = _batch_of(block.q_pos, block.kv_pos, *(x for x in (block.kv_valid,) if x is not None))
     q_pos, kv_pos = (jnp.broadcast_to(x, (n, x.shape[1])) for x in (block.q_pos, block.kv_pos))
     last = kv_pos[:, -1:]
-    first = {"kv_pos": kv_pos[:, :1], "kv_seg": kv_seg[:, :1]}
+    first = _first_key(kv_pos, kv_seg, block.kv_valid)
     padded = block.replace(
         q=_extend(block.q, tq, 0), k=_extend(block.k, tkv, 0), v=_extend(block.v, tkv, 0),
         q_pos=_extend(q_pos, tq, first["kv_pos"] - offset_within(*spec.mask.band())),
@@ -99,12 +101,25 @@ def pad_block(block: Block, spec: AttentionSpec, tq: int, tkv: int) -> tuple[Blo
         kv_pos=_extend(kv_pos, tkv,
                        last + 1 + jnp.arange(tkv - real_kv, dtype=last.dtype)[None, :]),
         q_seg=q_seg, kv_seg=_extend(kv_seg, tkv, hidden),
+        kv_valid=None if block.kv_valid is None else _extend(block.kv_valid, tkv, False),
         bias=_pad_dense(block.bias, tq, tkv, 0))
     for term in padded_spec.mask.terms():
         for name, fill in term.padding(first).items():
             padded = padded.replace(**{name: _pad_queries(
                 getattr(padded, name), ROLES[name], fill, tq, tkv, first["kv_pos"])})
     return padded, padded_spec
+
+
+def _first_key(kv_pos, kv_seg, kv_valid) -> dict:
+    """``kv_pos`` and ``kv_seg`` (``[N, 1]``) of the key a pad query is aimed at: key 0, or
+    under key padding each row's first valid key (key 0 in a row with none: its real rows
+    see no key either)."""
+    if kv_valid is None:
+        return {"kv_pos": kv_pos[:, :1], "kv_seg": kv_seg[:, :1]}
+    n = _batch_of(kv_pos, kv_seg, kv_valid)
+    at = jnp.argmax(jnp.broadcast_to(kv_valid, (n, kv_valid.shape[1])), axis=1)[:, None]
+    return {name: jnp.take_along_axis(jnp.broadcast_to(x, (n, x.shape[1])), at, axis=1)
+            for name, x in (("kv_pos", kv_pos), ("kv_seg", kv_seg))}
 
 
 def _pad_queries(x, role: Role, fill, tq: int, tkv: int, first):

@@ -59,7 +59,7 @@ from cptransform.analysis.block_work import rank_positions
 from cptransform.analysis.cost_model import Transfer, metadata, operands
 from cptransform.analysis.schedule_statement import LocalStep, Statement, rotated
 from cptransform.ir import compat
-from cptransform.lowering.block import Block
+from cptransform.lowering.block import KEY_DATA, Block
 from cptransform.lowering.schedule import Schedule, any_length, differentiable, finished, \
     register_schedule
 from cptransform.lowering.kernels import row_delta
@@ -94,7 +94,8 @@ def unpacked(kv, d: int):
 
 
 def travelling(spec, block: Block):
-    """What moves around the ring: packed K/V, segment ids, and the kv positions only when
+    """What moves around the ring: packed K/V, the terms' key data (:data:`KEY_DATA`: segment
+    ids, validity), and the kv positions only when
     the mask (a term whose operands name them) or dropout reads them and they are the
     caller's; layout positions are derived on arrival (:func:`_layout_positions`), others not sent are stood
     in for by the local ones (:meth:`Block.with_keys`). Top-k indices stay: they belong
@@ -104,7 +105,8 @@ def travelling(spec, block: Block):
         "kv_positions" in term.operands for term in spec.mask.terms())
     sent = reads_positions and spec.kv_positions_layout is None
     return (packed(block.k, block.v),
-            Block(kv_pos=block.kv_pos if sent else None, kv_seg=block.kv_seg))
+            Block(kv_pos=block.kv_pos if sent else None,
+                  **{name: getattr(block, name) for name in KEY_DATA}))
 
 
 def _layout_positions(layout, source, tkv: int):

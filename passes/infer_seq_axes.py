@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from cptransform.analysis.primitives import Family, facts
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.ir import compat
+from cptransform.ir.errors import SeqAxisError
 from cptransform.ir.facts import Fact
 from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult
-from cptransform.analysis.seq_axes import SeqAxisError, infer_seq_axes
+from cptransform.analysis.seq_axes import infer_seq_axes
 from cptransform.analysis.seq_axes_summary import analyse, summarize
 
 

@@ -9,7 +9,10 @@ dims unconstrained, so a data axis keeps its batch sharding), so no stray all-ga
 activations appears between attentions. A ``seq_window_p`` (an op
 reading a bounded window of neighbours) on the sequence runs under ``shard_map`` with a halo
 exchange (:mod:`cptransform.lowering.seq_window`; the pass log gives its bytes); a windowed
-op ``match-windows`` could not wrap is refused there, never left to the partitioner.
+op ``match-windows`` could not wrap is refused there, never left to the partitioner. The
+model's own sharding constraints and ``shard_map`` regions are re-expressed on the CP mesh
+(:mod:`cptransform.lowering.model_shardings`): their non-CP axes kept, sequence dims on the
+CP axes.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import Rewriter, trace_like
 from cptransform.lowering.context_parallel_attention import (context_parallel_attention,
                                                               sequence_mesh_axes)
+from cptransform.lowering.model_shardings import ProgramMesh, constraint_spec, shard_map_mesh
 from cptransform.lowering.seq_permute import collective_permutable, permuted_sequence
 from cptransform.lowering.seq_window import halo_bytes, windowed_op
 from cptransform.op.attention import attention_p
@@ -79,6 +83,7 @@ class _Lowerer(Rewriter):
         self.seq = sequence_mesh_axes(self.cp_axes)
         self.sharded = sharded  # which sequence carries the sharding (planner), or None
         self.cp = math.prod(mesh.shape[a] for a in self.cp_axes)  # devices over the CP axes
+        self.program = ProgramMesh(mesh, self.cp_axes, self.seq)
 
     def constrain(self, value, atom):
         if not hasattr(value, "shape"):
@@ -164,12 +169,33 @@ class _Lowerer(Rewriter):
                 outs = [permuted_sequence(invals[0], layout=params["layout"],
                                           dim=params["dim"], inverse=params["inverse"],
                                           mesh=self.mesh, seq=self.seq)]
+        elif eqn.primitive.name == compat.SHARDING_CONSTRAINT \
+                and compat.constraint_annotation(eqn) is not None:
+            return [self._model_constraint(eqn, invals[0])]
+        elif eqn.primitive.name == compat.SHARD_MAP:
+            where = f"the shard_map at {compat.source_line(eqn)}"
+            mesh = shard_map_mesh(compat.shard_map_annotation(eqn), self.program, where)
+            outs = compat.bind_eqn(eqn, invals, None if mesh is None
+                                   else compat.shard_map_on(eqn, mesh))
         else:
             self._refuse_raw_window(eqn)
             outs = super().eval_eqn(eqn, invals)
         if self._inherits_sharding(eqn):
             return outs
         return [self.constrain(o, v) for o, v in zip(outs, eqn.outvars)]
+
+    def _model_constraint(self, eqn, value):
+        """The model's constraint on the CP mesh: its non-CP axes kept, the sequence dims
+        sharded over the CP axes (:func:`constraint_spec`): one dim, the sharded
+        sequence's where a value holds several (frames and patches); the others are left to
+        the partitioner."""
+        atom = eqn.invars[0]
+        full = tuple(d for d in self.sharded_dims(atom)[:1] if d in self.axes.full_dims(atom))
+        merged = tuple(d for d in self.axes.dims(atom) if d not in full)
+        spec = constraint_spec(compat.constraint_annotation(eqn), self.program, full, merged,
+                               f"the sharding constraint at {compat.source_line(eqn)}")
+        with compat.eqn_context(eqn):
+            return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec))
 
     def _inherits_sharding(self, eqn) -> bool:
         """An elementwise result whose sequence dims an operand holds in the same place:
@@ -223,6 +249,10 @@ class LowerContextParallel(Pass):
         index_of = {id(e): i for i, e in enumerate(
             e for e in iter_eqns(module.jaxpr) if e.primitive is attention_p)}
         n = len(index_of)
+        if n == 0 and not (module.facts.seq_axes and module.facts.seq_axes.lengths):
+            # Nothing is sharded: the program runs as written, the model's own annotations
+            # on the caller's mesh included (the API refuses it unless allow_unsharded).
+            return PassResult(module, False)
         # Attentions are in layout order only where reorder-sequence permuted the program
         # (``facts.layout``); otherwise a zigzag/striped attention permutes its operands.
         sharded = module.facts.sharded_sequence

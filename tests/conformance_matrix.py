@@ -140,6 +140,18 @@ def _coordinate_band(rng, heads, dv, dtype):
     return Case(tuple(ops), spec.replace(mask=spec.mask.replace(coordinate_band=(-3, 3))))
 
 
+def _padding(rng, heads, dv, dtype):
+    """A padded batch: query and key padding (``tokens != pad``), causal; the second row
+    left-padded (its first queries see no key), the first with padding inside."""
+    ops, spec = _base(rng, "causal", heads, dv, dtype)
+    valid = np.ones((BATCH, SEQ), bool)
+    valid[0, SEQ // 2:SEQ // 2 + 3] = False
+    valid[-1, :5] = False
+    ops += [jnp.asarray(valid), jnp.asarray(valid)]
+    return Case(tuple(ops), spec.replace(mask=spec.mask.replace(q_padding=True,
+                                                                kv_padding=True)))
+
+
 def _softcap(rng, heads, dv, dtype):
     """A soft-cap of the logits (Gemma 2), causal."""
     ops, spec = _base(rng, "causal", heads, dv, dtype)
@@ -176,7 +188,8 @@ FEATURES = {
     "causal_window": _kind("causal_window"), "chunks": _chunks,
     "segments": _kind("segments"), "dense": _kind("dense"),
     "dense_causal": _kind("dense_causal"), "topk": _topk,
-    "coordinate_band": _coordinate_band, "bias": _kind("bias"), "softcap": _softcap,
+    "coordinate_band": _coordinate_band, "padding": _padding, "bias": _kind("bias"),
+    "softcap": _softcap,
     "sinks": _sinks, "dropout": _dropout,
 }
 

@@ -80,6 +80,12 @@ PROGRAM_CLASSES = (
                         # (differential attention, COMBINATIONS), instead of the attention
     "dropout_probs",    # dropout drawn with jax.random on the probabilities (DROPOUTS),
                         # instead of the attention
+    "deferred_norm",    # the division by the row sum after the value product, through
+                        # moves of either side (DEFERRED: MaxText's), instead of the attention
+    "kv_cache",         # K/V written into a longer cache (a prefill) or a cache prefix
+                        # concatenated to them (KV_CACHES), the cache in the loss too
+    "logit_chain",      # a data factor on the logits (a learned temperature...) or a
+                        # finite fill then a soft-cap (LOGIT_CHAINS)
 )
 #: The calls around the transform: state across steps, static arguments, dtypes.
 CALL_CLASSES = (
@@ -97,11 +103,16 @@ LAYOUT_CLASSES = (
     "pooling",          # first / last / indexed token, mean, segment_sum by segment ids
     "routing",          # top-2 one-hot dispatch, top-1 with cumsum capacity, sort dispatch
     "shift_extreme",    # logsumexp(t[:, :-1]) with a huge last token, sqrt(r[:, 1:]), r[:, 0]=0
-    "equal_dims",       # two or three sequence-like dims of one length (frames x patches x
-                        # rows), attended one at a time or merged (tests/fuzz_equal_dims.py)
 )
 PROGRAM_CLASSES += LAYOUT_CLASSES
-ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES
+#: A validity vector merged with the causal mask the libraries' ways (PADDING_MERGES); last
+#: in ALL_CLASSES, so that every other class keeps its index (the seed of its draws).
+PADDING_MERGE_CLASSES = ("mask_padding_merge",)
+#: Two or three sequence-like dims of one length (frames x patches x rows), attended one at
+#: a time or merged (tests/fuzz_equal_dims.py); after the others for the same reason.
+EQUAL_DIMS_CLASSES = ("equal_dims",)
+ALL_CLASSES = (MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES + PADDING_MERGE_CLASSES
+               + EQUAL_DIMS_CLASSES)
 
 #: Classes that currently find bugs (wrong numbers or unclear crashes), with the reason.
 #: ``tests/test_fuzz.py`` skips them; ``bench/fuzz.py`` runs them. Fix the bug, delete the
@@ -118,6 +129,18 @@ WINDOW_VARIANTS = tuple(f"{kind}_{width}" for kind in WINDOW_KINDS for width in 
 #: masks (with Keras' post-softmax zeroing), a padding mask spelled ``data > 0``.
 MASK_BUILDERS = ("hf_slice", "hf_dynamic_slice", "neo_xor", "mistral_triu",
                  "tril_difference", "keras_minimum", "keras_softmax_zero", "data_padding")
+#: How libraries merge a validity vector (``valid = tokens != pad``, or the int mask a
+#: tokenizer gives) with the causal mask into an ``S×S`` one (the ``mask_padding_merge``
+#: class draws one, a window sometimes and-ed in): DeepMind gemma's ``mask[..., None, :] *
+#: causal`` (int or bool data) tested by ``where``; keras-hub's ``minimum`` of int masks,
+#: tested ``> 0`` (Keras' ``Softmax``) or cast to bool from a boolean padding mask; a
+#: ``where`` selecting the int data; ``jnp.logical_and`` of the int data; the query-side
+#: form and both sides (``valid[:, :, None] & valid[:, None, :]``); a float product
+#: through ``[B, 1, S, S]`` tested ``> 0.5``; a large negative additive bias
+#: (``(1 - valid) * -1e9``) or a ``where(.., 0, finfo.min)`` bias instead of a boolean.
+PADDING_MERGES = ("gemma_mul_int", "gemma_mul_bool", "keras_min_gt_int", "keras_min_bool",
+                  "where_int", "logical_and_int", "query_side", "both_sides", "b1ss_float",
+                  "bias_additive", "bias_where")
 #: The ``row_test`` class's row tests (keras-hub Gemma zeroes the attention's output rows
 #: that see no key): over the attention's own int mask, spelled ``all(mask == 0)``,
 #: ``~any(mask != 0)`` or ``all(~(mask > .5))``; over it while the attention also applies a
@@ -161,6 +184,25 @@ COMBINATIONS = ("two", "viewed", "per_head", "three", "added", "product")
 #: drawn in that order, ``uniform(key) < keep`` written out, a key folded from the given one,
 #: and a legacy raw ``uint32[2]`` key.
 DROPOUTS = ("select", "multiply", "broadcast", "heads_after", "uniform", "folded", "raw_key")
+#: Where ``deferred_norm`` divides by the row sum after the value product ``e @ v``: the sum
+#: transposed to the output's ``[B, Q, H, 1]`` order; MaxText's (grouped heads ``[B, K, G,
+#: Q, S]``, the sum moved to ``[B, Q, K, G, 1]`` and reshaped to ``[B, Q, K·G, 1]``, the
+#: output reshaped to ``[B, Q, H, Dv]`` before the division); the heads merged with the
+#: features (``[B, Q, H·Dv]``, the sum broadcast along Dv and merged the same way); the sum
+#: in float32 divided into a float32 cast of the output.
+DEFERRED = ("transposed", "maxtext", "merged_features", "cast")
+#: How ``kv_cache`` attends over a cache: the prompt's K/V written at position 0 of a cache
+#: twice as long by ``dynamic_update_slice`` (a cache of zeros made inside, or one passed
+#: in) or by ``.at[:, :S].set``, the queries over the whole cache (``key < S`` and the drawn
+#: mask); or a cache of ``S/2`` earlier tokens concatenated before the prompt's keys.
+KV_CACHES = ("write_created", "write_input", "at_set", "concat")
+#: What ``logit_chain`` puts on the logits before the drawn mask: a learned temperature per
+#: head, a scalar one, a scale per query computed from the queries, a divisor per head
+#: (all folded into q); a temperature applied after the mask (refused: on one device its
+#: gradient is NaN under a -inf fill); a finite fill of -8 then a soft-cap (refused: the
+#: masked keys keep a share of the probability).
+LOGIT_CHAINS = ("temperature_head", "temperature_scalar", "scale_query", "divisor",
+                "after_mask", "softcap_fill")
 SPELLINGS = ("jnn", "einsum", "matmul")
 SCHEDULES = ("ring", "ulysses", "allgather", "auto")
 LOAD_BALANCES = ("none", "zigzag", "striped", "auto")
@@ -225,7 +267,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
             "mask_two_sided": "two_sided", "mask_segments": "segments",
             "mask_key_padding": "key_padding", "mask_dense": "dense",
             "mask_bias": "bias", "mask_builders": "builder", "mask_chunked": "chunked",
-            "mask_data_window": "data_window"}.get(cls)
+            "mask_data_window": "data_window",
+            "mask_padding_merge": "padding_merge"}.get(cls)
     if cls == "masked_rows":
         mask = "key_padding"
     elif cls == "row_test":
@@ -235,8 +278,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
     elif mask is None:
         mask = choose("mask", ("none", "causal", "causal", "window"))
     spelling = choose("spelling", SPELLINGS)
-    if cls in ("masked_rows", "mask_builders", "row_test", "mask_data_window") \
-            and spelling == "jnn":
+    if cls in ("masked_rows", "mask_builders", "row_test", "mask_data_window",
+               "mask_padding_merge", "kv_cache", "logit_chain") and spelling == "jnn":
         spelling = "einsum"   # the -inf fill is a hand-written where-mask
     if cls in ("dtype_f64", "dtype_fp16") and spelling == "jnn":
         # jax.nn.dot_product_attention's softmax is float32 even for f64, and its float16
@@ -253,8 +296,11 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         and choose("causal", (False, True)))
     if cls in ("masked_rows", "row_test"):
         causal = True
+    if mask == "padding_merge":
+        causal = True
     window = choose("window", (1, 3, 5, 8, 17)) \
-        if mask in ("window", "two_sided", "builder", "row_test", "data_window") \
+        if mask in ("window", "two_sided", "builder", "row_test", "data_window",
+                    "padding_merge") \
         else choose("chunk", (3, 4, 8, 16)) if mask == "chunked" else 0
     fill = choose("fill", ("neg_inf", "finfo_min_added") if cls == "masked_rows" else FILLS)
     variants = {
@@ -272,6 +318,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "windows": WINDOW_VARIANTS,
         "static_equal_hash": ((1, True, 1.0, 1), (True, 1, 1.0), (1.0, True, 1)),
         "mask_builders": MASK_BUILDERS,
+        "mask_padding_merge": tuple(f"{merge}_{window}" for merge in PADDING_MERGES
+                                    for window in ("causal", "window")),
         "mask_chunked": CHUNKED_SPELLINGS,
         "mask_data_window": DATA_WINDOWS,
         "merge_tokens": ("rows", "rows_heads", "rows_bf16"),
@@ -285,6 +333,9 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "derived_sequence": ("mtp", "prefix_1", "prefix_3"),
         "combined_maps": COMBINATIONS,
         "dropout_probs": DROPOUTS,
+        "deferred_norm": DEFERRED,
+        "kv_cache": KV_CACHES,
+        "logit_chain": LOGIT_CHAINS,
         "llama_block": POSITION_DTYPES,
     }.get(cls, ("",))
     variant = choose("variant", variants)
@@ -528,6 +579,49 @@ def _masked_attention(case: FuzzCase, q, k, v, visible, zero_hidden: bool):
     return (p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
 
 
+def _padding_merged(case: FuzzCase, q, k, v, inputs):
+    """Attention under a validity vector merged with the causal mask (and a window) the
+    drawn library's way (:data:`PADDING_MERGES`), a boolean, an int tested by ``where``,
+    or an additive bias."""
+    n = case.seq
+    merge, band = case.variant.rsplit("_", 1)
+    valid = inputs["key_valid"]
+    data = valid.astype(jnp.int32)
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    causal = (j <= i) & ((i - j < case.window) if band == "window" else True)
+    built = {
+        "gemma_mul_int": lambda: data[:, None, :] * causal[None],
+        "gemma_mul_bool": lambda: valid[:, None, :] * causal[None],
+        "keras_min_gt_int": lambda: jnp.minimum(data[:, None, :], causal[None].astype("int32"))
+        > jnp.asarray(0.5).astype("int32"),
+        "keras_min_bool": lambda: jnp.minimum(valid[:, None, :].astype("int32"),
+                                              causal[None].astype("int32")).astype(bool),
+        "where_int": lambda: jnp.where(causal[None], data[:, None, :], 0),
+        "logical_and_int": lambda: jnp.logical_and(data[:, None, :], causal[None]),
+        "query_side": lambda: valid[:, :, None] & causal[None],
+        "both_sides": lambda: valid[:, :, None] & valid[:, None, :] & causal[None],
+        "b1ss_float": lambda: (valid.astype(jnp.float32)[:, None, None, :]
+                               * causal.astype(jnp.float32)[None, None]) > 0.5,
+    }
+    if merge in built:
+        mask = built[merge]()
+        mask = mask if mask.ndim == 4 else mask[:, None]
+        return _masked_attention(case, q, k, v, mask, False)
+    h, kh = q.shape[2], k.shape[2]
+    if kh != h:
+        k, v = jnp.repeat(k, h // kh, axis=2), jnp.repeat(v, h // kh, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(softmax_dtype(q.dtype)) \
+        / math.sqrt(q.shape[-1])
+    if merge == "bias_additive":
+        # BERT's "extended attention mask": (1 - mask) * -1e9 added to the scores
+        both = valid[:, None, None, :].astype(s.dtype) * causal.astype(s.dtype)
+        s = s + (1.0 - both) * -1e9
+    else:
+        s = s + jnp.where(valid[:, None, None, :] & causal, 0.0, jnp.finfo(s.dtype).min)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
 def _row_tested(case: FuzzCase, q, k, v, inputs):
     """keras-hub Gemma's attention (``row_test``): causal and left padding merged into an int
     mask by ``minimum``, ``where(mask > .5, s, fill)``, then the output rows the drawn row
@@ -558,6 +652,8 @@ def attend(case: FuzzCase, q, k, v, params, inputs):
         return _attend_built(case, q, k, v, inputs)
     if case.mask == "row_test":
         return _row_tested(case, q, k, v, inputs)
+    if case.mask == "padding_merge":
+        return _padding_merged(case, q, k, v, inputs)
     h, kh = q.shape[2], k.shape[2]
     bias = _bias(case, params)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -707,6 +803,11 @@ def make_data(case: FuzzCase):
     if case.mask == "builder":
         lengths = rng.integers(s // 2, s + 1, (b,))
         inp["key_valid"] = np.arange(s)[None, :] < lengths[:, None]
+    if case.mask == "padding_merge":
+        # left padding (the first rows see no key under causal) or right padding
+        pads = rng.integers(1, s // 2, (b,))
+        left = np.arange(s)[None, :] >= pads[:, None]
+        inp["key_valid"] = left if rng.random() < 0.5 else left[:, ::-1].copy()
     if case.mask == "data_window":
         valid = np.ones((b, s), bool)
         for r in range(b):
@@ -725,6 +826,13 @@ def make_data(case: FuzzCase):
         inp["picks"] = picks
     if case.cls == "combined_maps":
         p["lam"] = _normal(rng, (h,))
+    if case.cls == "kv_cache" and case.variant != "write_created":
+        length = s // 2 if case.variant == "concat" else 2 * s
+        p["cache_k"] = _normal(rng, (b, length, kh, d))
+        p["cache_v"] = _normal(rng, (b, length, kh, dv))
+    if case.cls == "logit_chain":
+        p["temp"] = rng.uniform(0.5, 2.0, () if case.variant == "temperature_scalar"
+                                else (h,)).astype(np.float32)
     if case.cls == "dropout_probs":
         inp["dropout_key"] = np.asarray(jax.random.key_data(jax.random.key(case.seed)))
     if case.cls == "recurrence":
@@ -896,6 +1004,13 @@ def block(case: FuzzCase, p: dict, x, inputs: dict):
         o = combined_maps(case, q, k, v, p, inputs).astype(x.dtype)
     elif case.cls == "dropout_probs":
         o = dropped_attention(case, q, k, v, inputs).astype(x.dtype)
+    elif case.cls == "deferred_norm":
+        o = deferred_attention(case, q, k, v, inputs).astype(x.dtype)
+    elif case.cls == "kv_cache":
+        o, cache = cached_attention(case, q, k, v, p)
+        o = o.astype(x.dtype) + jnp.mean(jnp.tanh(cache)).astype(x.dtype)
+    elif case.cls == "logit_chain":
+        o = chained_attention(case, q, k, v, p, inputs).astype(x.dtype)
     else:
         o = attend(case, q, k, v, p, inputs).astype(x.dtype)
     if case.cls == "gathered_keys":
@@ -955,6 +1070,101 @@ def combined_maps(case: FuzzCase, q, k, v, params, inputs):
     if case.spelling == "matmul":
         return (p.astype(v.dtype) @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v)
+
+
+def deferred_attention(case: FuzzCase, q, k, v, inputs):
+    """The case's mask, softmax normalised after the value product (``case.variant`` in
+    :data:`DEFERRED`): q [B,S,H,D], k [B,S,K,D], v [B,S,K,Dv] -> [B,S,H,Dv]."""
+    b, sq, h, _ = q.shape
+    kh, dv = k.shape[2], v.shape[-1]
+    allowed = _allowed(case, inputs)
+    fill = _fill_value(case.fill, softmax_dtype(q.dtype))
+    qg = q.reshape(b, sq, kh, h // kh, q.shape[-1])
+    s = jnp.einsum("btkgd,bskd->bkgts", qg, k).astype(softmax_dtype(q.dtype))
+    s = s / math.sqrt(q.shape[-1])
+    if allowed is not None:
+        s = _masked(case, s, allowed[:, :, None], fill)
+    e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
+    total = jnp.sum(e, axis=-1, keepdims=True)                  # [B, K, G, Q, 1]
+    o = jnp.einsum("bkgts,bskd->btkgd", e.astype(v.dtype), v)  # [B, Q, K, G, Dv]
+    if case.variant == "maxtext":
+        total = jnp.moveaxis(total, -2, 1).reshape(b, sq, h, 1)
+        return o.reshape(b, sq, h, dv) / total.astype(o.dtype)
+    if case.variant == "merged_features":
+        total = jnp.broadcast_to(jnp.moveaxis(total, -2, 1), (b, sq, kh, h // kh, dv))
+        return (o.reshape(b, sq, h * dv) / total.reshape(b, sq, h * dv).astype(o.dtype)
+                ).reshape(b, sq, h, dv)
+    total = total.transpose(0, 3, 1, 2, 4)                      # [B, Q, K, G, 1]
+    if case.variant == "cast":
+        return (o.astype(jnp.float32) / total).reshape(b, sq, h, dv)
+    return (o / total.astype(o.dtype)).reshape(b, sq, h, dv)
+
+
+def cached_attention(case: FuzzCase, q, k, v, params):
+    """The queries over a KV cache (``case.variant`` in :data:`KV_CACHES`) under the drawn
+    mask, its positions offset by the cache's earlier tokens; returns the output and the
+    written key cache. q/k [B,S,H,D], v [B,S,K,Dv]."""
+    s, h = q.shape[1], q.shape[2]
+    if case.variant == "concat":
+        keys = jnp.concatenate([params["cache_k"].astype(k.dtype), k], axis=1)
+        values = jnp.concatenate([params["cache_v"].astype(v.dtype), v], axis=1)
+    else:
+        def write(cache, new):
+            if case.variant == "at_set":
+                return cache.at[:, :s].set(new)
+            return lax.dynamic_update_slice(cache, new, (0, 0, 0, 0))
+        if case.variant == "write_created":
+            shape = lambda x: (x.shape[0], 2 * s) + x.shape[2:]  # noqa: E731
+            keys, values = write(jnp.zeros(shape(k), k.dtype), k), \
+                write(jnp.zeros(shape(v), v.dtype), v)
+        else:
+            keys = write(params["cache_k"].astype(k.dtype), k)
+            values = write(params["cache_v"].astype(v.dtype), v)
+    offset = keys.shape[1] - s if case.variant == "concat" else 0
+    query = jnp.arange(s)[:, None] + offset
+    key = jnp.arange(keys.shape[1])[None, :]
+    visible = key < s + offset
+    if case.causal:
+        visible = visible & (key <= query)
+    if case.mask == "window":
+        visible = visible & (query - key < case.window)
+    kk, vv = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (keys, values))
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, kk).astype(softmax_dtype(q.dtype))
+    logits = _masked(case, logits / math.sqrt(q.shape[-1]), visible,
+                     _fill_value(case.fill, softmax_dtype(q.dtype)))
+    p = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, vv), keys
+
+
+def chained_attention(case: FuzzCase, q, k, v, params, inputs):
+    """Attention whose logits carry ``case.variant`` of :data:`LOGIT_CHAINS` around the
+    drawn mask. q/k [B,S,H,D], v [B,S,K,Dv]."""
+    h = q.shape[2]
+    k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(softmax_dtype(q.dtype))
+    s = s / math.sqrt(q.shape[-1])
+    t = params["temp"]
+    per_head = t[None, :, None, None] if t.ndim else t
+    if case.variant in ("temperature_head", "temperature_scalar"):
+        s = s * per_head
+    elif case.variant == "scale_query":
+        norms = jnp.linalg.norm(q.astype(s.dtype), axis=-1)
+        s = s * jnp.log1p(norms).transpose(0, 2, 1)[..., None]
+    elif case.variant == "divisor":
+        s = s / per_head
+    allowed = _allowed(case, inputs)
+    if allowed is not None and case.variant == "softcap_fill":
+        s = jnp.where(allowed, s, -8.0)
+    elif allowed is not None:
+        s = _masked(case, s, allowed, _fill_value(case.fill, s.dtype))
+    if case.variant == "after_mask":
+        s = s * per_head
+    if case.variant == "softcap_fill":
+        s = 5.0 * jnp.tanh(s / 5.0)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    if case.spelling == "matmul":
+        return (p @ v.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
 def dropped_attention(case: FuzzCase, q, k, v, inputs):

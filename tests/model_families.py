@@ -23,8 +23,10 @@ HEADS, DIM = 4, 32
 CP = 4
 
 
-def tokens(seed: int, shape=(BATCH, SEQ)) -> jax.Array:
-    """Random token ids in ``[1, VOCAB)`` (0 is kept for padding)."""
+def tokens(seed: int, shape=None) -> jax.Array:
+    """Random token ids in ``[1, VOCAB)`` (0 is kept for padding), ``[BATCH, SEQ]`` by
+    default (read when called: ``bench/padding_memory.py`` sets a longer ``SEQ``)."""
+    shape = (BATCH, SEQ) if shape is None else shape
     return jnp.asarray(np.random.default_rng(seed).integers(1, VOCAB, shape), jnp.int32)
 
 
@@ -253,9 +255,10 @@ def gemma():
     return loss, (params, ids)
 
 
-def gemma_padded():
+def gemma_padded(mask_dtype=bool):
     """DeepMind's gemma with the padding mask an input (left padding): positions from its
-    ``cumsum``, the mask from ``make_causal_attn_mask``."""
+    ``cumsum``, the mask from ``make_causal_attn_mask`` (``mask_dtype``: ``int32`` as a
+    tokenizer's ``attention_mask``, which the library multiplies into the causal mask)."""
     transformer, modules = _deepmind_gemma()
     config = transformer.TransformerConfig(
         num_layers=2, num_embed=VOCAB, embed_dim=DIM, hidden_dim=64, num_heads=HEADS,
@@ -264,7 +267,7 @@ def gemma_padded():
         attention_types=(modules.AttentionType.LOCAL_SLIDING, modules.AttentionType.GLOBAL),
         sliding_window_size=8)
     model = transformer.Transformer(config)
-    mask = padding("left") != 0
+    mask = (padding("left") != 0).astype(mask_dtype)
 
     def loss(params, ids, input_mask):
         positions = transformer.build_positions_from_mask(input_mask)
@@ -280,33 +283,35 @@ def gemma_padded():
 
 # -- keras-hub (Keras 3 on JAX) --------------------------------------------------------------
 
-def _keras_causal_lm(name: str, padded: bool = False, **config):
+def _keras_causal_lm(name: str, padded: bool = False, mask_dtype=bool, heads=None, **config):
     """keras-hub's ``<name>CausalLM`` on a tiny ``<name>Backbone``; the loss calls the model
     statelessly (``stateless_call``) on the trainable variables, with the padding mask the
     library's preprocessors give (``token_ids != 0``; ``padded``: a right-padded batch whose
-    boolean mask is an input, as a dataset of preprocessed batches hands it over)."""
+    mask is an input, boolean as a dataset of preprocessed batches hands it over, or of
+    ``mask_dtype``). ``heads``: the backbone's head arguments (GQA by default)."""
     os.environ.setdefault("KERAS_BACKEND", "jax")  # read when Keras is first imported
     keras_hub = pytest.importorskip("keras_hub")
     import keras
     if keras.backend.backend() != "jax":
         pytest.skip(f"Keras runs on {keras.backend.backend()}: set KERAS_BACKEND=jax")
     keras.utils.set_random_seed(0)
+    heads = dict(num_query_heads=HEADS, num_key_value_heads=2) if heads is None else heads
     backbone = getattr(keras_hub.models, f"{name}Backbone")(
-        vocabulary_size=VOCAB, num_layers=2, num_query_heads=HEADS, num_key_value_heads=2,
-        hidden_dim=DIM, intermediate_dim=64, **config)
+        vocabulary_size=VOCAB, num_layers=2, hidden_dim=DIM, intermediate_dim=64,
+        **heads, **config)
     model = getattr(keras_hub.models, f"{name}CausalLM")(backbone=backbone, preprocessor=None)
     frozen = [v.value for v in model.non_trainable_variables]
 
     weights = [v.value for v in model.trainable_variables]
     if padded:
-        mask = padding("right") != 0
+        mask = (padding("right") != 0).astype(mask_dtype)
 
         def padded_loss(params, ids, padding_mask):
             logits, _ = model.stateless_call(params, frozen,
                                              {"token_ids": ids, "padding_mask": padding_mask})
             return next_token_loss(logits, ids)
 
-        return padded_loss, (weights, tokens(6) * mask, mask)
+        return padded_loss, (weights, tokens(6) * (mask != 0), mask)
 
     def loss(params, ids):
         logits, _ = model.stateless_call(params, frozen,
@@ -322,14 +327,26 @@ def keras_llama():
     return _keras_causal_lm("Llama")
 
 
-def keras_gemma():
+def keras_gemma(**padded):
     """keras-hub's Gemma 2 (``GemmaCausalLM``): a sliding-window layer (``triu · tril`` of
     ones) and a global one, int masks merged by ``minimum``, ``Softmax(mask=...)``, soft-caps,
     and rows with no visible key zeroed after the attention."""
     return _keras_causal_lm(
         "Gemma", head_dim=8, query_head_dim_normalize=True, use_post_ffw_norm=True,
         use_post_attention_norm=True, final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0,
-        use_sliding_window_attention=True, sliding_window_size=8)
+        use_sliding_window_attention=True, sliding_window_size=8, **padded)
+
+
+def keras_gpt2(**padded):
+    """keras-hub's GPT-2 (``GPT2CausalLM``: ``TransformerDecoder`` layers, Keras'
+    ``MultiHeadAttention``), dropout off."""
+    return _keras_causal_lm("GPT2", heads=dict(num_heads=HEADS), dropout=0.0,
+                            max_sequence_length=SEQ, **padded)
+
+
+def keras_mistral(**padded):
+    """keras-hub's Mistral (``MistralCausalLM``) with a sliding window of 8."""
+    return _keras_causal_lm("Mistral", sliding_window=8, **padded)
 
 
 FAMILIES = {
@@ -340,6 +357,11 @@ FAMILIES = {
     "llama_padded": llama_padded, "gpt2_padded": gpt2_padded,
     "mistral_window_padded": mistral_window_padded, "gemma_padded": gemma_padded,
     "keras_llama_padded": lambda: _keras_causal_lm("Llama", padded=True),
+    "keras_gemma_padded": lambda: keras_gemma(padded=True),
+    "keras_gpt2_padded": lambda: keras_gpt2(padded=True),
+    "keras_mistral_padded": lambda: keras_mistral(padded=True),
+    # the padding mask an int input, as a tokenizer's attention_mask
+    "gemma_padded_int": lambda: gemma_padded(np.int32),
 }
 
 #: The schedules each family is checked under: (schedule, load_balance).

@@ -90,6 +90,19 @@ def test_segment_ids_equal_explicit_mask(rng):
                                **TOL)
 
 
+def test_valid_tokens_equal_explicit_padding_mask(rng):
+    """``valid=`` (one vector, or a ``(q_valid, kv_valid)`` pair) is the padding mask
+    ``valid[q] & valid[kv]``, carried as two ``[B, T]`` operands."""
+    q, k, v = qkv(rng)
+    valid = jnp.asarray(rng.random((B, T)) < 0.7)
+    explicit = valid[:, None, :, None] & valid[:, None, None, :]
+    out = attention(q, k, v, valid=valid, causal=True)
+    np.testing.assert_allclose(out, attention(q, k, v, mask=explicit, causal=True), **TOL)
+    keys_only = attention(q, k, v, valid=(jnp.ones_like(valid), valid))
+    keys = jnp.broadcast_to(valid[:, None, None, :], (B, 1, T, T))
+    np.testing.assert_allclose(keys_only, attention(q, k, v, mask=keys), **TOL)
+
+
 @pytest.mark.slow
 def test_empty_rows_zero_by_default(rng):
     q, k, v = qkv(rng)

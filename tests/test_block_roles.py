@@ -18,7 +18,7 @@ def test_every_field_has_a_role_and_every_operand_a_field():
     assert sorted(ROLES) == sorted(f.name for f in dataclasses.fields(Block))
     bthd = Layout.parse("BTHD")
     every = MaskSpec(causal=True, segments=True, dense=True, bias=True, topk=True, chunk=4,
-                     coordinate_band=(-2, 2))
+                     coordinate_band=(-2, 2), q_padding=True, kv_padding=True)
     spec = AttentionSpec(bthd, bthd, bthd, scale=1.0, mask=every, positions=True, sinks=True)
     # Every operand an attention with every term and feature has is some field's operand.
     assert set(spec.operand_names()) - {"q", "k", "v", "dropout_seed"} \
@@ -27,7 +27,7 @@ def test_every_field_has_a_role_and_every_operand_a_field():
     for term in every.terms():
         assert {r.operand for r in term.roles.values()} \
             == set(term.operands) - {"q_positions", "kv_positions"}
-    assert KEY_FIELDS == ("k", "v", "kv_pos", "kv_seg")
+    assert KEY_FIELDS == ("k", "v", "kv_pos", "kv_seg", "kv_valid")
 
 
 def _random_block(rng, tq=6, tkv=10):
@@ -41,6 +41,8 @@ def _random_block(rng, tq=6, tkv=10):
                  q_pos=ints(1, tq), kv_pos=ints(1, tkv), q_seg=ints(2, tq), kv_seg=ints(2, tkv),
                  mask=jnp.asarray(rng.random((2, 1, tq, tkv)) < 0.5), bias=arr(1, 4, tq, tkv),
                  sinks=arr(1, 4), topk=ints(2, 4, tq, 3), q_coord=ints(1, tq),
+                 q_valid=jnp.asarray(rng.random((2, tq)) < 0.8),
+                 kv_valid=jnp.asarray(rng.random((1, tkv)) < 0.8),
                  dropout=jnp.asarray(rng.integers(0, 2**31, (2, 4, 4)), jnp.uint32))
 
 
@@ -52,6 +54,7 @@ def test_query_and_key_slices_cut_each_operand_along_its_side(rng):
                 q_seg=block.q_seg[:, 1:4], kv_seg=block.kv_seg[:, 2:7],
                 mask=block.mask[:, :, 1:4, 2:7], bias=block.bias[:, :, 1:4, 2:7],
                 sinks=block.sinks, topk=block.topk[:, :, 1:4], q_coord=block.q_coord[:, 1:4],
+                q_valid=block.q_valid[:, 1:4], kv_valid=block.kv_valid[:, 2:7],
                 dropout=block.dropout)
     for name, value in want.items():
         np.testing.assert_array_equal(getattr(got, name), value, err_msg=name)

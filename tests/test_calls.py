@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
-from conftest import assert_tree_close, needs_halo
+from conftest import assert_rewritten, assert_tree_close, needs_halo
 from test_arguments_and_meshes import dropout_attention
 from cptransform import context_parallel
 from cptransform.ir.errors import ContextParallelError
@@ -154,40 +155,82 @@ def test_nnx_dropout_state_across_steps_of_a_jitted_train_step():
     assert_tree_close(got_params, want_params, rtol=1e-4)
 
 
+def test_explicit_set_mesh_with_batch_sharded_inputs_matches_one_device(data):
+    """``jax.set_mesh`` of a ``jax.make_mesh`` mesh (Explicit axes, ``data=2, cp=4``), the
+    batch sharded ``P('data')`` as that mesh's users shard it: the call, its gradient and
+    both under ``jit`` inside the block give one device's numbers, and its outputs the
+    types the undecorated function's have there (the program runs under
+    ``jax.sharding.auto_axes``)."""
+    mesh = jax.make_mesh((2, 4), ("data", "cp"), axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices()[:8])
+    f = context_parallel(loss, mesh=mesh, axis="cp", schedule="ring", load_balance="zigzag")
+    value_and_grad = lambda g: jax.value_and_grad(g, argnums=(0, 1))  # noqa: E731
+    want = value_and_grad(loss)(*data)
+    with jax.set_mesh(mesh):
+        args = (jax.device_put(data[0], P("data")), data[1])
+        assert_rewritten(f, *args, count=1)
+        for run in (value_and_grad(f), jax.jit(value_and_grad(f))):
+            got = run(*args)
+            assert_tree_close(got, want)
+        types = [jax.typeof(x) for x in jax.tree_util.tree_leaves(got)]
+        assert types == [jax.typeof(x) for x in jax.tree_util.tree_leaves(
+            value_and_grad(loss)(*args))]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_under_jax_set_mesh_the_call_and_its_gradient_match(data, axis_type):
-    """Under ``jax.set_mesh`` the call matches one device, jitted or not; so does its
-    gradient on an Auto-axes mesh. On an Explicit-axes mesh the gradient is refused, with
-    the two ways out (Auto axes, or ``grad`` outside the block)."""
+    """Under ``jax.set_mesh`` of the transform's mesh (one axis) the call and its gradient
+    match one device, jitted or not, on Auto and Explicit axes alike; under another
+    Explicit mesh the gradient is refused, with the two ways out (the context's mesh, or
+    ``grad`` outside the block)."""
     mesh = jax.make_mesh((4,), ("cp",), devices=jax.devices()[:4],
                          axis_types=(getattr(AxisType, axis_type),))
     f = context_parallel(loss, mesh=mesh)
     with jax.set_mesh(mesh):
         np.testing.assert_allclose(f(*data), loss(*data), rtol=RTOL)
         np.testing.assert_allclose(jax.jit(f)(*data), loss(*data), rtol=RTOL)
-        if axis_type == "Auto":
-            assert_tree_close(jax.grad(f)(*data), jax.grad(loss)(*data))
-            assert_tree_close(jax.jit(jax.grad(f))(*data), jax.grad(loss)(*data))
-        else:
-            with pytest.raises(ContextParallelError,
-                               match="Explicit axes.*AxisType.Auto.*outside the `with"):
-                jax.grad(f)(*data)
+        assert_tree_close(jax.grad(f)(*data), jax.grad(loss)(*data))
+        assert_tree_close(jax.jit(jax.grad(f))(*data), jax.grad(loss)(*data))
+    other = jax.make_mesh((2,), ("x",), devices=jax.devices()[4:6],
+                          axis_types=(AxisType.Explicit,))
+    with jax.set_mesh(other):
+        np.testing.assert_allclose(f(*data), loss(*data), rtol=RTOL)
+        with pytest.raises(ContextParallelError, match="mesh=mesh.*outside the `with"):
+            jax.grad(f)(*data)
     assert_tree_close(jax.grad(f)(*data), jax.grad(loss)(*data))
 
 
+def test_inputs_committed_to_one_device_run_sharded_and_come_back_there(data):
+    """Arguments committed to one device (``jax.device_put(x, jax.devices()[3])``): moved
+    onto the mesh for the sharded program; the outputs and the committed arguments'
+    gradients come back on that device, as the undecorated function's do, so they mix
+    with the caller's arrays there. (An uncommitted argument's gradient stays on the mesh.)"""
+    x, w = data
+    f = context_parallel(loss, cp=8, schedule="ring", load_balance="zigzag")
+    device = jax.devices()[3]
+    args = (jax.device_put(x, device), jax.device_put(w, device))
+    assert_rewritten(f, *args, count=1)
+    got = jax.value_and_grad(f, argnums=(0, 1))(*args)
+    want = jax.value_and_grad(loss, argnums=(0, 1))(*args)
+    assert_tree_close(got, want)
+    assert all(leaf.sharding.device_set == {device} for leaf in jax.tree_util.tree_leaves(got))
+    value, grad_x = jax.value_and_grad(f)(args[0], w)
+    assert value.sharding.device_set == grad_x.sharding.device_set == {device}
+    np.testing.assert_allclose(value, want[0], rtol=RTOL)
+
+
 @pytest.mark.slow
-def test_inputs_committed_to_one_device_are_moved_onto_the_mesh(data):
-    """The call and its gradient (``grad`` of an eager call sees the committed array under
-    its tracer); the gradient lands on the input's device, as on one device."""
+def test_committed_inputs_under_an_outer_jit_meet_jax_own_rule(data):
+    """Under an outer ``jax.jit`` the arguments are tracers: JAX pins that jit to the
+    committed argument's device and refuses the mesh inside it (its own error). The fix
+    the docs give works: leave the argument uncommitted (or put it on the mesh)."""
     x, w = data
     f = context_parallel(loss, cp=4)
-    for device in (jax.devices()[3], jax.devices()[6]):
-        args = (jax.device_put(x, device), jax.device_put(w, device))
-        np.testing.assert_allclose(f(*args), loss(x, w), rtol=RTOL)
-        grads = jax.grad(f, argnums=(0, 1))(*args)
-        assert_tree_close(grads, jax.grad(loss, argnums=(0, 1))(x, w))
-        assert grads[0].sharding.device_set == {device}
+    committed = jax.device_put(x, jax.devices()[6])
+    with pytest.raises(ValueError, match="incompatible devices"):
+        jax.jit(f)(committed, w)
+    np.testing.assert_allclose(jax.jit(f)(np.asarray(committed), w), loss(x, w), rtol=RTOL)
 
 
 @pytest.fixture

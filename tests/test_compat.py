@@ -177,3 +177,56 @@ def test_primitives_models_use_have_a_row_on_this_jax(name):
     missing = sorted({e.primitive.name for e in iter_eqns(jaxpr)
                       if facts(e.primitive.name) is None})
     assert not missing, f"no row for {missing} on JAX {jax.__version__}"
+
+
+def test_canonical_params_are_python_at_every_depth():
+    """NumPy integers in params (JAX 0.12.1 writes ``axes=(np.int64(1),)``) become Python
+    ints in the top jaxpr and in bodies; a jaxpr with nothing to change is returned as it
+    is; the program computes the same."""
+    def fn(x):
+        def body(c, row):
+            return c + row.sum(), jnp.max(row, axis=0)
+        c, ys = lax.scan(body, 0.0, x)
+        return c + jnp.sum(x, axis=1).sum(), ys
+
+    closed = jax.make_jaxpr(fn)(_random(4, 3))
+    jaxpr = compat.open_jaxpr(closed)
+    reduce_sum = next(e for e in jaxpr.eqns if e.primitive.name == "reduce_sum"
+                      and tuple(e.params["axes"]) == (1,))
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    body = compat.open_jaxpr(scan.params["jaxpr"])
+    (inner_max,) = [e for e in body.eqns if e.primitive.name == "reduce_max"]
+    # Spell them as 0.12.1 does, whatever this JAX traced.
+    inner = body.replace(eqns=[e.replace(params={**e.params, "axes": (np.int64(0),)})
+                               if e is inner_max else e for e in body.eqns])
+    inner_closed = compat.close_jaxpr(inner, compat.consts_of(scan.params["jaxpr"]))
+    spelled = jaxpr.replace(eqns=[
+        e.replace(params={**e.params, "axes": (np.int64(1),)}) if e is reduce_sum else
+        e.replace(params={**e.params, "jaxpr": inner_closed}) if e is scan else e
+        for e in jaxpr.eqns])
+    spelled = compat.close_jaxpr(spelled, compat.consts_of(closed))
+    canonical = compat.canonical_params(spelled)
+    new = compat.open_jaxpr(canonical)
+    new_sum = new.eqns[jaxpr.eqns.index(reduce_sum)]
+    (new_scan,) = [e for e in new.eqns if e.primitive.name == "scan"]
+    (new_max,) = [e for e in compat.open_jaxpr(new_scan.params["jaxpr"]).eqns
+                  if e.primitive.name == "reduce_max"]
+    assert new_sum.params["axes"] == (1,) and type(new_sum.params["axes"][0]) is int
+    assert new_max.params["axes"] == (0,) and type(new_max.params["axes"][0]) is int
+    assert compat.canonical_params(canonical) is canonical
+    np.testing.assert_allclose(compat.eval_jaxpr(canonical, np.ones((4, 3), np.float32))[0],
+                               fn(jnp.ones((4, 3)))[0])
+
+
+def test_stable_params_read_a_scans_structure_and_drop_added_defaults():
+    """What the canonical text prints: a scan's consts and carry counts under one name on
+    every release; ``top_k``'s ``is_stable=True`` (0.10.2's top-k is stable) absent."""
+    w = _random(3, seed=1)
+    scan = _eqn(lambda c, xs: lax.scan(lambda a, x: (a * w + x, a), c, xs), _random(3),
+                _random(4, 3), name="scan")
+    params = compat.stable_params(scan)
+    assert (params["num_consts"], params["num_carry"]) == compat.scan_counts(scan) == (1, 1)
+    assert not {"ft_in", "ft_out", "linear"} & set(params)
+    top_k = _eqn(lambda x: lax.top_k(x, 2), _random(5), name="top_k")
+    assert "is_stable" not in compat.stable_params(top_k)
+    assert compat.stable_params(top_k)["k"] == 2

@@ -84,7 +84,7 @@ def test_gemma_mask_is_one_coordinate_band(rng):
     """Causal, key padding and the window over data positions: no dense part."""
     (spec,) = specs(check(gemma_attention, *inputs(rng), rtol=1e-5))
     assert spec.mask.coordinate_band == (-(W - 1), W - 1), spec.mask
-    assert spec.mask.causal and spec.mask.segments and not spec.mask.dense, spec.mask
+    assert spec.mask.causal and spec.mask.kv_padding and not spec.mask.dense, spec.mask
 
 
 @pytest.mark.slow

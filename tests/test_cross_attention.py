@@ -12,7 +12,6 @@ from conftest import make_mesh
 from schedule_cases import BTHD, HEAD_KINDS, Case, check_schedule
 
 from cptransform import context_parallel
-from cptransform.analysis.seq_axes import SeqAxisError
 from cptransform.ir.module import iter_eqns
 from cptransform.lowering.sharding_leaks import sequence_all_gathers
 from cptransform.op.attention import attention_p
@@ -119,19 +118,6 @@ def test_transform_shards_each_sequence(schedule, load_balance, tq, tkv, causal)
         assert module.facts.layout is not None and module.facts.layout.name == load_balance
         hlo = jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))).lower(*args).compile()
         assert sequence_all_gathers(hlo.as_text(), tq) == []
-
-
-@pytest.mark.slow
-def test_one_sequence_of_two_lengths_is_refused():
-    """Keys that are the queries' tokens plus a cache: one sequence by dataflow with two
-    lengths, which no sharding of one axis can serve."""
-    def cached(params, x, cache):
-        memory = jnp.concatenate([cache, x], axis=1)
-        return decoder_over_memory(params, x, memory, causal=True)
-
-    params, x, cache = cross_args(16, 8)
-    with pytest.raises(SeqAxisError, match="one sequence cannot have two lengths"):
-        context_parallel(cached, cp=8)(params, x, cache)
 
 
 @pytest.mark.slow

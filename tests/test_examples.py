@@ -36,6 +36,14 @@ def test_packed_documents_zigzag():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
+def test_maxtext_style_training():
+    """A MaxText-style linen model (logical axes, deferred normalisation) trained on a
+    (data, fsdp, tensor, cp) mesh against one device."""
+    import maxtext_style
+    assert maxtext_style.check(seq=32, steps=2, layers=1, verbose=False)
+
+
 def test_nnx_optax_training():
     assert nnx_optax.check(seq=16, steps=2, layers=1)
 
@@ -68,7 +76,7 @@ def test_nnx_train_step_under_the_decorator_is_refused():
 
 
 SCRIPTS = ("llama", "gemma", "packed_documents", "nnx_optax", "gpt_oss", "encoder_decoder",
-           "deepseek_sparse")
+           "deepseek_sparse", "maxtext_style")
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

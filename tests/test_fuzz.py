@@ -55,6 +55,10 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "1"))
 KNOWN_UNMATCHED: dict[str, tuple[str, ...]] = {
     "mask_bias": ("a mask or bias varies along dims merged by a reshape of the logits",
                   "a finite fill added to the scores after a soft-cap or beside a bias"),
+    # Refused by design, with the reason: a factor after the mask (one device's gradient
+    # of it is NaN under a -inf fill), a finite fill then a soft-cap (no mask at all).
+    "logit_chain": ("a data factor multiplies the logits after a mask",
+                    "too large to hide them"),
 }
 
 

@@ -11,8 +11,8 @@ import dataclasses
 
 import pytest
 
-from cptransform.lowering.kernels.lowering_check import (TARGETS, Case, cases, declared,
-                                                         lower_case)
+from cptransform.lowering.kernels.lowering_check import (MASKS, TARGETS, Case, cases,
+                                                         declared, lower_case)
 from cptransform.lowering.kernels.pallas import GPU_HEAD_DIMS
 
 #: Every how-many-th case of a target runs in the fast tier.
@@ -51,7 +51,7 @@ def test_every_target_mask_and_dtype_is_covered():
     dtypes = {"float16", "bfloat16", "float32"}
     for target in TARGETS:
         assert {d for t, _, d in covered if t == target} == dtypes
-        assert len({m for t, m, _ in covered if t == target}) == 8
+        assert {m for t, m, _ in covered if t == target} == set(MASKS)
     assert {(c.groups, c.head_dim) for c in cases()} >= {(1, 64), (4, 128), (2, 256)}
 
 

@@ -152,5 +152,5 @@ def test_segments_count_by_their_band_and_say_so():
         assert b.data_masks
         np.testing.assert_array_equal(b.rank_flops,
                                       ring_rank_flops(b.layout, 64, 4, [(None, 0)]))
-    assert "note: segment ids / coordinate bands / dense masks / top-k indices are data" in f.explain(
-        q, k, v, segments, verbose=True)
+    assert ("note: segment ids / coordinate bands / dense masks / top-k indices / query "
+            "padding / key padding are data") in f.explain(q, k, v, segments, verbose=True)

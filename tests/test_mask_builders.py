@@ -182,7 +182,8 @@ def test_matched_mask_is_analytic(rng, name):
     for spec in specs(module):
         assert not spec.mask.dense, spec.mask
         assert spec.mask.band() == band, spec.mask
-        assert spec.mask.segments == segments and spec.mask.empty_rows == rows, spec.mask
+        # ``segments``: the case's padding is read as a per-token (key padding) operand
+        assert spec.mask.kv_padding == segments and spec.mask.empty_rows == rows, spec.mask
 
 
 def test_maximum_of_masks_is_kept_as_data(rng):

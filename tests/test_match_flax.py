@@ -21,7 +21,8 @@ def test_linen_function_with_combined_masks(rng):
         return nn.dot_product_attention(q, k, v, mask=mask)
 
     (spec,) = specs(check(fn, q, k, v, valid))
-    assert spec.mask.causal and spec.mask.segments and spec.mask.empty_rows == "uniform"
+    assert spec.mask.causal and spec.mask.q_padding and spec.mask.kv_padding
+    assert spec.mask.empty_rows == "uniform"
 
 
 def test_linen_causal_only(rng):

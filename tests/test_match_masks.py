@@ -63,8 +63,9 @@ def test_segments(rng):
 
 
 @pytest.mark.slow
-def test_key_padding_becomes_segment_ids(rng):
-    """A key-only padding mask needs no T×T operand: it is folded into segment ids."""
+def test_key_padding_becomes_a_key_padding_term(rng):
+    """A key-only padding mask needs no T×T operand: its ``[B, T]`` vector is the key
+    padding term's operand."""
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     valid = jnp.asarray(rng.random((B, T)) > 0.2)
 
@@ -73,14 +74,16 @@ def test_key_padding_becomes_segment_ids(rng):
                       fill=-1e9)
 
     (spec,) = specs(check(fn, q, k, v, valid, analytic=True))
-    assert spec.mask.segments and spec.mask.causal and spec.mask.empty_rows == "uniform"
+    assert spec.mask.kv_padding and not spec.mask.segments and not spec.mask.q_padding
+    assert spec.mask.causal and spec.mask.empty_rows == "uniform"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fill", [-1e9, -jnp.inf])
 def test_query_and_key_padding_with_documents(rng, fill):
-    """Query padding (fully masked rows), key padding and document ids together become one
-    pair of segment ids; masked rows follow the original's fill (uniform, or NaN for -inf)."""
+    """Query padding (fully masked rows), key padding and document ids together become the
+    query and key padding terms beside the segment ids; masked rows follow the original's
+    fill (uniform, or NaN for -inf)."""
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     valid = jnp.asarray(rng.random((B, T)) > 0.3)
     docs = jnp.asarray(np.cumsum(rng.random((B, T)) < 0.2, axis=1) - 1)  # ids from -1
@@ -95,7 +98,8 @@ def test_query_and_key_padding_with_documents(rng, fill):
         padded = ~np.asarray(valid)
         assert padded.any() and np.isnan(np.asarray(module(q, k, v, valid, docs))[padded]).all()
     (spec,) = specs(module)
-    assert spec.mask.segments and not spec.mask.dense
+    assert spec.mask.segments and spec.mask.q_padding and spec.mask.kv_padding
+    assert not spec.mask.dense
 
 
 def test_dense_input_mask(rng):

@@ -35,11 +35,17 @@ CI_SAMPLE = {"llama": "ring_zigzag", "mistral": "auto", "gpt_neo": "allgather",
              "penzai_stack": "auto", "gemma": "ring_zigzag", "keras_llama": "ulysses",
              "keras_gemma": "auto", "llama_padded": "ring_zigzag", "gpt2_padded": "allgather",
              "mistral_window_padded": "auto", "gemma_padded": "ring_zigzag",
-             "keras_llama_padded": "ring_zigzag"}
+             "keras_llama_padded": "ring_zigzag", "keras_gemma_padded": "ring_zigzag",
+             "keras_gpt2_padded": "ulysses", "keras_mistral_padded": "auto",
+             "gemma_padded_int": "ring_zigzag"}
 
 #: What a family does not reach yet, asserted exactly as it stands (a fix fails the test
 #: until its entry goes). Attentions whose mask keeps a dense part: none (DeepMind gemma's
-#: window over ``cumsum(input_mask) - 1`` is a coordinate band).
+#: window over ``cumsum(input_mask) - 1`` is a coordinate band; its int padding mask
+#: multiplied into the causal one is the key padding term). keras-hub given an int
+#: ``padding_mask`` merges it by ``minimum`` and some layers then test ``!= 0``, which stays
+#: dense (``docs/contract.md``; ``bench/padding_memory.py`` measures it, and
+#: ``tests/test_padding_masks.py`` holds the rule).
 DENSE_MASKS: dict[str, int] = {}
 #: Full-sequence all-gathers outside attention, per family: none left (keras-hub's Gemma
 #: zeroes the output rows that see no key with ``all(mask == 0, axis=-1)`` on the ``S×S``

@@ -149,7 +149,7 @@ def test_keras_row_test_becomes_zero_rows(rng):
     ``empty_rows="zero"``, exact, and nothing gathers the sequence."""
     args = inputs(rng)
     spec = assert_folded(keras_gemma, args, True)
-    assert spec.mask.segments and spec.mask.causal and not spec.mask.dense
+    assert spec.mask.kv_padding and spec.mask.causal and not spec.mask.dense
     assert check_schedule(keras_gemma, args, "ring_zigzag") == []
 
 

@@ -36,10 +36,12 @@ import numpy as np
 
 from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.intervals import normalize
-from cptransform.analysis.mask_values import (AbsAffine, Affine, And, Band, Const,
-                                              Dense, DimMap, FloorDiv,
+from cptransform.analysis.mask_data import (MAX_REGIONS, NEGATED, compared,
+                                            converted, data_cases, step)
+from cptransform.analysis.mask_values import (AbsAffine, Affine, And, Band, Cases, Const,
+                                              Data, Dense, DimMap, FloorDiv, IndexRange,
                                               Indicator, Opaque, Pred, Scalar, Segments, Shifted,
-                                              is_known, p_and, p_not, p_or)
+                                              conjuncts, is_known, p_and, p_not, p_or)
 from cptransform.analysis.mask_predicates import (FLIP, MAX_CONSTANT_MASK, NP_COMPARE,
                                                   abs_band, chunk_of, constant_band,
                                                   difference_band, index_against_data,
@@ -99,8 +101,10 @@ class MaskAnalyzer:
                 and compat.aval_of(eqn.invars[0]).dtype == np.bool_:
             return self.predicate(eqn.invars[0], dims)
         if eqn is not None and eqn.primitive.name in NP_COMPARE:
-            outcome = _two_valued_compare(eqn.primitive.name,
-                                          *(self.analyze(x, dims) for x in eqn.invars))
+            sides = [self.analyze(x, dims) for x in eqn.invars]
+            if any(isinstance(x, Cases) for x in sides):
+                return self._compare(NEGATED[eqn.primitive.name], *sides, atom, here)
+            outcome = _two_valued_compare(eqn.primitive.name, *sides)
             if outcome is not None:
                 return self.as_pred(Indicator(outcome.pred, not outcome.on_true,
                                               not outcome.on_false), here)
@@ -117,6 +121,8 @@ class MaskAnalyzer:
             if t == f:
                 return Const(value=t, origin=origin)
             return value.pred if t else p_not(value.pred, origin)
+        if isinstance(value, Cases):
+            return compared("ne", value, 0, origin)
         return Dense(source=origin, origin=origin)
 
     # -- one equation at a time ------------------------------------------------------------
@@ -131,6 +137,15 @@ class MaskAnalyzer:
             return self._opaque(atom, here)
         name = eqn.primitive.name
         ins = eqn.invars
+
+        def at(x):
+            # An elementwise operand's size-1 dim under a full-size result dim (``[1, S] &
+            # [T, S]``, as JAX 0.12 traces implicit broadcasts) indexes no top dim.
+            shape = compat.aval_of(x).shape
+            return tuple(None if n == 1 and m != 1 else d for d, n, m in
+                         zip(dims, shape, compat.aval_of(atom).shape)) \
+                if len(shape) == len(dims) else dims
+
         if name in _PASS_THROUGH or name in _MOVES:
             return self._moved(eqn, atom, dims, here)
         if name == "iota":
@@ -143,24 +158,23 @@ class MaskAnalyzer:
             if starts is not None:
                 return self._sliced(ins[0], dims, starts, atom, here)
         if name in ("add", "sub", "mul"):
-            a, b = (self.analyze(x, dims) for x in ins)
+            a, b = (self.analyze(x, at(x)) for x in ins)
             out = self._arith(name, a, b, atom, here)
             return self._combine(name, a, b, atom, here) if out is here else out
         if name in ("min", "max") or (name in ("and", "or", "xor") and
                                       compat.aval_of(atom).dtype != np.bool_):
-            return self._combine(name, *(self.analyze(a, dims) for a in ins), atom, here)
+            return self._combine(name, *(self.analyze(a, at(a)) for a in ins), atom, here)
         if name == "xor":
-            return self._combine(name, *(self.predicate(a, dims) for a in ins), atom, here)
+            return self._combine(name, *(self.predicate(a, at(a)) for a in ins), atom, here)
         if name == "neg":
             return self._arith("mul", self.analyze(ins[0], dims), Scalar(-1), atom, here)
         if name == "abs":
             inner = self.analyze(ins[0], dims)
             return AbsAffine(inner) if isinstance(inner, Affine) else here
         if name in NP_COMPARE:
-            return self._compare(name, self.analyze(ins[0], dims), self.analyze(ins[1], dims),
-                                 atom, here)
+            return self._compare(name, *(self.analyze(x, at(x)) for x in ins), atom, here)
         if name in ("and", "or", "not") and compat.aval_of(atom).dtype == np.bool_:
-            ps = [self.predicate(a, dims) for a in ins]
+            ps = [self.predicate(a, at(a)) for a in ins]
             if name == "not":
                 return p_not(ps[0], here)
             return p_and(ps[0], ps[1], here) if name == "and" else p_or(ps[0], ps[1], here)
@@ -168,8 +182,9 @@ class MaskAnalyzer:
         if found is not None:
             return found
         if name == "select_n" and len(ins) == 3 and compat.aval_of(ins[0]).dtype == np.bool_:
-            return self._select(self.predicate(ins[0], dims), self.analyze(ins[1], dims),
-                                self.analyze(ins[2], dims), atom, here)
+            return self._select(self.predicate(ins[0], at(ins[0])),
+                                self.analyze(ins[1], at(ins[1])),
+                                self.analyze(ins[2], at(ins[2])), atom, here)
         return self._opaque(atom, here)
 
     def _moved(self, eqn, atom: Any, dims: DimMap, here: Opaque) -> Any:
@@ -255,13 +270,17 @@ class MaskAnalyzer:
         ca, cb = _cases(a), _cases(b)
         if ca is None or cb is None:
             return self._opaque(atom, here)
-        fn = _COMBINE[op]
-        regions: dict = {}
+        found = []
         for pa, va in ca:
             for pb, vb in cb:
                 region = p_and(pa, pb)
                 if not _empty(region):
-                    regions.setdefault(fn(va, vb), []).append(region)
+                    found.append((region, step(op, va, vb)))
+        if any(isinstance(v, Data) or v is None for _, v in found):
+            return _data_regions(found, atom, here)
+        regions: dict = {}
+        for region, value in found:
+            regions.setdefault(value, []).append(region)
         if not regions:
             return self._opaque(atom, here)
         if len(regions) == 1:
@@ -314,6 +333,10 @@ class MaskAnalyzer:
     def _convert(self, value: Any, dtype: Any, atom: Any, here: Opaque) -> Any:
         if np.dtype(dtype) == np.bool_:
             return self.as_pred(value, here)
+        if isinstance(value, Cases):
+            values = [converted(v, dtype) for _, v in value.cases]
+            return here if any(v is None for v in values) else \
+                Cases(tuple((r, v) for (r, _), v in zip(value.cases, values)))
         if isinstance(value, Pred):
             return Indicator(value, 1, 0)
         if isinstance(value, Affine) and not np.issubdtype(np.dtype(dtype), np.number):
@@ -373,6 +396,9 @@ class MaskAnalyzer:
         outcome = _two_valued_compare(op, a, b)
         if outcome is not None:
             return self.as_pred(outcome, here)
+        for x, y, o in ((a, b, op), (b, a, FLIP[op])):
+            if isinstance(x, Cases) and isinstance(y, Scalar):
+                return compared(o, x, y.value, here)
         band = index_against_data(op, a, b, affine, here)
         if band is not None:
             return band
@@ -385,13 +411,19 @@ class MaskAnalyzer:
                 return chunk
         for x, y, o in ((a, b, op), (b, a, FLIP[op])):
             if isinstance(x, Opaque) and isinstance(y, Scalar):
-                return Dense(source=x, test=(o, y.value), origin=here)
+                return Dense(source=x, test=((o, y.value),), origin=here)
         return Dense(source=here, origin=here)
 
     def _select(self, p: Pred, on_false: Any, on_true: Any, atom: Any, here: Opaque) -> Any:
         if isinstance(on_false, Scalar) and isinstance(on_true, Scalar):
             return Indicator(p, on_true.value, on_false.value)
         is_bool = compat.aval_of(atom).dtype == np.bool_
+        ct, cf = _cases(on_true), _cases(on_false)
+        if not is_bool and ct is not None and cf is not None \
+                and any(isinstance(v, Data) for _, v in ct + cf):
+            # select_n(p, f, t): t's cases where p holds, f's elsewhere.
+            return _data_regions([(p_and(p, r), v) for r, v in ct]
+                                 + [(p_and(p_not(p, None), r), v) for r, v in cf], atom, here)
         f, t = _as_bool(on_false, is_bool), _as_bool(on_true, is_bool)
         if f is None or t is None:
             return self._opaque(atom, here)
@@ -413,10 +445,17 @@ class MaskAnalyzer:
 #: a sliced operand.
 _FRESH = -(1 << 20)
 
-_COMBINE: dict[str, Callable] = {
-    "add": lambda x, y: x + y, "sub": lambda x, y: x - y, "mul": lambda x, y: x * y,
-    "min": min, "max": max, "and": lambda x, y: x & y, "or": lambda x, y: x | y,
-    "xor": lambda x, y: x ^ y}
+def _data_regions(found: list, atom: Any, here: Opaque) -> Any:
+    """A value that is a constant or integer data on each region of ``found``
+    (``(region, value)`` pairs) as :class:`Cases`. It stays opaque where the regions are
+    decided by data alone (a computation on data, as gemma's positions
+    ``cumsum(mask) - (cumsum(mask) >= 1)``, not a mask merged with an analytic one), where
+    a region value is none (None), or beyond :data:`MAX_REGIONS` regions."""
+    kept = [(r, v) for r, v in found if not _empty(r)]
+    if any(v is None for _, v in kept) or len(kept) > MAX_REGIONS \
+            or all(isinstance(t, Dense) for r, _ in kept for t in conjuncts(r)):
+        return MaskAnalyzer._opaque(atom, here)
+    return Cases(tuple(kept))
 
 
 def _bool_cast(eqn) -> bool:
@@ -438,6 +477,9 @@ def _two_valued_compare(op: str, a: Any, b: Any) -> Indicator | None:
 
 def _cases(value: Any) -> list | None:
     """``value`` as ``(predicate, value there)`` cases covering every position, or None."""
+    data = data_cases(value)
+    if data is not None:
+        return data
     if isinstance(value, Scalar):
         return [(Const(value=True), value.value)]
     if isinstance(value, Indicator):
@@ -508,6 +550,14 @@ def _shift(value: Any, shift: dict) -> Any:
                 return None
             out = p_and(out, moved)
         return out
+    if isinstance(value, IndexRange):
+        top, start = index(value.a)
+        ivs = tuple((None if lo is None else lo - start, None if hi is None else hi - start)
+                    for lo, hi in value.intervals)
+        if top is None:
+            return Const(value=any((lo is None or lo <= 0) and (hi is None or hi >= 0)
+                                   for lo, hi in ivs))
+        return IndexRange(top, normalize(ivs))
     if isinstance(value, Band):
         (ta, sa), (tb, sb) = index(value.a), index(value.b)
         # index_b - index_a = (top_b - top_a) + (sb - sa) lies in the intervals.

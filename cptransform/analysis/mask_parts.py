@@ -1,6 +1,7 @@
 """What a visibility predicate means for an attention: the parts of its ``MaskSpec``.
 
-A band on ``kv - q`` becomes causal/window bounds, one band of ``kv`` around integer data
+A band on ``kv - q`` becomes causal/window bounds, a bound on one index that the rest of
+the mask implies (``kv < prompt_len`` beside causal over a longer KV cache) is dropped, one band of ``kv`` around integer data
 indexed by the query (``kv - coordinate[q]``) a coordinate band, one
 ``q_ids[q] == kv_ids[kv]`` comparison becomes segment ids, one top-k scatter along the key
 dim becomes top-k indices, and everything else stays dense (data to be and-ed).
@@ -12,8 +13,8 @@ from typing import Callable, Sequence
 
 from cptransform.analysis.intervals import intersect, normalize
 from cptransform.analysis.mask_values import (TOPK_DIM, Band, Chunk, CoordinateBand,
-                                              Dense, Opaque, Pred, Segments, TopK, as_dense,
-                                              conjuncts)
+                                              Dense, IndexRange, Opaque, Pred, Segments, TopK,
+                                              as_dense, conjuncts)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,7 @@ class _Reading:
     topks: list = field(default_factory=list)
     chunks: list = field(default_factory=list)
     coords: list = field(default_factory=list)
+    ranges: list = field(default_factory=list)
 
     def on_query_dim(self, qd) -> bool:
         """Whether ``qd`` can be the query dim (the parts read so far agree), taking it."""
@@ -72,6 +74,11 @@ def _read_band(r: _Reading, term: Band) -> bool:
         normalize(tuple((None if hi is None else -hi, None if lo is None else -lo)
                         for lo, hi in term.intervals))
     r.bands.append(Band(qd, r.kv_dim, ivs, origin=term.origin))
+    return True
+
+
+def _read_range(r: _Reading, term: IndexRange) -> bool:
+    r.ranges.append(term)
     return True
 
 
@@ -112,7 +119,7 @@ def _read_segments(r: _Reading, term: Segments) -> bool:
 #: How each kind of term becomes an analytic part; a term a reader declines (or of a kind
 #: without one, such as a constant) stays dense.
 _READERS: dict[type, Callable[[_Reading, Pred], bool]] = {
-    Band: _read_band, Chunk: _read_chunk, TopK: _read_topk,
+    Band: _read_band, IndexRange: _read_range, Chunk: _read_chunk, TopK: _read_topk,
     CoordinateBand: _read_coordinates, Segments: _read_segments}
 
 
@@ -134,6 +141,9 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
     band = _merged_band(r, q_len_of, kv_len) if r.bands else None
     if r.bands and band is None:
         dense.extend(as_dense(b, b.origin) for b in r.bands)
+    q_len = None if band is None else q_len_of(r.q_dim)
+    dense.extend(as_dense(t, t.origin) for t in r.ranges
+                 if not _implied(t, band, q_len, r.kv_dim, q_len_of, kv_len))
     kinds = _band_kinds(band) + [f"chunk({c.size})" for c in r.chunks] \
         + ["coordinate_band({},{})".format(*c.intervals[0]) for c in r.coords] \
         + ["segments"] * bool(r.segs) + ["topk"] * bool(r.topks) + ["dense"] * bool(dense)
@@ -155,6 +165,22 @@ def _merged_band(r: _Reading, q_len_of: Callable[[int], int], kv_len: int) -> tu
     lo = None if lo is None or lo <= -(q_len_of(r.q_dim) - 1) else lo
     hi = None if hi is None or hi >= kv_len - 1 else hi
     return (lo, hi) if lo is None or lo <= 0 else None
+
+
+def _implied(term: IndexRange, band: tuple | None, q_len: int | None, kv_dim: int,
+             size_of: Callable[[int], int], kv_len: int) -> bool:
+    """Whether a bound on one index holds wherever the rest of the mask lets a pair
+    through: on the key dim, at every key the band ``lo <= kv - q <= hi`` reaches from a
+    query ``0 <= q < q_len``; on any other dim, at every index of the dim."""
+    if term.a != kv_dim:
+        first, last = 0, size_of(term.a) - 1
+    else:
+        lo, hi = band or (None, None)
+        first = 0 if lo is None else max(0, lo)
+        last = kv_len - 1 if hi is None else min(kv_len - 1, hi + q_len - 1)
+    if first > last:
+        return True
+    return intersect(term.intervals, ((first, last),)) == ((first, last),)
 
 
 def _band_kinds(band: tuple | None) -> list[str]:

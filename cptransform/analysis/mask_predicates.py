@@ -3,7 +3,7 @@
 :class:`~cptransform.analysis.mask_analysis.MaskAnalyzer` reads a mask's subgraph into
 abstract values; a compare of two of them becomes a predicate here: a compare of an affine
 difference of two indices with a constant is a :class:`Band` (``t op r`` solved over the
-integers), ``|x| op c`` two of them, an index against integer data plus a constant a
+integers), of one index an :class:`IndexRange`, ``|x| op c`` two of them, an index against integer data plus a constant a
 :class:`CoordinateBand`, ``i // C == j // C`` a :class:`Chunk`, and a constant boolean array
 that depends on ``index_b - index_a`` alone a :class:`Band` again.
 """
@@ -16,8 +16,8 @@ import numpy as np
 
 from cptransform.analysis.intervals import complement, normalize
 from cptransform.analysis.mask_values import (Affine, Band, Chunk, Const, CoordinateBand,
-                                              Dense, DimMap, FloorDiv, Opaque, Pred, Scalar,
-                                              Shifted, p_and, p_or)
+                                              Dense, DimMap, FloorDiv, IndexRange, Opaque,
+                                              Pred, Scalar, Shifted, p_and, p_or)
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 
@@ -120,6 +120,11 @@ def difference_band(op: str, diff: Affine, origin: Opaque) -> Pred:
     coeffs = dict(diff.coeffs)
     if not coeffs:
         return Const(value=bool(NP_COMPARE[op](diff.const, 0)), origin=origin)
+    if len(coeffs) == 1:
+        # c * index_a + const  op  0   <=>   index_a op' -const / c
+        ((a, c),) = coeffs.items()
+        return IndexRange(a, solutions(FLIP[op] if c < 0 else op, -diff.const / c),
+                          origin=origin)
     if len(coeffs) != 2:
         return Dense(source=origin, origin=origin)
     (a, ca), (b, cb) = sorted(coeffs.items())

@@ -116,6 +116,19 @@ class Band(Pred):
 
 
 @dataclass(frozen=True)
+class IndexRange(Pred):
+    """``index[a]`` lies in ``intervals``: a bound on one index alone (``kv < prompt_len``
+    over a longer KV cache)."""
+
+    a: int = 0
+    intervals: tuple = ()
+
+    @property
+    def line(self) -> tuple:
+        return IndexRange, self.a
+
+
+@dataclass(frozen=True)
 class Chunk(Pred):
     """``index[a] // size == index[b] // size`` (``a < b`` are top dims): Llama-4 chunked
     attention's fixed chunks of ``size`` positions."""
@@ -155,14 +168,37 @@ def same_line(a: Pred, b: Pred) -> bool:
 
 @dataclass(frozen=True)
 class Dense(Pred):
-    """Data: the boolean value ``source`` (negated if ``negated``), or, with a ``test``
-    ``(op, value)``, the data ``source op value`` (``attention_mask != 0`` of an int
-    padding mask: the source keeps the data's own dims, ``[B, S]``, not the ``S×S`` of
+    """Data: the boolean value ``source`` (negated if ``negated``), or, with a ``test``, the
+    data ``source`` put through it: ``((op, value), ...)``, the steps of a :class:`Data`
+    then a compare, e.g. ``(("ne", 0),)`` for ``attention_mask != 0`` of an int padding
+    mask, ``(("min", 1), ("gt", 0))`` for keras-hub's ``minimum`` of it with a causal mask
+    tested ``> 0`` (the source keeps the data's own dims, ``[B, S]``, not the ``S×S`` of
     the compare, so a padding mask stays a per-token operand)."""
 
     source: Opaque | None = None
     negated: bool = False
     test: tuple = ()
+
+
+@dataclass(frozen=True)
+class Data:
+    """An integer number per element read from data: ``steps`` (``(op, constant)`` pairs,
+    op one of ``min max mul add and or``, or ``("convert", dtype name)``) applied in order
+    to ``source``, an integer :class:`Opaque` value of the program (its dims map to top
+    dims). A compare of it is a :class:`Dense` part whose ``test`` replays the steps."""
+
+    source: Opaque
+    steps: tuple = ()
+
+
+@dataclass(frozen=True)
+class Cases:
+    """A number that is ``value`` where ``pred`` holds, for each ``(pred, value)`` of
+    ``cases`` (disjoint regions covering every element; a value is a constant or a
+    :class:`Data`): an integer padding mask merged with analytic masks by arithmetic
+    (``mask[:, None, :] * causal``, ``minimum(mask, causal)``)."""
+
+    cases: tuple
 
 
 #: The label of a top-k indices value's ``k`` dim in its :class:`Opaque` dim map (it is

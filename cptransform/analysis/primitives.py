@@ -105,7 +105,7 @@ tanh logistic log2 one_minus_square sin cos tan asin acos atan atan2 sinh cosh a
 abs integer_pow square erf erfc erf_inv lgamma digamma not and or xor eq ne lt le gt ge
 select_n convert_element_type clamp nextafter shift_left shift_right_logical
 shift_right_arithmetic population_count copy copy_p reduce_precision imag real conj complex
-stop_gradient optimization_barrier
+stop_gradient optimization_barrier sharding_constraint
 """.split()
 
 #: Order-free reductions and their identity elements.
@@ -120,7 +120,10 @@ for _name in ELEMENTWISE_NAMES:
                              order_safe=True, shiftable=True)
 for _name, _moves in {"stop_gradient": Moves.IDENTITY, "copy": Moves.IDENTITY,
                         "copy_p": Moves.IDENTITY, "optimization_barrier": Moves.BARRIER,
-                        "convert_element_type": Moves.CAST}.items():
+                        "convert_element_type": Moves.CAST,
+                        # A model's own sharding annotation: the same value; lowering
+                        # re-expresses it on the CP mesh (lower-context-parallel).
+                        "sharding_constraint": Moves.IDENTITY}.items():
     PRIMS[_name] = PrimFacts(Family.ELEMENTWISE, link_same_dims, acts_on_nothing,
                              order_safe=True, shiftable=True, moves=_moves)
 for _name, _identity in REDUCTION_IDENTITIES.items():

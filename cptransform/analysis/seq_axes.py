@@ -25,7 +25,6 @@ from cptransform.ir import compat
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import ROLES
 from cptransform.op.operand_roles import Side
-from cptransform.ir.errors import SeqAxisError
 
 
 def attention_sides(eqn) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
@@ -147,40 +146,39 @@ def linked_dims(closed: Any, seeds: Iterable[tuple[Any, int]],
     return {c for c in candidates if c in reached}
 
 
-def _assign(graph: nx.Graph, seeds: list, attentions: list) -> tuple[dict, list]:
-    """Each connected component holding seeds is one sequence; two seed sizes in one
-    component are refused."""
+def _assign(graph: nx.Graph, seeds: list) -> tuple[dict, list] | None:
+    """Each connected component holding seeds is one sequence; ``None`` when a component
+    holds seeds of two sizes (sequences derived from one another: :func:`_assign_derived`)."""
     sequence: dict = {}
     lengths: list[int] = []
-    first_seed: list = []
     for seed in seeds:
         length = size(seed)
         if seed in sequence:
-            index = sequence[seed]
-            if length != lengths[index]:
-                raise _two_lengths(lengths[index], length, first_seed[index], seed,
-                                   attentions)
+            if length != lengths[sequence[seed]]:
+                return None
             continue
         index = len(lengths)
         lengths.append(length)
-        first_seed.append(seed)
         members = nx.node_connected_component(graph, seed) if seed in graph else set()
         for member in members | {seed}:
             sequence[member] = index
     return sequence, lengths
 
 
-def _assign_derived(graph: nx.Graph, seeds: list, attentions: list) -> tuple[dict, list]:
-    """Sequences derived from one another by a slice, pad or concatenation (a
-    multi-token-prediction block attending over ``h[:, :-1]`` beside the model's
-    ``h``): each sequence is seeded over the links that keep a dim's size, then extended
-    over the size-changing ones to the dims no sequence holds. One attention whose query
-    and key sides land in two sequences that dataflow connects (keys concatenated to a KV
-    cache) is still refused."""
+def _assign_derived(graph: nx.Graph, seeds: list) -> tuple[dict, list]:
+    """Sequences derived from one another by a slice, pad or concatenation: a
+    multi-token-prediction block attending over ``h[:, :-1]`` beside the model's ``h``,
+    or one attention whose keys are its queries' tokens written into a longer KV cache
+    (a pad, a ``dynamic_update_slice``) or concatenated to a cache. Each sequence is
+    seeded over the links that keep a dim's size, then extended over the size-changing
+    ones to the dims no sequence holds; an attention whose two sides land in two
+    sequences is a cross-attention between them, each sharded on its own, the
+    size-changing ops between them partitioned in natural order."""
     same_size = nx.Graph()
     same_size.add_nodes_from(graph.nodes)
     same_size.add_edges_from((a, b) for a, b in graph.edges if size(a) == size(b))
-    sequence, lengths = _assign(same_size, seeds, attentions)
+    # Over size-keeping links alone no component holds two sizes.
+    sequence, lengths = _assign(same_size, seeds)
     # Breadth first from every dim the sequences hold at once: a dim reached from two
     # joins the one fewest links away (the lower sequence on a tie).
     queue = collections.deque(node for node, _ in sorted(sequence.items(),
@@ -191,32 +189,7 @@ def _assign_derived(graph: nx.Graph, seeds: list, attentions: list) -> tuple[dic
             if other not in sequence:
                 sequence[other] = sequence[node]
                 queue.append(other)
-    for eqn in attentions:
-        q_side, kv_side = attention_sides(eqn)
-        if q_side and kv_side and q_side[0] in sequence and kv_side[0] in sequence \
-                and sequence[q_side[0]] != sequence[kv_side[0]] \
-                and nx.has_path(graph, q_side[0], kv_side[0]):
-            raise _two_lengths(lengths[sequence[q_side[0]]], lengths[sequence[kv_side[0]]],
-                               q_side[0], kv_side[0], attentions)
     return sequence, lengths
-
-
-def _two_lengths(have: int, size: int, first, seed, attentions) -> SeqAxisError:
-    return SeqAxisError(
-        f"dataflow connects sequence dims of lengths {have} and {size} "
-        f"({_where(first, attentions)}; {_where(seed, attentions)}):"
-        " one sequence cannot have two lengths (a KV cache or a concatenation of "
-        "sequences feeding one attention); leave that attention out of the "
-        "transformed function, or pass seq_axes= to cut the link")
-
-
-def _where(seed, attentions) -> str:
-    """Where a seed comes from, for errors: the attention it belongs to, or an input."""
-    atom, dim = seed
-    for eqn in attentions:
-        if any(atom is x for x in list(eqn.invars) + list(eqn.outvars)):
-            return f"dim {dim} of an operand of the attention at {compat.source_line(eqn)}"
-    return f"dim {dim} of a seq_axes input"
 
 
 def _walk(jaxpr) -> Iterable[Any]:
@@ -234,9 +207,8 @@ def infer_seq_axes(closed: Any, overrides: dict[int, tuple] | None = None) -> Se
     sequence); such inputs are seeded (or cut off) explicitly, the rest follows from
     dataflow, through merges and splits of dims too
     (:mod:`~cptransform.analysis.sequence_groups`). Two seeds of one component with
-    different sizes are sequences derived from one another by a slice
-    (:func:`_assign_derived`), unless one attention's queries and keys are the two (a KV
-    cache concatenated to the new keys, say): refused, one sequence has one length.
+    different sizes are sequences derived from one another by a slice, a pad or a
+    concatenation (:func:`_assign_derived`).
     """
     graph = nx.Graph()
     seeds: list = []
@@ -262,10 +234,7 @@ def infer_seq_axes(closed: Any, overrides: dict[int, tuple] | None = None) -> Se
         blocked |= {n for n in graph.nodes if n[0] is var and is_group(n)} - set(given)
     graph.remove_nodes_from(blocked)
     seeds = [seed for seed in seeds if seed not in blocked]
-    try:
-        sequence, lengths = _assign(graph, seeds, attentions)
-    except SeqAxisError:
-        sequence, lengths = _assign_derived(graph, seeds, attentions)
+    sequence, lengths = _assign(graph, seeds) or _assign_derived(graph, seeds)
     grouped: dict = {}
     for n in sequence:
         if is_group(n):

@@ -291,20 +291,22 @@ def _tracing(name: str):
         _TRACING.reset(token)
 
 
-def _on_mesh(leaves: list, mesh) -> list:
-    """Arrays committed to devices outside ``mesh`` (``jax.device_put(x,
-    jax.devices()[3])``) copied onto it, replicated, and arrays typed with Explicit mesh
-    axes moved to ``mesh`` (Auto axes); the program shards them from there.
+def _on_mesh(leaves: list, mesh) -> tuple[list, Any]:
+    """``(leaves on mesh, home)``: arrays committed to devices outside ``mesh``
+    (``jax.device_put(x, jax.devices()[3])``) copied onto it, replicated, and arrays typed
+    with Explicit mesh axes moved to ``mesh`` (Auto axes); the program shards them from
+    there. ``home`` (:func:`_home_device`): the one device the committed arrays share, where
+    the undecorated function would run and leave its outputs; they are moved there
+    (:func:`_at_home`). (The gradient of an argument left uncommitted stays on the mesh,
+    where the program computed it; one device's would be on ``home``.)
     Under ``grad`` / ``jvp`` of an eager call the copy is of the tracer whose primal is so
     committed: ``device_put`` is differentiable, and its transpose brings the gradient back
-    to the input's device, as on one device."""
+    to the input's device, as on one device. (Under an outer ``jax.jit`` the arrays are
+    tracers with no device: JAX itself pins that jit to a committed argument's device and
+    refuses the mesh's shardings inside it.)"""
     devices = set(mesh.devices.flat)
     replicated = NamedSharding(mesh, PartitionSpec())
-
-    def elsewhere(x) -> bool:
-        value = compat.concrete_primal(x)
-        return isinstance(value, jax.Array) and value.committed \
-            and value.sharding.device_set != devices
+    home = _home_device(leaves, mesh)
 
     def explicit(x):
         """The spec of ``x``'s Explicit sharding type (``2@data``) on ``mesh``'s Auto
@@ -328,26 +330,62 @@ def _on_mesh(leaves: list, mesh) -> list:
         spec = explicit(x)
         if spec is not None:
             return jax.device_put(x, NamedSharding(mesh, spec))
-        return jax.device_put(x, replicated) if elsewhere(x) else x
+        value = compat.concrete_primal(x)
+        if isinstance(value, jax.Array) and value.committed \
+                and value.sharding.device_set != devices:
+            return jax.device_put(x, replicated)
+        return x
 
-    return [placed(x) for x in leaves]
+    return [placed(x) for x in leaves], home
 
 
-def refuse_set_mesh_gradients(name: str, leaves: list) -> None:
+def _home_device(leaves: list, mesh):
+    """The one device every array committed outside ``mesh`` is on (None when no array
+    is, or they are on several devices, which one device would refuse)."""
+    devices = set(mesh.devices.flat)
+    homes = set()
+    for x in leaves:
+        value = compat.concrete_primal(x)
+        if isinstance(value, jax.Array) and value.committed \
+                and value.sharding.device_set != devices:
+            homes.add(frozenset(value.sharding.device_set))
+    (home,) = homes if len(homes) == 1 else ((),)
+    return next(iter(home)) if len(home) == 1 else None
+
+
+def _at_home(flat_out: list, home) -> list:
+    """The outputs committed to ``home``, the device the inputs were committed to (as the
+    undecorated function's would be), or left on the mesh (``home`` None)."""
+    return flat_out if home is None else [jax.device_put(o, home) for o in flat_out]
+
+
+def _is_transform_mesh(abstract, options: Options) -> bool:
+    """Whether the abstract mesh ``abstract`` has the axis names and sizes of the mesh the
+    transform builds for ``options`` (the one given, or ``cp`` devices on its one axis)."""
+    if options.mesh is not None:
+        names, sizes = options.mesh.axis_names, options.mesh.devices.shape
+    else:
+        names, sizes = options.axes, (options.cp or len(jax.devices()),)
+    return (tuple(abstract.axis_names), tuple(abstract.axis_sizes)) == \
+        (tuple(names), tuple(sizes))
+
+
+def refuse_set_mesh_gradients(name: str, leaves: list, mesh) -> None:
     """Raise when differentiated inside a ``jax.set_mesh`` context whose mesh has Explicit
-    axes: JAX builds the cotangents of the transformed program's outputs with the
-    program's shardings (over its Auto CP mesh) under that context, which it refuses (the
-    forward call alone works there, and so does a gradient under an Auto-axes mesh)."""
+    axes and is not the transform's mesh: JAX builds the cotangents of the transformed
+    program's outputs with the program's shardings (over its CP mesh) under that context,
+    which it refuses. On the transform's own mesh the call runs with the context's axes
+    made Auto (:meth:`ContextParallelFunction._call_typed`); the forward call alone works
+    under any mesh."""
     explicit = compat.context_mesh_explicit_axes()
     if explicit and compat.differentiated(leaves):
         raise ContextParallelError(
             f"{name} is differentiated inside `with jax.set_mesh(...)` whose mesh has "
-            f"Explicit axes {explicit}: the gradient's cotangents would be built over the "
-            "transform's CP mesh (Auto axes) under that context, which JAX refuses. Make the "
-            "mesh's axes Auto (jax.make_mesh(..., axis_types=(AxisType.Auto, ...))), or apply "
-            "jax.grad / jax.value_and_grad / jax.jvp outside the `with jax.set_mesh(...)` "
-            "block (calling the function inside it works), giving the mesh as "
-            "context_parallel(..., mesh=mesh)")
+            f"Explicit axes {explicit} and is not the transform's mesh {dict(mesh.shape)}: "
+            "the gradient's cotangents would be built over the transform's mesh under "
+            "that context, which JAX refuses. Give the transform the context's mesh, "
+            "context_parallel(..., mesh=mesh, axis=<its CP axis>), or apply jax.grad / "
+            "jax.value_and_grad / jax.jvp outside the `with jax.set_mesh(...)` block")
 
 
 def refuse_forward_over_reverse(name: str, leaves: list) -> None:
@@ -396,6 +434,9 @@ class ContextParallelFunction:
         self.options = options
         self._built: dict = {}
         self._stats: dict = {}
+        #: The output types of the undecorated function inside ``jax.set_mesh`` of an
+        #: Explicit-axes mesh, by argument types (:meth:`_call_typed`).
+        self._types: dict = {}
         #: The :class:`TransformStats` of the most recent transform (``None`` before the
         #: first call): per-pass wall times, for programs and profiles to read.
         self.last_transform_stats: TransformStats | None = None
@@ -409,22 +450,35 @@ class ContextParallelFunction:
 
     def _build(self, args, kwargs):
         split = self.options.split(args, kwargs)
-        key = (_signature(split.args, split.kwargs), split.static_key)
+        key = self._key(split)
         if key not in self._built:
             with compat.no_mesh_context(), gc_paused():
-                self._built[key], self._stats[key] = self._transform(split, args)
+                self._built[key], self._stats[key] = self._transform(split, args, key[-1])
             self.last_transform_stats = self._stats[key]
         final, written, call = self._built[key]
         return final, written, call, split
 
-    def _transform(self, split: CallArguments, args: tuple):
+    def _key(self, split: CallArguments) -> tuple:
+        """One program per signature, static arguments and caller's mesh context (last:
+        the context's mesh when it is the transform's own, whose axes its model's
+        annotations may name; a context of another mesh is not traced under, as the
+        program the transform builds runs on its own mesh)."""
+        context = compat.context_mesh()
+        if context is not None and not _is_transform_mesh(context, self.options):
+            context = None
+        return (_signature(split.args, split.kwargs), split.static_key, context)
+
+    def _transform(self, split: CallArguments, args: tuple, context):
         abstract = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.numpy.result_type(x)),
             (split.args, split.kwargs))
         name, written = getattr(self.fn, "__name__", "fn"), []
         log.info("%s: tracing", name)
         start = time.perf_counter()
-        with _tracing(name):
+        # Traced under the caller's mesh context (Auto axes), as the function itself would
+        # be: the model's own annotations (Flax's logical constraints, a PartitionSpec
+        # without a mesh) resolve against it; lowering re-expresses them on the CP mesh.
+        with _tracing(name), compat.mesh_context(context):
             module = trace(returning_argument_writes(split.bind(self.fn), name, written),
                            *abstract[0], name=name, **abstract[1])
         traced = time.perf_counter() - start
@@ -444,17 +498,49 @@ class ContextParallelFunction:
             return self.fn(*args, **kwargs)
         final, written, call, split = self._build(args, kwargs)
         arguments = (split.args, split.kwargs)
-        refuse_set_mesh_gradients(final.name, jax.tree_util.tree_leaves(arguments))
-        refuse_forward_over_reverse(final.name, jax.tree_util.tree_leaves(arguments))
-        flat = _on_mesh(jax.tree_util.tree_leaves(arguments), final.facts.mesh)
+        leaves = jax.tree_util.tree_leaves(arguments)
+        refuse_forward_over_reverse(final.name, leaves)
+        mesh = final.facts.mesh
+        traced = any(isinstance(x, jax.core.Tracer) for x in leaves)
         # Traced (under an outer jit or grad) this binds the program, and JAX linearizes
         # it here; called on arrays it runs it, which needs no pause.
-        traced = any(isinstance(x, jax.core.Tracer) for x in flat)
-        with compat.no_mesh_context(), gc_paused() if traced else contextlib.nullcontext():
-            flat_out = call.for_arguments(flat)(*flat)
+        with gc_paused() if traced else contextlib.nullcontext():
+            if compat.context_mesh_explicit_axes() and compat.context_mesh_is(mesh):
+                flat_out = self._call_typed(call, split, leaves)
+            else:
+                refuse_set_mesh_gradients(final.name, leaves, mesh)
+                flat, home = _on_mesh(leaves, mesh)
+                with compat.no_mesh_context():
+                    flat_out = _at_home(call.for_arguments(flat)(*flat), home)
         out, writes = jax.tree_util.tree_unflatten(final.out_tree, flat_out)
         write_back(arguments, written, writes)
         return out
+
+    def _call_typed(self, call: _Program, split: CallArguments, leaves: list) -> list:
+        """The program called inside ``jax.set_mesh`` of its own mesh with Explicit axes
+        (``jax.make_mesh``'s default): run with the context's axes made Auto, as the
+        program's mesh has them, its outputs given the types the undecorated function's
+        outputs have there (``jax.sharding.auto_axes``; the types come from
+        ``jax.eval_shape`` of the function, once per argument types). Differentiated there,
+        the cotangents are built with those types, which the context accepts."""
+        key = (_signature(split.args, split.kwargs), split.static_key,
+               tuple(jax.typeof(x) for x in leaves))
+        if key not in self._types:
+            typed = jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                               sharding=jax.typeof(x).sharding),
+                (split.args, split.kwargs))
+            name = getattr(self.fn, "__name__", "fn")
+            with _tracing(name):
+                out = jax.eval_shape(returning_argument_writes(split.bind(self.fn), name, []),
+                                     *typed[0], **typed[1])
+            self._types[key] = [PartitionSpec() if t.sharding is None else t.sharding.spec
+                                for t in jax.tree_util.tree_leaves(out)]
+        program = jax.sharding.auto_axes(lambda *flat: call.for_arguments(flat)(*flat),
+                                         out_sharding=self._types[key])
+        if not compat.forward_differentiated(leaves):
+            leaves = [compat.typed_cotangent(x) for x in leaves]
+        return program(*leaves)
 
     def lower(self, *args, **kwargs):
         """``jax.jit(...).lower`` of the transformed program (ShapeDtypeStructs allowed)."""
@@ -483,8 +569,7 @@ class ContextParallelFunction:
         predicted times, the layouts' balance, the conversions and the pass timings."""
         from cptransform.api.plan import build_plan
         final, _, _, split = self._build(args, kwargs)
-        key = (_signature(split.args, split.kwargs), split.static_key)
-        return build_plan(final, self._stats[key].passes)
+        return build_plan(final, self._stats[self._key(split)].passes)
 
 
 def context_parallel(fn: Callable | None = None, **options) -> Any:

@@ -10,6 +10,8 @@ Two kinds of change compose in one walk:
 
 Sub-jaxprs (pjit, scan, while, cond, remat, custom_jvp/vjp) are rewritten recursively and
 the enclosing equation is re-bound with the new bodies; call-like equations can be inlined.
+A body that runs on a mesh of its own (a model's ``shard_map``) is bound as it is: traced
+outside that mesh its collectives and ``axis_index`` would name unbound axes.
 Avals, effects and shardings come from re-tracing; nothing is keyed by printed names.
 """
 from __future__ import annotations
@@ -93,7 +95,7 @@ class Rewriter:
             if outs is not None:
                 return list(outs)
         subs = list(compat.eqn_subjaxprs(eqn))
-        if not subs:
+        if not subs or compat.runs_on_own_mesh(eqn):
             return compat.bind_eqn(eqn, invals)
         body = self._call_body(eqn) if eqn.primitive.name in self.inlinable else None
         params = self._rewrite_params(eqn)
@@ -129,6 +131,8 @@ class Rewriter:
         for eqn in jaxpr.eqns:
             if self.rules and eqn.primitive.name in self.rules:
                 return True
+            if compat.runs_on_own_mesh(eqn):
+                continue
             if self.inline is not None and eqn.primitive.name in self.inlinable and self.inline(eqn):
                 return True
             if any(self._touches(compat.open_jaxpr(s)) for _, s in compat.eqn_subjaxprs(eqn)):

@@ -84,8 +84,9 @@ def _check_shapes(spec: AttentionSpec, avals) -> None:
             raise AttentionShapeError(
                 f"sinks has shape {sinks.shape}; its last dim must be the {hq} query heads")
         expect("sinks", "(*batch, heads)", (hq,))
-    if a["mask"] is not None and a["mask"].dtype != jnp.bool_:
-        raise AttentionShapeError(f"mask must be boolean, got {a['mask'].dtype}")
+    for name in (role.operand for role in ROLES.values() if role.boolean):
+        if a[name] is not None and a[name].dtype != jnp.bool_:
+            raise AttentionShapeError(f"{name} must be boolean, got {a[name].dtype}")
     _check_index_operands(a, expect, hq, tq)
 
 
@@ -174,7 +175,7 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
               window: tuple[int | None, int | None] | None = None,
               segment_ids=None, scale: float | None = None, softcap: float | None = None,
               layout: str | None = None, positions=None, empty_rows: str = "zero",
-              sinks=None, topk_indices=None, chunk_size: int | None = None):
+              sinks=None, topk_indices=None, chunk_size: int | None = None, valid=None):
     """Attention over ``q``, ``k``, ``v`` as one ``attention_p`` equation.
 
     Args:
@@ -200,6 +201,10 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
       chunk_size: ``C`` for Llama-4 chunked attention: a token sees only the keys of its
         own chunk of ``C`` positions, ``q_pos // C == kv_pos // C`` (with ``causal``, the
         earlier ones).
+      valid: boolean ``[batch, seq]`` (or a ``(q_valid, kv_valid)`` pair): which tokens are
+        no padding (``tokens != pad``); a padded query sees no key and a padded key is seen
+        by no query (the query and key padding terms: ``[batch, seq]`` operands, never an
+        ``S×S`` mask).
     """
     if layout is None:
         layout = {4: "BTHD", 3: "THD"}.get(jnp.ndim(q))
@@ -211,8 +216,8 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
         raise AttentionShapeError("attention() needs a heads dim in its layout (e.g. 'BTHD')")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[lay.feature])
-    operands = [q, k, v] + _side_operands(len(lay.batch), positions, segment_ids, mask, bias,
-                                          sinks, topk_indices)
+    operands = [q, k, v] + _side_operands(len(lay.batch), positions, segment_ids, valid,
+                                          mask, bias, sinks, topk_indices)
     hq = q.shape[lay.heads]
     hk = k.shape[lay.heads]
     if hq % hk:
@@ -225,15 +230,16 @@ def attention(q, k, v, *, mask=None, bias=None, causal: bool = False,
         mask=MaskSpec(causal=bool(causal), window=win, segments=segment_ids is not None,
                       dense=mask is not None, bias=bias is not None, empty_rows=empty_rows,
                       topk=topk_indices is not None,
-                      chunk=None if chunk_size is None else int(chunk_size)),
+                      chunk=None if chunk_size is None else int(chunk_size),
+                      q_padding=valid is not None, kv_padding=valid is not None),
         positions=positions is not None, sinks=sinks is not None)
     return attention_p.bind(*operands, spec=spec)
 
 
-def _side_operands(nb: int, positions, segment_ids, mask, bias, sinks, topk) -> list:
+def _side_operands(nb: int, positions, segment_ids, valid, mask, bias, sinks, topk) -> list:
     """:func:`attention`'s optional operands in ``attention_p``'s order, each given the
-    ``nb`` leading batch dims it lacks (size 1) and its dtype; positions and segment ids
-    may be one array for both sides or a ``(q, kv)`` pair."""
+    ``nb`` leading batch dims it lacks (size 1) and its dtype; positions, segment ids and
+    validity may be one array for both sides or a ``(q, kv)`` pair."""
     def pair(x, what):
         if isinstance(x, (tuple, list)):
             if len(x) != 2:
@@ -252,6 +258,8 @@ def _side_operands(nb: int, positions, segment_ids, mask, bias, sinks, topk) -> 
         out += [lead(p, 1).astype(jnp.int32) for p in pair(positions, "positions")]
     if segment_ids is not None:
         out += [lead(s, 1) for s in pair(segment_ids, "segment_ids")]
+    if valid is not None:
+        out += [lead(x, 1).astype(bool) for x in pair(valid, "valid")]
     if mask is not None:
         out.append(lead(mask, 3).astype(bool))
     if bias is not None:

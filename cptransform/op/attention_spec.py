@@ -101,6 +101,9 @@ class MaskSpec:
       top-k picks among masked (``-inf``) scores stay hidden by the causal part;
     * ``chunk=C`` (Llama-4 chunked attention): ``q_pos // C == kv_pos // C``, each token
       sees only its own fixed chunk of ``C`` positions (with ``causal``, its earlier ones);
+    * ``q_padding``/``kv_padding``: ``q_valid[q]`` / ``kv_valid[kv]``, boolean per-token
+      operands (a padded batch's validity vector, ``tokens != pad``: a padded query sees
+      no key, a padded key is seen by no query);
     * ``coordinate_band=(lo, hi)``: ``lo <= kv_pos - q_coordinates[q] <= hi`` (``None``
       leaves a side open) with an int operand ``q_coordinates[..., q]``: a window around a
       per-query data coordinate instead of the query's position (DeepMind gemma's local
@@ -135,6 +138,8 @@ class MaskSpec:
     chunk: int | None = None
     added_fill: bool = False
     coordinate_band: tuple[int | None, int | None] | None = None
+    q_padding: bool = False
+    kv_padding: bool = False
 
     def __post_init__(self):
         if self.empty_rows not in EmptyRows.spellings():
@@ -177,6 +182,10 @@ class MaskSpec:
             out.append(mask_terms.CoordinateBand(*self.coordinate_band))
         if self.segments:
             out.append(mask_terms.Segments())
+        if self.q_padding:
+            out.append(mask_terms.QueryPadding())
+        if self.kv_padding:
+            out.append(mask_terms.KeyPadding())
         if self.dense:
             out.append(mask_terms.Dense())
         if self.topk:
@@ -192,7 +201,8 @@ class MaskSpec:
     def is_trivial(self) -> bool:
         """True when every pair is visible and nothing is added to the logits."""
         return self.band() == (None, None) and not (self.segments or self.dense or self.bias
-                                                    or self.topk
+                                                    or self.topk or self.q_padding
+                                                    or self.kv_padding
                                                     or self.coordinate_band is not None)
 
     def describe(self) -> str:
@@ -211,6 +221,10 @@ class MaskSpec:
                          f"{'inf' if hi is None else hi})")
         if self.segments:
             parts.append("segments")
+        if self.q_padding:
+            parts.append("query_padding")
+        if self.kv_padding:
+            parts.append("key_padding")
         if self.dense:
             parts.append("dense")
         if self.topk:
@@ -230,14 +244,16 @@ class AttentionSpec:
     """Everything ``attention_p`` needs besides its operands.
 
     Operands, in order: ``q, k, v``, then ``q_positions, kv_positions`` if ``positions``,
-    ``q_segment_ids, kv_segment_ids`` if ``mask.segments``, ``mask`` if ``mask.dense``,
+    ``q_segment_ids, kv_segment_ids`` if ``mask.segments``, ``q_valid`` if
+    ``mask.q_padding``, ``kv_valid`` if ``mask.kv_padding``, ``mask`` if ``mask.dense``,
     ``bias`` if ``mask.bias``, ``sinks`` if ``sinks``, ``topk_indices`` if ``mask.topk``,
     ``q_coordinates`` if ``mask.coordinate_band``, ``dropout_seed`` if ``dropout``. The
     output has q's layout with v's feature size.
 
     Shapes of the optional operands, with ``nb = len(q.batch)`` leading batch dims that
     follow q's batch dims in order and may be 1 (broadcast):
-    positions, segment ids and query coordinates ``(*batch, T)`` (int); mask and bias
+    positions, segment ids and query coordinates ``(*batch, T)`` (int), ``q_valid`` and
+    ``kv_valid`` ``(*batch, T)`` (bool); mask and bias
     ``(*batch, heads|1, Tq, Tkv)``; sinks ``(*batch, heads)`` (float; ``heads`` is 1 for q
     without a heads dim); top-k indices ``(*batch, heads|1, Tq, k)`` (int32, key
     positions); the dropout seed ``(*batch, heads, 4)`` (uint32, see
@@ -298,6 +314,10 @@ class AttentionSpec:
             names += ["q_positions", "kv_positions"]
         if self.mask.segments:
             names += ["q_segment_ids", "kv_segment_ids"]
+        if self.mask.q_padding:
+            names.append("q_valid")
+        if self.mask.kv_padding:
+            names.append("kv_valid")
         if self.mask.dense:
             names.append("mask")
         if self.mask.bias:

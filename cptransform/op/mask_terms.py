@@ -94,6 +94,8 @@ class Blocks:
     dense: object = None
     topk: object = None
     q_coord: Ranges | None = None
+    q_valid: Ranges | None = None
+    kv_valid: Ranges | None = None
 
     @classmethod
     def cut(cls, q_pos, kv_pos, bq: int, bk: int, *, mask=None, topk=None,
@@ -145,6 +147,8 @@ class Tile:
     dense: object = None
     picked: object = None
     q_coord: object = None
+    q_valid: object = None
+    kv_valid: object = None
 
     @classmethod
     def of(cls, operands, query, key, *, dense=None, picked=None) -> "Tile":
@@ -335,6 +339,61 @@ class Segments:
         return "segments"
 
 
+class _Padding:
+    """Base of the padding terms: ``valid[token]`` of one side's boolean per-token operand
+    (``field``), from a validity vector read from the tokens (``tokens != pad``)."""
+
+    field: ClassVar[str]
+    key_hull = None
+
+    def visible(self, t: Tile):
+        return getattr(t, self.field)
+
+    def block_kind(self, b: Blocks):
+        # A boolean's block range: its max says "some valid", its min "all valid".
+        r = getattr(b, self.field)
+        side = _query_side if self.roles[self.field].side is Side.QUERY else _key_side
+        return side(r.hi), side(r.lo)
+
+    def band(self):
+        return None, None
+
+
+@dataclass(frozen=True)
+class QueryPadding(_Padding):
+    """``q_valid[q]``: a query that is padding sees no key (``valid[:, :, None]``)."""
+
+    label = "query padding"
+    field = "q_valid"
+    operands = ("q_valid",)
+    roles = {"q_valid": Role(Side.QUERY, "q_valid", boolean=True, mask=True)}
+
+    def padding(self, first) -> dict:
+        return {"q_valid": True}
+
+    def describe(self) -> str:
+        return "query_padding"
+
+
+@dataclass(frozen=True)
+class KeyPadding(_Padding):
+    """``kv_valid[kv]``: a key that is padding is seen by no query (``valid[:, None, :]``);
+    its operand travels with the keys as their segment ids do."""
+
+    label = "key padding"
+    field = "kv_valid"
+    operands = ("kv_valid",)
+    roles = {"kv_valid": Role(Side.KEY, "kv_valid", boolean=True, mask=True)}
+
+    def padding(self, first) -> dict:
+        # It brings no query-side operand: a padded query is aimed at a valid key
+        # (``lowering/padding.py`` picks the first one as ``first``).
+        return {}
+
+    def describe(self) -> str:
+        return "key_padding"
+
+
 @dataclass(frozen=True)
 class CoordinateBand:
     """``lo ≤ kv_pos - q_coordinates[q] ≤ hi`` (``None``: that side open): a window around a
@@ -376,7 +435,7 @@ class Dense:
 
     label = "dense masks"
     operands = ("mask",)
-    roles = {"mask": Role(Side.ROWS, "mask", columns=True, mask=True)}
+    roles = {"mask": Role(Side.ROWS, "mask", columns=True, mask=True, boolean=True)}
 
     def visible(self, t: Tile):
         return t.dense
@@ -451,7 +510,7 @@ def _topk_hits(topk, kv_pos: Ranges):
 
 
 #: Every mask term class (``label``: what its operands are called in messages).
-TERMS = (Band, Chunks, Segments, CoordinateBand, Dense, TopK)
+TERMS = (Band, Chunks, Segments, CoordinateBand, Dense, TopK, QueryPadding, KeyPadding)
 #: The roles of the operands the terms bring, by canonical field name.
 TERM_ROLES: dict[str, Role] = {name: role for term in TERMS for name, role in term.roles.items()}
 #: The per-token operands the terms read (positions and the terms' own), by field name:

@@ -36,7 +36,8 @@ class Role:
     head-sharded by Ulysses' all-to-all, where the light operands are gathered);
     ``columns``: its last dim is the keys (all of them on every device, in the keys'
     layout order, narrowed per ring step); ``integer``: integer data, built as int32;
-    ``mask``: read by the mask terms (positions and the terms' own operands)."""
+    ``boolean``: boolean data; ``mask``: read by the mask terms (positions and the terms'
+    own operands)."""
 
     side: Side
     operand: str | None = None
@@ -44,6 +45,7 @@ class Role:
     columns: bool = False
     integer: bool = False
     mask: bool = False
+    boolean: bool = False
 
     @property
     def token_axis(self) -> int | None:

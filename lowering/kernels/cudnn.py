@@ -4,7 +4,7 @@ cannot express by the chunked XLA kernel.
 cuDNN (through JAX's private module, :func:`~cptransform.ir.compat.cudnn_attention`) runs
 one of two masks per call: none, or causal aligned to the block's top-left corner (query
 ``i`` sees keys ``j <= i``), optionally with a left window (``i - w < j``). Each call is
-classified at run time from its positions and segment ids (:func:`step_kind`, the mask
+classified at run time from its positions, segment ids and validity (:func:`step_kind`, the mask
 terms' own block classification over the whole block) and a ``lax.switch`` runs one of:
 
 * ``SKIP``: no query sees a key. Nothing is computed; the ``0·x`` terms of the kernel
@@ -68,7 +68,8 @@ from cptransform.op.attention_spec import ROLES, AttentionSpec
 
 #: The operands (by field name) a call gives cuDNN; a block holding any other (a dense
 #: mask, a bias, top-k indices, a term's data) goes to the XLA kernel whole.
-CUDNN_READS = frozenset({"q", "k", "v", "q_pos", "kv_pos", "q_seg", "kv_seg"})
+CUDNN_READS = frozenset({"q", "k", "v", "q_pos", "kv_pos", "q_seg", "kv_seg", "q_valid",
+                         "kv_valid"})
 #: The dtypes cuDNN's fused attention computes in (q, k and v alike).
 DTYPES = frozenset({"float16", "bfloat16"})
 
@@ -305,7 +306,8 @@ class CudnnKernel:
     #: with a left window (:func:`refusal`); a private API, so ``auto`` takes it only after
     #: its on-device self-check.
     capabilities = Capabilities(
-        mask_terms=frozenset({mask_terms.Band}), dtypes=DTYPES,
+        mask_terms=frozenset({mask_terms.Band, mask_terms.QueryPadding, mask_terms.KeyPadding}),
+        dtypes=DTYPES,
         head_dims=lambda d, backend: d > 0 and d % 8 == 0 and d <= head_dim_limit(),
         backends=frozenset({"gpu", "cuda"}), needs_check=frozenset({"gpu", "cuda"}),
         dropout=False, refuses=refusal)

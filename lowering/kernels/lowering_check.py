@@ -63,6 +63,7 @@ MASKS = {
     "window": (MaskSpec(window=(64, 0)), None),
     "chunk": (MaskSpec(causal=True, chunk=64), None),
     "segments": (MaskSpec(causal=True, segments=True), None),
+    "padding": (MaskSpec(causal=True, q_padding=True, kv_padding=True), None),
     "dense": (MaskSpec(dense=True), None),
     "topk": (MaskSpec(causal=True, topk=True), None),
     "bias_softcap": (MaskSpec(causal=True, bias=True), 30.0),
@@ -128,6 +129,8 @@ def abstract_operands(case: Case):
     extra = {}
     if spec_mask.segments:
         extra.update(q_seg=arr((1, case.tq), jnp.int32), kv_seg=arr((1, case.tkv), jnp.int32))
+    if spec_mask.q_padding:
+        extra.update(q_valid=arr((1, case.tq), jnp.bool_), kv_valid=arr((1, case.tkv), jnp.bool_))
     if spec_mask.dense:
         extra["mask"] = arr((1, 1, case.tq, case.tkv), jnp.bool_)
     if spec_mask.bias:

@@ -25,6 +25,8 @@ from cptransform.lowering.kernels.pallas_topk import TritonLoops
 from cptransform.lowering.kernels.pallas_operands import TILE_OPERANDS, heads_major, prepare, \
     tokens_major
 from cptransform.lowering.kernels.pallas_skipped import skipped_backward, skipped_forward
+from cptransform.lowering.kernels.padding_segments import as_segments
+from cptransform.op.mask_terms import KeyPadding, QueryPadding
 
 VARIANTS = {"tpu": pallas_tpu, "gpu": pallas_gpu}
 #: Head dims the GPU variant lowers: Pallas's Triton lowering needs every array in a kernel
@@ -46,11 +48,13 @@ class PallasKernel:
     """
 
     name = "pallas"
-    #: Every mask term whose operands the tiles carry (:data:`TILE_OPERANDS`); never
-    #: compiled on a GPU or TPU by the test suite, so ``auto`` takes it there only after
-    #: its on-device self-check.
+    #: Every mask term whose operands the tiles carry (:data:`TILE_OPERANDS`), and the
+    #: padding terms, read as segment ids (:mod:`.padding_segments`); never compiled on a
+    #: GPU or TPU by the test suite, so ``auto`` takes it there only after its on-device
+    #: self-check.
     capabilities = Capabilities(
-        mask_terms=frozenset(t for t in ALL_TERMS if t.roles.keys() <= TILE_OPERANDS),
+        mask_terms=frozenset(t for t in ALL_TERMS if t.roles.keys() <= TILE_OPERANDS)
+        | {QueryPadding, KeyPadding},
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         head_dims=lambda d, backend: d > 0 and (
             _BACKEND_VARIANT.get(backend) != "gpu" or d in GPU_HEAD_DIMS),
@@ -103,6 +107,7 @@ class PallasKernel:
 
     def forward(self, block: Block, spec: AttentionSpec, running=None):
         """``(o [B, Tq, H, Dv] f32, lse [B, H, Tq] f32)`` of ``block``; see the protocol."""
+        block, spec = as_segments(block, spec)
         loops = self._gathered(block, spec)
         if loops is not None:
             return topk_gather.forward(block, spec, running, self._swept_forward, loops)
@@ -119,6 +124,7 @@ class PallasKernel:
                  dq=None, dk=None, dv=None):
         """``(dq, dk, dv, dbias)`` float32 from the merged ``o``/``lse``; see the protocol
         (``delta``, when given, is :func:`row_delta` of them, computed once by the caller)."""
+        block, spec = as_segments(block, spec)
         loops = self._gathered(block, spec)
         if loops is not None:
             return topk_gather.backward(block, o, lse, do, spec, dlse, delta, dq, dk, dv,

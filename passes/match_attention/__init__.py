@@ -91,7 +91,7 @@ class MatchAttention(Pass):
         stats = RuleStats()
         reports: list[MatchReport] = []
         refusals: list[tuple[MatchReport, bool]] = []
-        refused_keys: list[tuple[MatchReport, tuple]] = []
+        refused: list[tuple[MatchReport, tuple | None, tuple]] = []
         sequence_dims: list[tuple] = []
         known = _closed_jaxprs(closed)
         bound = bound_inputs(closed)
@@ -102,7 +102,7 @@ class MatchAttention(Pass):
             reps, found = matcher.run()
             reports.extend(found)
             refusals.extend(matcher.refusals)
-            refused_keys.extend(matcher.refused_keys)
+            refused.extend(matcher.refused)
             sequence_dims.extend(matcher.sequence_dims)
             return reps
 
@@ -114,7 +114,7 @@ class MatchAttention(Pass):
                     "match-attention{strict=true}: attention not rewritten:\n  " +
                     "\n  ".join(map(str, bad)) +
                     "\nRewrite it with cptransform.attention(...), or drop strict to leave it.")
-        reports = _mark_over_keys(closed, reports, refused_keys, sequence_dims)
+        reports = _mark_over_keys(closed, reports, refused, sequence_dims)
         hits = sum(r.rewritten for r in reports)
         log = tuple(str(r) for r in reports)
         if distributed and hits:
@@ -125,11 +125,22 @@ class MatchAttention(Pass):
                           bool(hits), log)
 
 
-def _mark_over_keys(closed, reports: list, refused_keys: list, sequence_dims: list) -> list:
-    """``reports`` with ``over_keys`` set on the refused softmaxes whose keys dataflow links
-    to a rewritten attention's sequence: attentions left to run unsharded."""
-    if not refused_keys or not sequence_dims:
+def _mark_over_keys(closed, reports: list, refused: list, sequence_dims: list) -> list:
+    """``reports`` with ``over_keys`` set on the refused softmaxes (those weighting values,
+    :attr:`Matcher.refused`) that dataflow links to a rewritten attention's sequences:
+    attentions left to run unsharded. A softmax is one when the keys of its q·k product
+    are a sequence's, or when the axis it normalizes and another dim of its input both
+    are (``S×S`` logits, whatever the refusal's reason and however far the chain from the
+    product was read)."""
+    if not refused or not sequence_dims:
         return reports
-    linked = linked_dims(closed, sequence_dims, [keys for _, keys in refused_keys])
-    over = {id(report) for report, keys in refused_keys if keys in linked}
+    candidates = [keys for _, keys, _ in refused if keys is not None]
+    candidates += [(logits, d) for _, _, (logits, _) in refused
+                   for d in range(compat.aval_of(logits).ndim)]
+    linked = linked_dims(closed, sequence_dims, candidates)
+    over = set()
+    for report, keys, (logits, axes) in refused:
+        dims = {d for d in range(compat.aval_of(logits).ndim) if (logits, d) in linked}
+        if keys in linked or dims & set(axes) and dims - set(axes):
+            over.add(id(report))
     return [dataclasses.replace(r, over_keys=True) if id(r) in over else r for r in reports]

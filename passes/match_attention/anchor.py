@@ -77,6 +77,12 @@ def find_softmax(graph: Graph, sum_eqn: Any) -> Softmax:
     return Softmax(caps["exp.eqn"], x, e, axes[0], sum_eqn.outvars[0], sum_eqn)
 
 
+def exponentials(graph: Graph, sum_eqn: Any) -> Any | None:
+    """The ``exp`` equation whose result ``sum_eqn`` sums (through casts), or None."""
+    eqn = graph.producer(look_through(graph, sum_eqn.invars[0], moving(Moves.CAST)))
+    return eqn if eqn is not None and eqn.primitive.name == "exp" else None
+
+
 def is_normalizer(graph: Graph, atom: Any, softmax: Softmax, dims: tuple) -> bool:
     """Whether ``atom`` is the row sum broadcast back onto values labelled ``dims``."""
     nd = len(compat.aval_of(softmax.e).shape)

@@ -49,7 +49,8 @@ class Candidate:
     for a single KV head); ``group``: query-only head labels; ``out_labels``: the labels of
     ``out``'s dims, in order; ``biases``: ``(operand, coefficient)`` pairs; ``band``:
     bounds on ``kv - q`` (or None); ``segments``: ``(q ids, kv ids)`` or ``()``;
-    ``q_pads``/``kv_pads``: keep-masks of one sequence only, folded into segment ids;
+    ``q_pads``/``kv_pads``: keep-masks of one sequence only (the query and key padding
+    terms' operands, and-ed);
     ``dense``: the rest of the mask, as data; ``topk``: the top-k indices selecting the
     keys (an :class:`Opaque` whose ``k`` dim is labelled ``TOPK_DIM``) or None;
     ``added_fill``: the finite fill is added to the scores (``MaskSpec.added_fill``);
@@ -58,7 +59,11 @@ class Candidate:
     logits' masks (a pair is visible where all hold), as the mask analysis read them;
     ``coordinates``: the query coordinates of a coordinate band (an :class:`Opaque`) and
     ``coordinate_band`` its bounds (or None); ``dropout``: the dropout on the probabilities
-    (a :class:`~cptransform.passes.match_attention.dropout.DropoutPlan`) or None.
+    (a :class:`~cptransform.passes.match_attention.dropout.DropoutPlan`) or None;
+    ``after``: the moves from the product's arrangement (``out_labels``) to ``out``'s, where
+    the division by the row sum comes after them;
+    ``factors``: ``(operand, exponent)`` of the data factors on the logits (a temperature
+    per head or per query), folded into q (the operand's labels are tuples, as the sink's).
     """
 
     root: Any
@@ -92,6 +97,8 @@ class Candidate:
     coordinates: Any = None
     coordinate_band: tuple | None = None
     dropout: dropout.DropoutPlan | None = None
+    after: tuple = ()
+    factors: tuple = ()
 
     @property
     def heads(self) -> tuple:
@@ -103,9 +110,10 @@ class Candidate:
         """The mask parts for the match report."""
         return tuple(k for k in self.mask_kinds if (k != "dense" or self.dense)
                      and (k != "topk" or self.topk is not None)) \
-            + (("padding",) if self.q_pads or self.kv_pads else ()) \
+            + (("query_padding",) if self.q_pads else ()) \
+            + (("key_padding",) if self.kv_pads else ()) \
             + (("bias",) if self.biases else ()) + (("sinks",) if self.sink else ()) \
-            + (("dropout",) if self.dropout else ())
+            + (("dropout",) if self.dropout else ()) + (("factor",) if self.factors else ())
 
     def spec(self) -> AttentionSpec:
         """The spec of the ``attention_p`` equation: operands as ``(*batch, T, H, D)``."""
@@ -121,7 +129,8 @@ class Candidate:
             causal=hi is not None and not two_sided,
             causal_offset=hi if hi is not None and not two_sided else 0,
             window=(-lo, hi if two_sided else None) if lo is not None else None,
-            segments=bool(self.segments) or bool(self.q_pads or self.kv_pads),
+            segments=bool(self.segments), q_padding=bool(self.q_pads),
+            kv_padding=bool(self.kv_pads),
             dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows,
             added_fill=self.added_fill,
             topk=self.topk is not None, chunk=self.chunk,
@@ -144,7 +153,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
 
     q_in, q_scale = strip_scale(graph, qk.q)
     k_in, k_scale = strip_scale(graph, qk.k)
-    scale, softcap, biases = visible_form(qk.steps, q_scale * k_scale)
+    scale, softcap, biases, factors = visible_form(qk.steps, q_scale * k_scale)
     rows, preds = empty_rows(qk.steps)
     if zeroing:
         rows = _zeroed_rows(preds, zeroing, column)
@@ -172,6 +181,8 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     heads = ((kv_head,) if kv_head is not None else ()) + group
     sink = None if column is None else _sink_operand(graph, column, qk, batch, q_seq, heads)
 
+    factor_operands = tuple((_factor_operand(side, qk), exponent)
+                            for side, exponent in factors)
     drop = None if pv.dropout is None else dropout.plan(
         pv.dropout, qk.labels, qk.merged, qk.sizes, q_seq, qk.kv, set(batch) | set(heads),
         rows, _rows_may_be_empty(parts, qk.sizes[q_seq], qk.sizes[qk.kv]))
@@ -207,7 +218,8 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         groups=hq // hk, mask_kinds=kinds, sink=sink,
         topk=None if topk is None else topk.indices, chunk=parts.chunk, visible=tuple(preds),
         coordinates=parts.coordinates[0] if parts.coordinates else None,
-        coordinate_band=parts.coordinates[1] if parts.coordinates else None, dropout=drop)
+        coordinate_band=parts.coordinates[1] if parts.coordinates else None, dropout=drop,
+        after=pv.after, factors=factor_operands)
 
 
 def _kv_heads_and_batch(graph: Graph, qk: QKProduct, shared: list) -> tuple:
@@ -222,9 +234,9 @@ def _kv_heads_and_batch(graph: Graph, qk: QKProduct, shared: list) -> tuple:
 
 def _data_parts(parts: MaskParts, batch: list, q_seq, kv_seq) -> tuple:
     """``(q_pads, kv_pads, dense, topk, kinds)``: padding masks (a query-only or key-only
-    predicate, e.g. ``tokens != pad``) need no S×S operand: they are folded into segment
-    ids (see ``emit.padding_ids``); top-k indices shared by every query are no per-query
-    selection and stay dense data."""
+    predicate, e.g. ``tokens != pad``) need no S×S operand: they are the query and key
+    padding terms' per-token operands; top-k indices shared by every query are no
+    per-query selection and stay dense data."""
     q_pads = tuple(d for d in parts.dense if _only_on(d, batch, q_seq))
     kv_pads = tuple(d for d in parts.dense if d not in q_pads and _only_on(d, batch, kv_seq))
     dense = tuple(d for d in parts.dense if d not in q_pads and d not in kv_pads)
@@ -283,6 +295,17 @@ def _sink_operand(graph: Graph, column: SinkColumn, qk: QKProduct, batch: list, 
     if not np.issubdtype(compat.aval_of(atom).dtype, np.floating):
         raise NotAttention("the sink column is not floating point")
     return Operand(atom, dims)
+
+
+def _factor_operand(side, qk: QKProduct) -> Operand:
+    """A data factor on the logits, labelled for the queries to take it: constant along
+    the keys, any dim a reshape of the logits merged given as its parts."""
+    if qk.kv in side.dims:
+        raise NotAttention("the logits are multiplied by data that varies along the keys, "
+                           "not a temperature per query or per head (scale the keys before "
+                           "the q·k product instead)")
+    return Operand(side.var, tuple(() if lab is None else qk.merged.get(lab, (lab,))
+                                   for lab in side.dims))
 
 
 def _resolve(p_dims: tuple, qk: QKProduct) -> tuple:

@@ -33,6 +33,7 @@ class StepKind(enum.Enum):
     SHIFT = "shift"                # x + value
     TANH = "tanh"                  # the inside of a soft-cap c·tanh(x / c)
     BIAS = "bias"                  # x + value * side
+    FACTOR = "factor"              # x * side ** value, side data constant along the keys
     MASK_REPLACE = "mask-replace"  # where(pred, x, value)
     MASK_MUL = "mask-mul"          # where(pred, x, 0), as x * mask
     MASK_BIAS = "mask-bias"        # where(pred, x, x + value), as x + additive mask
@@ -44,8 +45,9 @@ class StepKind(enum.Enum):
 class Step:
     """One step of the logits chain, read forward from the q·k product.
 
-    ``value``: scale factor, shift, fill or bias sign; ``pred``: the visibility predicate
-    of a mask step; ``side``: the bias operand; ``labels``: the labels after a layout step.
+    ``value``: scale factor, shift, fill, bias sign or a factor's exponent (1: multiplied
+    in, -1: divided by); ``pred``: the visibility predicate of a mask step; ``side``: the
+    bias or factor operand; ``labels``: the labels after a layout step.
     """
 
     kind: StepKind
@@ -66,6 +68,7 @@ class ChainReader:
         #: The merged labels of the chain being read: label -> its parts, outermost first.
         self.merged: dict = {}
         self._fresh = 0
+        self._product = None
 
     def walk(self, x: Any) -> list:
         """``[(qk, None), (eqn, main), ...]``: the q·k dot_general, then the chain equations
@@ -78,9 +81,9 @@ class ChainReader:
                 raise NotAttention("softmax input does not come from a q·k product")
             if eqn.primitive.name == "dot_general":
                 break
-            if eqn.primitive.name not in CHAIN:
-                raise NotAttention(f"softmax input comes from {eqn.primitive.name}, not from a "
-                                   "q·k product")
+            name = eqn.primitive.name
+            if name not in CHAIN:
+                raise NotAttention(f"softmax input comes from {name}, not from a q·k product")
             out_shape = compat.aval_of(atom).shape
             cands = [i for i, a in enumerate(eqn.invars) if not compat.is_literal(a)
                      and compat.aval_of(a).dtype != np.bool_
@@ -90,7 +93,9 @@ class ChainReader:
             if eqn.primitive.name == "select_n":
                 cands = [i for i in cands if i > 0]
             if not cands:
-                raise NotAttention("softmax input does not come from a q·k product")
+                raise NotAttention(f"softmax input does not come from a q·k product through "
+                                   f"the steps the matcher reads (the logits' {name} takes "
+                                   "them from an op the matcher does not read)")
             eqns.append((eqn, cands[0]))
             atom = eqn.invars[cands[0]]
         eqns.reverse()
@@ -101,6 +106,7 @@ class ChainReader:
         of the softmax input's dims, and the labels of merged dims with their parts."""
         steps: list[Step] = []
         self.merged, self._fresh = {}, len(labels)
+        self._product = chain[0][0]
         for eqn, main in chain[1:]:
             name = eqn.primitive.name
             with self.stats.attempt(f"chain:{name}"):
@@ -110,6 +116,12 @@ class ChainReader:
                     labels = step.labels
             steps.extend(read)
         return steps, labels, dict(self.merged)
+
+    def reads_product(self, atom: Any) -> bool:
+        """Whether ``atom`` is computed from the q·k product of the chain being read."""
+        eqn = self.g.producer(atom)
+        return eqn is not None and any(e is self._product
+                                       for e in [eqn, *self.g.ancestors(eqn)])
 
     def merge(self, parts: tuple) -> int:
         """A fresh label for a dim merging ``parts`` (merged labels among them flattened)."""
@@ -255,7 +267,16 @@ def _read_arith(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step
         if isinstance(value, Opaque) and value.var is side:
             return [Step(StepKind.BIAS, sign, side=value)]
         return [Step(StepKind.BIAS, sign, side=Opaque.of(side, side_dims(side, labels)))]
-    raise NotAttention(f"logits go through {name} with a non-constant operand")
+    if name == "mul" or name == "div" and main == 0:
+        # A temperature (per head, per query, learned or computed): the candidate folds
+        # it into the queries when it is constant along the keys.
+        if r.reads_product(side):
+            raise NotAttention(f"logits go through {name} with a value computed from the "
+                               "logits themselves")
+        return [Step(StepKind.FACTOR, 1.0 if name == "mul" else -1.0,
+                     side=Opaque.of(side, side_dims(side, labels)))]
+    raise NotAttention(f"logits divide a non-constant value ({name} with the logits as "
+                       "its divisor)")
 
 
 #: The primitives a logits chain may go through, and how each one is read.

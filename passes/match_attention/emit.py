@@ -1,7 +1,8 @@
 """From a :class:`Candidate` to the equations that replace the attention subgraph.
 
 The replacement runs while the program is re-traced: it arranges q, k, v (and segment ids,
-padding, the dense mask and biases) into the spec's ``(*batch, T, H, D)`` layout, binds
+padding, the dense mask and biases) into the spec's ``(*batch, T, H, D)`` layout, folds
+the logits' data factors (a temperature per head or per query) into q, binds
 ``attention_p``, and arranges the result back into the layout of the output it replaces.
 """
 from __future__ import annotations
@@ -25,9 +26,10 @@ from cptransform.passes.match_attention.candidate import (K_FEATURE, Q_FEATURE, 
 
 def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     """The rewrite of ``c.root``: one ``attention_p`` with ``spec`` and the arranging around
-    it. Its inputs are q, k, v, then the segment ids, the padding and dense mask parts, the
-    biases, the sink source, the top-k indices, the query coordinates and the dropout key,
-    in that order."""
+    it. Its inputs are q, k, v, then the segment ids, the query and key padding parts (each
+    and-ed into one boolean ``[*batch, T]`` operand), the dense mask parts, the
+    biases, the sink source, the top-k indices, the query coordinates, the dropout key and
+    the data factors, in that order."""
     sizes, nbl = c.sizes, len(c.batch)
     batch, heads = list(c.batch), c.heads
     q_target = [*batch, c.q_seq, heads, Q_FEATURE]
@@ -47,19 +49,17 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
                     arrange(k, c.k.labels, k_target, sizes),
                     arrange(v, c.v.labels, v_target, sizes)]
         vals = list(side_values)
-        ids = [None, None]
         if n_seg:
-            ids = [arrange(vals[0], c.segments[0].dims, q_seq_target, sizes, (c.q_seq,)),
-                   arrange(vals[1], c.segments[1].dims, kv_seq_target, sizes, (c.kv_seq,))]
+            operands += [arrange(vals[0], c.segments[0].dims, q_seq_target, sizes, (c.q_seq,)),
+                         arrange(vals[1], c.segments[1].dims, kv_seq_target, sizes,
+                                 (c.kv_seq,))]
         vals = vals[n_seg:]
-        if n_qpad or n_kvpad:
-            q_ok = _all_of(c.q_pads, vals[:n_qpad], q_seq_target, sizes, (c.q_seq,))
-            kv_ok = _all_of(c.kv_pads, vals[n_qpad:n_qpad + n_kvpad], kv_seq_target, sizes,
-                            (c.kv_seq,))
-            ids = padding_ids(ids, q_ok, kv_ok, nbl, sizes[c.q_seq], sizes[c.kv_seq])
+        if n_qpad:
+            operands.append(_all_of(c.q_pads, vals[:n_qpad], q_seq_target, sizes, (c.q_seq,)))
+        if n_kvpad:
+            operands.append(_all_of(c.kv_pads, vals[n_qpad:n_qpad + n_kvpad], kv_seq_target,
+                                    sizes, (c.kv_seq,)))
         vals = vals[n_qpad + n_kvpad:]
-        if ids[0] is not None:
-            operands += ids
         if n_dense:
             operands.append(_all_of(c.dense, vals[:n_dense], pair_target, sizes, full))
         vals = vals[n_dense:]
@@ -67,7 +67,7 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
             operands.append(_bias_sum(c.biases, vals, pair_target, sizes, full))
         vals = vals[len(c.biases):]
         if c.sink is not None:
-            operands.append(_sinks(vals[0], c.sink.labels, [*batch, heads], sizes))
+            operands.append(_split_arrange(vals[0], c.sink.labels, [*batch, heads], sizes))
             vals = vals[1:]
         if c.topk is not None:
             k = compat.aval_of(c.topk.var).shape[c.topk.dims.index(TOPK_DIM)]
@@ -82,10 +82,15 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
         if c.dropout is not None:
             operands.append(_dropout_seed(vals[0], dict(c.dropout.strides), sizes, batch,
                                           heads))
+            vals = vals[1:]
+        if c.factors:
+            operands[0] = _fold_factors(operands[0], c.factors, vals, q_target, sizes)
         out = attention_p.bind(*operands, spec=spec)
         split = out.shape[:nbl + 1] + tuple(sizes[lab] for lab in heads) + out.shape[-1:]
         out = arrange(lax.reshape(out, split) if split != out.shape else out, out_target,
                       c.out_labels, sizes)
+        for eqn in c.after:
+            out = compat.bind_eqn(eqn, [out])[0]
         return [out if out.dtype == out_dtype else lax.convert_element_type(out, out_dtype)]
 
     sides = [s.var for s in c.segments]
@@ -95,6 +100,7 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     sides += [c.topk.var] if c.topk is not None else []
     sides += [c.coordinates.var] if c.coordinates is not None else []
     sides += [c.dropout.key] if c.dropout is not None else []
+    sides += [f.atom for f, _ in c.factors]
     return Replacement(c.root, (c.q.atom, c.k.atom, c.v.atom, *sides), build)
 
 
@@ -118,9 +124,23 @@ def _dropout_seed(key, strides: dict, sizes: dict, batch: list, heads: tuple):
     return lax.concatenate([data, jnp.asarray(where)], len(where.shape) - 1)
 
 
-def _sinks(x, dims: Sequence[tuple], target: Sequence, sizes: dict):
-    """The sink source (each dim holding a tuple of labels, in order) as ``target``'s
-    ``(*batch, heads)``: dims holding several labels are split first."""
+def _fold_factors(q, factors, values, target, sizes: dict):
+    """``q`` (arranged to ``target``) multiplied by each data factor of the logits (or
+    divided by it), in the dtype the two promote to: ``(q·t)·k`` is ``(q·k)·t``."""
+    for (factor, exponent), value in zip(factors, values):
+        dtype = jnp.promote_types(q.dtype, value.dtype)
+        term = _split_arrange(lax.convert_element_type(value, dtype), factor.labels, target,
+                              sizes)
+        term = lax.broadcast_in_dim(term, q.shape, tuple(range(q.ndim)))
+        wide = lax.convert_element_type(q, dtype)
+        wide = lax.mul(wide, term) if exponent > 0 else lax.div(wide, term)
+        q = lax.convert_element_type(wide, q.dtype)
+    return q
+
+
+def _split_arrange(x, dims: Sequence[tuple], target: Sequence, sizes: dict):
+    """``x`` (each dim holding a tuple of labels, in order: a sink source, a data factor)
+    as ``target``: dims holding several labels are split first."""
     shape, labels = [], []
     for n, labs in zip(x.shape, dims):
         shape += [sizes[lab] for lab in labs] if len(labs) > 1 else [n]
@@ -130,8 +150,21 @@ def _sinks(x, dims: Sequence[tuple], target: Sequence, sizes: dict):
     return arrange(x, labels, target, sizes)
 
 
-#: The compares a dense part's ``test`` names (``source op value``).
+#: The compares a dense part's ``test`` ends with (``source op value``).
 _COMPARE = {"eq": lax.eq, "ne": lax.ne, "lt": lax.lt, "le": lax.le, "gt": lax.gt, "ge": lax.ge}
+#: The steps a dense part's ``test`` takes before its compare (``mask_values.Data``).
+_STEPS = {"min": lax.min, "max": lax.max, "mul": lax.mul, "add": lax.add,
+          "and": lax.bitwise_and, "or": lax.bitwise_or,
+          "convert": lambda x, dtype: lax.convert_element_type(x, jnp.dtype(dtype))}
+
+
+def _tested(val, test):
+    """``val`` put through a dense part's ``test``: its steps, then its compare, each on
+    the value's own dtype, as the program computed them."""
+    *steps, (op, value) = test
+    for kind, arg in steps:
+        val = _STEPS[kind](val, arg if kind == "convert" else jnp.asarray(arg, val.dtype))
+    return _COMPARE[op](val, jnp.asarray(value, val.dtype))
 
 
 def _all_of(parts, values, target, sizes, full):
@@ -139,35 +172,13 @@ def _all_of(parts, values, target, sizes, full):
     mask = None
     for d, val in zip(parts, values):
         if d.test:
-            op, value = d.test
-            val = _COMPARE[op](val, jnp.asarray(value, val.dtype))
+            val = _tested(val, d.test)
         elif val.dtype != jnp.bool_:
             val = lax.ne(val, jnp.zeros((), val.dtype))
         val = lax.bitwise_not(val) if d.negated else val
         val = arrange(val, d.source.dims, target, sizes, full)
         mask = val if mask is None else lax.bitwise_and(mask, val)
     return mask
-
-
-def padding_ids(ids, q_ok, kv_ok, lead: int, q_len: int, kv_len: int):
-    """Segment ids that also encode query/key padding: ``q == kv`` iff the segments are
-    equal and both tokens are kept.
-
-    ``ids``: the ``[q_ids, kv_ids]`` found (or ``None``s), ``q_ok``/``kv_ok``: boolean
-    ``(*batch|1, T)`` keep-masks (or ``None``), ``lead``: the number of batch dims. Kept
-    tokens get even ids (``2·segment``, or 0 without segments); a dropped query gets 1 and
-    a dropped key 3, which equal nothing on the other side.
-    """
-    def encode(base, ok, dropped, length):
-        base = jnp.zeros((1,) * lead + (length,), jnp.int32) if base is None \
-            else lax.mul(lax.convert_element_type(base, jnp.int32), jnp.int32(2))
-        if ok is None:
-            return base
-        shape = jnp.broadcast_shapes(base.shape, ok.shape)
-        return lax.select(jnp.broadcast_to(ok, shape), jnp.broadcast_to(base, shape),
-                          lax.full(shape, dropped, jnp.int32))
-
-    return [encode(ids[0], q_ok, 1, q_len), encode(ids[1], kv_ok, 3, kv_len)]
 
 
 def arrange(x, dims: Sequence, target: Sequence, sizes: dict, full: Sequence = ()):

@@ -22,11 +22,23 @@ FINITE_FILL_LIMIT = -1e4
 
 
 def visible_form(steps: Sequence[Step], scale: float):
-    """``(scale, softcap, biases)`` of the logits where no mask hides them."""
+    """``(scale, softcap, biases, factors)`` of the logits where no mask hides them;
+    ``factors``: the data factors ``(operand, exponent)`` on the raw products, which the
+    queries take (a factor outside a soft-cap, or on a bias, is refused)."""
     inner = None  # (scale inside tanh, multiplier outside) once a tanh was seen
     biases: list = []
+    factors: list = []
     for st in steps:
-        if st.kind is StepKind.SCALE:
+        if st.kind is StepKind.FACTOR:
+            if inner is not None:
+                raise NotAttention("a data factor multiplies soft-capped logits (outside "
+                                   "the tanh): only a constant cap can be carried; apply "
+                                   "the factor before the soft-cap")
+            if biases:
+                raise NotAttention("a data factor multiplies logits that already carry a "
+                                   "bias: apply it before adding the bias")
+            factors.append((st.side, st.value))
+        elif st.kind is StepKind.SCALE:
             if inner is not None:
                 inner = (inner[0], inner[1] * st.value)
             else:
@@ -44,19 +56,22 @@ def visible_form(steps: Sequence[Step], scale: float):
         if m == 0:
             raise NotAttention("soft-capped logits multiplied by zero")
         scale, softcap = s * m, abs(m)
-    return scale, softcap, biases
+    return scale, softcap, biases, factors
 
 
 _SAMPLES = (-2.5, 0.75, 3.0)
-_BIAS_SAMPLES = (-1.25, 2.0)
+#: Sample ``(bias, factor)`` values (a factor comes before every mask: after one it is
+#: refused before the simulation).
+_SIDE_SAMPLES = ((-1.25, 0.5), (2.0, -2.0), (-1.25, 2.0))
 _f32 = np.float32
 
-#: ``effect(v, step, bias sample, masked)``: a step's effect on one float32 logit.
+#: ``effect(v, step, (bias, factor) sample, masked)``: a step's effect on one float32 logit.
 _EFFECT: dict[StepKind, Callable] = {
     StepKind.SCALE: lambda v, st, b, masked: _f32(v * _f32(st.value)),
     StepKind.SHIFT: lambda v, st, b, masked: _f32(v + _f32(st.value)),
     StepKind.TANH: lambda v, st, b, masked: _f32(np.tanh(v)),
-    StepKind.BIAS: lambda v, st, b, masked: _f32(v + _f32(st.value) * _f32(b)),
+    StepKind.BIAS: lambda v, st, b, masked: _f32(v + _f32(st.value) * _f32(b[0])),
+    StepKind.FACTOR: lambda v, st, b, masked: _f32(v * _f32(b[1] ** st.value)),
     StepKind.MASK_REPLACE: lambda v, st, b, masked: _f32(st.value) if masked else v,
     StepKind.MASK_MUL: lambda v, st, b, masked: _f32(v * _f32(0)) if masked else v,
     StepKind.MASK_BIAS: lambda v, st, b, masked: _f32(v + _f32(st.value)) if masked else v,
@@ -81,12 +96,13 @@ def empty_rows(steps: Sequence[Step]) -> tuple[str, list[Pred]]:
         return "zero", preds
     if len(preds) > 6:
         raise NotAttention("more than six distinct masks on the logits")
+    _factor_after_mask(steps)
     hidden_values = set()
     for r in range(1, len(preds) + 1):
         for hidden in combinations(range(len(preds)), r):
             outs = set()
             for x in _SAMPLES:
-                for b in _BIAS_SAMPLES:
+                for b in _SIDE_SAMPLES:
                     v = _f32(x)
                     with np.errstate(all="ignore"):
                         for st in steps:
@@ -104,9 +120,28 @@ def empty_rows(steps: Sequence[Step]) -> tuple[str, list[Pred]]:
         (fill,) = hidden_values
         if fill <= FINITE_FILL_LIMIT:
             return "uniform", preds
-        raise NotAttention(f"masked logits become {fill:g}, too large to hide them")
+        raise NotAttention(f"masked logits become {fill:g}, too large to hide them: each "
+                           "masked key keeps a share of its row's probability, so this is "
+                           "no mask, and no kernel computes a finite logit in place of a "
+                           "key's (a mask fills with -inf, or at most -1e4 after any "
+                           "soft-cap)")
     raise NotAttention("masked logits take different values depending on which mask hides "
                        f"them ({', '.join(sorted(f'{v:g}' for v in hidden_values))})")
+
+
+def _factor_after_mask(steps: Sequence[Step]) -> None:
+    """Refuse a data factor applied after a mask: the fill times the factor is no mask
+    the queries can take. A ``-inf`` fill times ``t`` sends ``0·(-inf) = NaN`` to ``t``'s
+    gradient on one device (every hidden pair does), which a factor folded into the
+    queries would not; a finite fill times ``t`` may stop hiding its keys."""
+    masked = False
+    for st in steps:
+        masked = masked or st.pred is not None
+        if masked and st.kind is StepKind.FACTOR:
+            raise NotAttention("a data factor multiplies the logits after a mask (on one "
+                               "device the -inf fill times it makes its gradient NaN, and "
+                               "a finite fill times it may no longer hide a key): apply "
+                               "the factor before the mask")
 
 
 def fill_added(steps: Sequence[Step], preds: Sequence[Pred]) -> bool:

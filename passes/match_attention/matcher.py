@@ -7,7 +7,8 @@ from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.ir.rewrite import Replacement
 from cptransform.op.attention_spec import EmptyRows
-from cptransform.passes.match_attention.anchor import Softmax, find_softmax, is_normalizer
+from cptransform.passes.match_attention.anchor import (Softmax, exponentials, find_softmax,
+                                                      is_normalizer)
 from cptransform.passes.match_attention.candidate import Candidate, build_candidate
 from cptransform.passes.match_attention.chain import ChainReader, side_dims
 from cptransform.passes.match_attention.emit import replacement
@@ -30,8 +31,12 @@ class Matcher:
         self.chains = ChainReader(graph, MaskAnalyzer(graph), stats)
         #: ``(report, attention_like)`` for every refusal.
         self.refusals: list[tuple[MatchReport, bool]] = []
-        #: ``(report, (k, dim))`` for every refused softmax over a q·k product's keys.
-        self.refused_keys: list[tuple[MatchReport, tuple]] = []
+        #: ``(report, keys, logits)`` for every refused softmax whose exponentials reach a
+        #: product (a ``dot_general``: weights applied to values, not a distribution kept
+        #: for a loss): ``keys`` the ``(k, dim)`` of the q·k product it normalizes over
+        #: (None when the chain cannot be read), ``logits`` the ``(value, axes)`` it
+        #: normalizes.
+        self.refused: list[tuple[MatchReport, tuple | None, tuple]] = []
         #: ``(atom, dim)``: the q and k sequence dims of every rewritten attention.
         self.sequence_dims: list[tuple] = []
 
@@ -44,7 +49,19 @@ class Matcher:
             try:
                 with self.stats.attempt(Rule.SOFTMAX):
                     softmax = find_softmax(self.g, eqn)
-            except NotAttention:
+            except NotAttention as e:
+                # A sum of exponentials that is no softmax core (several axes, a shift
+                # that varies along the axis) is reported too: it may normalize a q·k
+                # product whole; any other sum is no softmax.
+                exp = exponentials(self.g, eqn)
+                if exp is not None:
+                    report = MatchReport(compat.source_line(exp), "refused", str(e),
+                                         depth=self.depth, rule=Rule.SOFTMAX.value)
+                    reports.append(report)
+                    self.refusals.append((report, False))
+                    if self._weights_values(exp):
+                        self.refused.append((report, None, (exp.invars[0],
+                                                            tuple(eqn.params["axes"]))))
                 continue
             src = compat.source_line(softmax.exp_eqn)
             try:
@@ -53,9 +70,9 @@ class Matcher:
                 report = MatchReport(src, "refused", str(e), depth=self.depth, rule=e.rule)
                 reports.append(report)
                 self.refusals.append((report, e.attention_like))
-                keys = self._keys(softmax)
-                if keys is not None:
-                    self.refused_keys.append((report, keys))
+                if self._weights_values(softmax.exp_eqn):
+                    self.refused.append((report, self._keys(softmax),
+                                         (softmax.logits, (softmax.axis,))))
                 continue
             spec, kinds = candidate.spec(), candidate.kinds
             row_test = find_row_test(self.g, self.chains.masks, candidate)
@@ -69,6 +86,12 @@ class Matcher:
             reports.append(MatchReport(src, "rewritten", "", spec, " ".join(kinds) or "full",
                                        rule.value, self.depth))
         return reps, reports
+
+    def _weights_values(self, exp_eqn) -> bool:
+        """Whether the exponentials of ``exp_eqn`` reach a ``dot_general`` (the
+        probabilities weight values, as an attention's do), so that the softmax, left
+        alone over a sequence's keys, is an attention left whole."""
+        return any(e.primitive.name == "dot_general" for e in self.g.descendants(exp_eqn))
 
     def _keys(self, softmax: Softmax) -> tuple | None:
         """``(k, dim)``: the dim of a q·k product's right operand that a refused softmax

@@ -7,7 +7,8 @@ read), and nothing else may read them. With a sink column (:mod:`~cptransform.pa
 match_attention.sink`), exactly one slice that drops it, and nothing else, is on the way.
 Dropout on the way (a multiplier or a keep-mask drawn with ``jax.random``, and scalar
 scales) is read by :mod:`~cptransform.passes.match_attention.dropout`. Where the
-normalisation is deferred (``(e @ v) / sum``), the division after the product is the
+normalisation is deferred (``(e @ v) / sum``, through moves on either side:
+:mod:`~cptransform.passes.match_attention.deferred`), the division after the product is the
 attention's output.
 """
 from __future__ import annotations
@@ -21,10 +22,11 @@ from cptransform.analysis.dim_rules import reshape_groups
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
-from cptransform.passes.match_attention.anchor import Softmax, is_normalizer
+from cptransform.passes.match_attention.anchor import Softmax
+from cptransform.passes.match_attention.deferred import divides_by_row_sum, numerator
 from cptransform.passes.match_attention.dropout import DropoutReader, Drawn
 from cptransform.passes.match_attention.stats import NotAttention
-from cptransform.passes.match_attention.walk import UNIT_RESHAPES, scalar_value, single_user
+from cptransform.passes.match_attention.walk import UNIT_RESHAPES, scalar_value
 
 _CASTS = moving(Moves.CAST)
 _PERMUTES = moving(Moves.PERMUTE)
@@ -58,6 +60,7 @@ class ValueProduct:
     out: Any
     zeroed: tuple = ()
     dropout: Drawn | None = None
+    after: tuple = ()
 
     @property
     def p_is_lhs(self) -> bool:
@@ -89,16 +92,12 @@ def deferred(graph: Graph, softmax: Softmax, dims: tuple,
     if zeroed:
         raise NotAttention("unnormalised exponentials are zeroed by a mask before the value "
                            "product")
-    out = pv.outvars[0]
-    user = single_user(graph, out)
-    if user is None or user.primitive.name != "div" or user.invars[0] is not out:
-        raise NotAttention("the value product of unnormalised exponentials is not divided "
-                           "by the row sum")
-    product = ValueProduct(pv, p, p_dims, user, user.outvars[0], dropout=drawn)
-    if not is_normalizer(graph, user.invars[1], softmax, _out_dims(product)):
+    product = ValueProduct(pv, p, p_dims, pv, pv.outvars[0], dropout=drawn)
+    div, after, labels = numerator(graph, pv.outvars[0], _out_dims(product))
+    if not divides_by_row_sum(graph, div, softmax, labels):
         raise NotAttention("the value product is divided by something other than the "
                            "row sum")
-    return product
+    return ValueProduct(pv, p, p_dims, div, div.outvars[0], dropout=drawn, after=after)
 
 
 def _to_product(graph: Graph, p: Any, dims: tuple, also_read_by: Any = None,

@@ -9,8 +9,9 @@ this package. See ``docs/jax_versions.md`` for the measured differences.
 The package is split by subject: :mod:`.versions` (which JAX, checked on import),
 :mod:`.jaxprs` (jaxpr classes, bodies of higher-order primitives, canonical params),
 :mod:`.source_info` (the user's lines), :mod:`.primitives` (defining our own),
-:mod:`.tracers` (what the caller's trace is) and :mod:`.collectives` (collectives and
-kernels spelled differently per release).
+:mod:`.tracers` (what the caller's trace is), :mod:`.collectives` (collectives and
+kernels spelled differently per release) and :mod:`.meshes` (a model's own sharding
+constraints and ``shard_map`` regions).
 """
 from cptransform.ir.compat.versions import (  # checks the JAX version first
     ALLOW_UNTESTED_JAX, SUPPORTED_JAX, UnsupportedJaxError, check_jax_version,
@@ -25,9 +26,13 @@ from cptransform.ir.compat.source_info import (
 from cptransform.ir.compat.primitives import (
     Primitive, define_primitive, define_transpose, instantiate_zeros, register_pp_rule)
 from cptransform.ir.compat.tracers import (
-    concrete_primal, context_mesh_explicit_axes, differentiated, forward_differentiated,
-    forward_over_reverse, no_mesh_context)
+    concrete_primal, context_mesh, context_mesh_explicit_axes, context_mesh_is,
+    differentiated, forward_differentiated, forward_over_reverse, mesh_context,
+    no_mesh_context, typed_cotangent)
 from cptransform.ir.compat.collectives import (
     cudnn_attention, cudnn_missing, ppermute)
+from cptransform.ir.compat.meshes import (
+    SHARD_MAP, SHARDING_CONSTRAINT, MeshAnnotation, constraint_annotation, runs_on_own_mesh,
+    shard_map_annotation, shard_map_on)
 
-__all__ = ['ALLOW_UNTESTED_JAX', 'Body', 'canonical_params', 'jax_function', 'stable_params', 'ClosedJaxpr', 'JAXPR_CLASSES_MERGED', 'Jaxpr', 'JaxprTypeError', 'Literal', 'Primitive', 'SUPPORTED_JAX', 'ShapedArray', 'UnsupportedJaxError', 'aval_of', 'bind_eqn', 'bodies', 'call_body', 'check_jax_version', 'check_jaxpr', 'close_jaxpr', 'compiler_crash', 'concrete_primal', 'cond_branches', 'consts_of', 'context_mesh_explicit_axes', 'cudnn_attention', 'cudnn_missing', 'dce', 'define_primitive', 'define_transpose', 'differentiated', 'eqn_context', 'eqn_subjaxprs', 'eval_jaxpr', 'forward_differentiated', 'forward_over_reverse', 'inlining', 'instantiate_zeros', 'is_jaxpr_like', 'is_literal', 'jax_release', 'literal_value', 'name_stack', 'no_mesh_context', 'open_jaxpr', 'ppermute', 'register_pp_rule', 'scan_counts', 'source_line', 'source_lines', 'while_counts']
+__all__ = ['ALLOW_UNTESTED_JAX', 'Body', 'canonical_params', 'jax_function', 'stable_params', 'ClosedJaxpr', 'JAXPR_CLASSES_MERGED', 'Jaxpr', 'JaxprTypeError', 'Literal', 'Primitive', 'SUPPORTED_JAX', 'ShapedArray', 'UnsupportedJaxError', 'aval_of', 'bind_eqn', 'bodies', 'call_body', 'check_jax_version', 'check_jaxpr', 'close_jaxpr', 'compiler_crash', 'concrete_primal', 'cond_branches', 'consts_of', 'context_mesh', 'context_mesh_explicit_axes', 'context_mesh_is', 'cudnn_attention', 'cudnn_missing', 'dce', 'define_primitive', 'define_transpose', 'differentiated', 'eqn_context', 'eqn_subjaxprs', 'eval_jaxpr', 'forward_differentiated', 'forward_over_reverse', 'inlining', 'instantiate_zeros', 'is_jaxpr_like', 'is_literal', 'jax_release', 'literal_value', 'name_stack', 'mesh_context', 'no_mesh_context', 'open_jaxpr', 'ppermute', 'register_pp_rule', 'scan_counts', 'source_line', 'source_lines', 'typed_cotangent', 'while_counts', 'SHARD_MAP', 'SHARDING_CONSTRAINT', 'MeshAnnotation', 'constraint_annotation', 'runs_on_own_mesh', 'shard_map_annotation', 'shard_map_on']

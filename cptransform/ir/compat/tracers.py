@@ -22,6 +22,28 @@ def no_mesh_context() -> Iterator[None]:
             yield
 
 
+def context_mesh():
+    """The abstract mesh of the caller's ``jax.set_mesh`` / ``with mesh:`` context with
+    every axis Auto, or ``None`` without one."""
+    from jax._src import mesh as _mesh
+    from jax.sharding import AxisType
+    abstract = _mesh.get_abstract_mesh()
+    if abstract.empty:
+        return None
+    return abstract.update_axis_types({a: AxisType.Auto for a in abstract.axis_names})
+
+
+@contextlib.contextmanager
+def mesh_context(abstract) -> Iterator[None]:
+    """``abstract`` (from :func:`context_mesh`; ``None``: no mesh) as the mesh in context
+    while a function is traced: a model's annotations written for the caller's ``with
+    mesh:`` (Flax's logical constraints, a bare PartitionSpec) resolve against it."""
+    import jax
+    with contextlib.nullcontext() if abstract is None \
+            else jax.sharding.use_abstract_mesh(abstract):
+        yield
+
+
 def context_mesh_explicit_axes() -> tuple[str, ...]:
     """The axes of the ``jax.set_mesh`` context's mesh that are not Auto (Explicit or
     Manual; empty without a context mesh)."""
@@ -31,6 +53,15 @@ def context_mesh_explicit_axes() -> tuple[str, ...]:
     types = getattr(abstract, "axis_types", None) or ()
     return tuple(name for name, kind in zip(abstract.axis_names, types)
                  if kind != AxisType.Auto)
+
+
+def context_mesh_is(mesh) -> bool:
+    """Whether the ``jax.set_mesh`` context's mesh has ``mesh``'s axis names and sizes
+    (whatever either's axis types)."""
+    from jax._src import mesh as _mesh
+    abstract = _mesh.get_abstract_mesh()
+    return tuple(abstract.axis_names) == tuple(mesh.axis_names) and \
+        tuple(abstract.axis_sizes) == tuple(mesh.devices.shape)
 
 
 def differentiated(values) -> bool:
@@ -93,3 +124,34 @@ def forward_over_reverse(values) -> bool:
                 return True
     return False
 
+
+
+def typed_cotangent(x):
+    """``x``, whose cotangent is resharded to ``x``'s own type in the ``jax.set_mesh``
+    context (a ``custom_vjp`` identity; not for forward-mode tangents). JAX 0.10 and 0.11
+    give the gradient of an input of ``jax.sharding.auto_axes`` under ``jit`` the Auto
+    mesh's type, which the Explicit context then refuses to combine with its arrays."""
+    import jax
+    return _typed_cotangent(x, jax.typeof(x).sharding.spec)
+
+
+def _typed_cotangent_rule():
+    import functools
+
+    import jax
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+    def identity(x, spec):
+        return x
+
+    def forward(x, spec):
+        return x, None
+
+    def backward(spec, _, cotangent):
+        return (jax.sharding.reshard(cotangent, spec),)
+
+    identity.defvjp(forward, backward)
+    return identity
+
+
+_typed_cotangent = _typed_cotangent_rule()

@@ -1,0 +1,111 @@
+"""Padded batches of stock models at a long sequence: no array of ``S/cp × S`` per device.
+
+For each family of ``tests/model_families.py`` whose mask comes from a padding mask (the
+packages' own mask builders; DeepMind gemma and keras-hub, boolean and int masks), the
+loss-and-gradient program under ``context_parallel(cp=...)`` is compiled at ``--seq``
+tokens (8K by default) and its largest arrays are read from the compiled HLO: a padding
+mask kept as an ``S×S`` data term shows as a ``[B, (H,) S/cp, S]`` array per device. Prints
+a table and writes ``bench/results/padding_memory.json``. Nothing runs: only shapes are
+compiled (a few minutes on 2 cores).
+
+    python bench/padding_memory.py [--seq 8192] [--cp 8] [--families a,b]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("KERAS_BACKEND", "jax")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import model_families as mf  # noqa: E402
+from cptransform import context_parallel  # noqa: E402
+
+#: The padded families of ``model_families.FAMILIES``, and keras-hub's Gemma given an int
+#: ``padding_mask`` (its sliding layer's mask stays dense: ``docs/contract.md``).
+BUILDERS = {**{name: mf.FAMILIES[name] for name in (
+    "gemma_padded", "gemma_padded_int", "keras_llama_padded", "keras_gemma_padded",
+    "keras_gpt2_padded", "keras_mistral_padded")},
+    "keras_gemma_padded_int": lambda: mf.keras_gemma(padded=True, mask_dtype=np.int32)}
+#: DeepMind gemma's params do not depend on the length: built short, the inputs tiled.
+_SHORT = ("gemma_padded", "gemma_padded_int")
+_ARRAY = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f(?:16|32|64))\[([0-9,]*)\]")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def largest(hlo: str, count: int = 3) -> list[tuple[str, int]]:
+    """The ``count`` largest array types in ``hlo`` (``"f32[2,1024,64]"``, bytes)."""
+    seen = {}
+    for dtype, dims in _ARRAY.findall(hlo):
+        shape = [int(n) for n in dims.split(",") if n]
+        seen[f"{dtype}[{dims}]"] = int(np.prod(shape, dtype=np.int64)) * _BYTES[dtype]
+    return sorted(seen.items(), key=lambda kv: -kv[1])[:count]
+
+
+def pair_arrays(hlo: str, seq: int, cp: int) -> list[str]:
+    """Array types holding a ``S/cp × S`` (or larger) block of (query, key) pairs."""
+    out = []
+    for dtype, dims in _ARRAY.findall(hlo):
+        shape = [int(n) for n in dims.split(",") if n]
+        if seq in shape and any(n >= seq // cp for i, n in enumerate(shape)
+                                if i != shape.index(seq)):
+            out.append(f"{dtype}[{dims}]")
+    return sorted(set(out))
+
+
+def build(family: str, seq: int):
+    """``(loss, args)`` of ``family`` at ``seq`` tokens."""
+    mf.SEQ = mf.SEQ if family in _SHORT else seq
+    loss, args = BUILDERS[family]()
+    if family in _SHORT:
+        reps = seq // args[1].shape[1]
+        args = (args[0], *(np.tile(np.asarray(a), (1, reps)) for a in args[1:]))
+    mf.SEQ = seq
+    return loss, args
+
+
+def measure(family: str, seq: int, cp: int) -> dict:
+    loss, args = build(family, seq)
+    f = context_parallel(loss, cp=cp, schedule="ring", load_balance="zigzag")
+    start = time.perf_counter()
+    compiled = jax.jit(jax.value_and_grad(f)).lower(*args).compile()
+    hlo = compiled.as_text()
+    plans = f.module(*args).facts.plan
+    return {"family": family, "seq": seq, "cp": cp,
+            "dense_masks": sum(p.mask.dense for p in plans), "attentions": len(plans),
+            "largest": largest(hlo), "pair_arrays": pair_arrays(hlo, seq, cp),
+            "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
+            "compile_s": round(time.perf_counter() - start, 1)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq", type=int, default=8192)
+    parser.add_argument("--cp", type=int, default=8)
+    parser.add_argument("--families", default=",".join(BUILDERS))
+    parser.add_argument("--out", default=str(ROOT / "bench/results/padding_memory.json"))
+    a = parser.parse_args()
+    rows = []
+    print(f"{'family':24} {'dense':>5} {'S/cp x S arrays':>16} {'temp MiB':>9}  largest")
+    for family in a.families.split(","):
+        row = measure(family, a.seq, a.cp)
+        rows.append(row)
+        print(f"{family:24} {row['dense_masks']:>2}/{row['attentions']:<2} "
+              f"{len(row['pair_arrays']):>16} {row['temp_bytes'] / 2**20:>9.1f}  "
+              f"{row['largest'][0][0]}", flush=True)
+    Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Context parallelism inside models already written for sharding (docs/sharded_models.md).
+
+Five spellings of one decoder block, each annotating its activations for its own mesh the
+way production code does, on three meshes of 8 devices that put the CP axis beside the
+model's axes: Flax linen's ``with_logical_constraint`` under ``logical_axis_rules``, an NNX
+model whose parameters carry sharding metadata (constrained by ``get_partition_spec``),
+explicit ``with_sharding_constraint`` on q/k/v/o and the MLP (EasyDeL's pattern), an MoE
+layer under ``shard_map`` calling ``axis_index``/``psum`` over the model's axis, and
+single-device model code constraining on a 1-device mesh. Values and gradients match the
+same model on one device, the attention is sharded, and the lowered program keeps the
+model's own axes on the non-CP dims with the CP axis on the sequence.
+"""
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import assert_rewritten, assert_tree_close, make_mesh
+from cptransform import context_parallel
+from cptransform.ir.errors import ContextParallelError
+
+B, S, H, D, F = 2, 64, 4, 8, 32
+E = H * D
+MESHES = {"data_cp": ((2, 4), ("data", "cp")),
+          "fsdp_tensor_cp": ((2, 2, 2), ("fsdp", "tensor", "cp")),
+          "expert_cp": ((2, 4), ("expert", "cp"))}
+
+
+def _roles(mesh) -> dict:
+    """Which of the mesh's axes shards the batch, the heads and MLP features, the experts
+    (``None``: not on this mesh)."""
+    names = mesh.axis_names
+    batch = next((a for a in ("data", "fsdp", "expert") if a in names), None)
+    return {"batch": batch, "heads": "tensor" if "tensor" in names else None,
+            "expert": next(a for a in names if a != "cp")}
+
+
+def _causal(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+    s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def _weights(seed=0) -> dict:
+    rng = np.random.default_rng(seed)
+    w = lambda *shape: jnp.asarray(rng.normal(size=shape) / np.sqrt(shape[0]), jnp.float32)  # noqa: E731
+    return {"wq": w(E, H, D), "wk": w(E, H, D), "wv": w(E, H, D), "wo": w(H, D, E),
+            "up": w(E, F), "down": w(F, E), "experts": w(2, E, E)}
+
+
+def _tokens(seed=1):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(B, S, E)), jnp.float32)
+
+
+def explicit(mesh):
+    """EasyDeL's pattern: q, k, v, the attention output and the MLP activation each
+    constrained with a NamedSharding on the model's mesh."""
+    r = _roles(mesh)
+
+    def c(x, *spec):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+    def loss(p, x):
+        q, k, v = (c(jnp.einsum("bse,ehd->bshd", x, p[n]), r["batch"], None, r["heads"], None)
+                   for n in ("wq", "wk", "wv"))
+        o = c(_causal(q, k, v), r["batch"], None, r["heads"], None)
+        x = x + jnp.einsum("bshd,hde->bse", o, p["wo"])
+        h = c(jax.nn.gelu(x @ p["up"]), r["batch"], None, r["heads"])
+        return jnp.mean((x + h @ p["down"]) ** 2)
+    return loss, _weights(), contextlib.nullcontext()
+
+
+class _LinenBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        c = nn.with_logical_constraint
+        # No key bias: the softmax cancels it, its gradient is rounding noise.
+        q, k, v = (c(nn.DenseGeneral((H, D), use_bias=False, name=n)(x),
+                     ("batch", "length", "heads", "kv")) for n in "qkv")
+        o = c(_causal(q, k, v), ("batch", "length", "heads", "kv"))
+        x = x + nn.DenseGeneral(E, axis=(-2, -1), name="o")(o)
+        h = c(nn.gelu(nn.Dense(F, name="up")(x)), ("batch", "length", "mlp"))
+        return jnp.mean((x + nn.Dense(E, name="down")(h)) ** 2)
+
+
+def _rules(mesh):
+    r = _roles(mesh)
+    return (("batch", r["batch"]), ("length", None), ("heads", r["heads"]), ("kv", None),
+            ("mlp", r["heads"]), ("embed", r["batch"]))
+
+
+def linen(mesh):
+    """Flax linen: logical axis names resolved by ``logical_axis_rules`` to mesh axes."""
+    model = _LinenBlock()
+    params = jax.device_get(model.init(jax.random.key(0), _tokens()))
+    return model.apply, params, _under(mesh, nn.logical_axis_rules(_rules(mesh)))
+
+
+def _under(mesh, rules):
+    """The model's context: its mesh set (Flax's constraints resolve against it) and its
+    logical axis rules; on one device the rules alone (the constraints are no-ops)."""
+    stack = contextlib.ExitStack()
+    if mesh.size > 1:
+        stack.enter_context(jax.set_mesh(mesh))
+    stack.enter_context(rules)
+    return stack
+
+
+class _NnxBlock(nnx.Module):
+    def __init__(self, rngs):
+        part = lambda *names: nnx.with_partitioning(nnx.initializers.lecun_normal(), names)  # noqa: E731
+        self.q, self.k, self.v = (nnx.LinearGeneral(E, (H, D), use_bias=False, rngs=rngs,
+                                                    kernel_init=part("embed", "heads", "kv"))
+                                  for _ in range(3))
+        self.o = nnx.LinearGeneral((H, D), E, axis=(-2, -1),
+                                   kernel_init=part("heads", "kv", "embed"), rngs=rngs)
+        self.up = nnx.Linear(E, F, kernel_init=part("embed", "mlp"), rngs=rngs)
+        self.down = nnx.Linear(F, E, kernel_init=part("mlp", "embed"), rngs=rngs)
+
+    def __call__(self, x):
+        o = _causal(self.q(x), self.k(x), self.v(x))
+        x = x + self.o(o)
+        return jnp.mean((x + self.down(nnx.gelu(self.up(x)))) ** 2)
+
+
+def nnx_metadata(mesh):
+    """Flax NNX: parameters with sharding metadata, constrained to their partition specs
+    inside the loss (NNX's sharded-model idiom), logical names resolved by the rules."""
+    # NNX shards variables with metadata as it creates them: on the model's mesh.
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(_rules(mesh)):
+        graphdef, state = nnx.split(_NnxBlock(nnx.Rngs(0)))
+    state = jax.device_get(state)
+
+    def loss(state, x):
+        state = jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state))
+        return nnx.merge(graphdef, state)(x)
+    return loss, state, _under(mesh, nnx.logical_axis_rules(_rules(mesh)))
+
+
+def moe(mesh):
+    """An MoE layer under ``shard_map`` over the model's axis: each shard runs its expert
+    on every token (``axis_index`` picks its gate), ``psum`` combines them."""
+    ep = _roles(mesh)["expert"]
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P(), P(ep)), out_specs=P(), check_vma=False)
+    def experts(tokens, w):
+        gate = jax.nn.sigmoid(tokens[:, :1] + jax.lax.axis_index(ep).astype(tokens.dtype))
+        return jax.lax.psum(gate * jnp.tanh(tokens @ w[0]), ep)
+
+    if mesh.size == 1:
+        def experts(tokens, w):  # the same layer on one device, experts in a loop
+            return sum(jax.nn.sigmoid(tokens[:, :1] + i) * jnp.tanh(tokens @ w[i])
+                       for i in range(w.shape[0]))
+
+    def loss(p, x):
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, p[n]) for n in ("wq", "wk", "wv"))
+        x = x + jnp.einsum("bshd,hde->bse", _causal(q, k, v), p["wo"])
+        y = experts(x.reshape(B * S, E), p["experts"]).reshape(B, S, E)
+        return jnp.mean((x + y) ** 2)
+    return loss, _weights(), contextlib.nullcontext()
+
+
+def one_device(mesh):
+    """Single-device model code: the constraints name a 1-device mesh of the model's axes."""
+    return explicit(_single(mesh))
+
+
+def _single(mesh):
+    return make_mesh((1,) * len(mesh.axis_names), mesh.axis_names)
+
+
+SPELLINGS = {"explicit": explicit, "linen": linen, "nnx": nnx_metadata, "moe": moe,
+             "one_device": one_device}
+#: The fast tier's sample; the rest of the matrix is slow.
+FAST = {("explicit", "fsdp_tensor_cp"), ("moe", "expert_cp")}
+
+
+def _cases():
+    return [pytest.param(s, m, marks=() if (s, m) in FAST else pytest.mark.slow)
+            for s in SPELLINGS for m in MESHES]
+
+
+@pytest.mark.parametrize("spelling,mesh_name", _cases())
+def test_sharded_model_exact_and_keeps_its_shardings(spelling, mesh_name):
+    mesh = make_mesh(*MESHES[mesh_name])
+    loss, params, rules = SPELLINGS[spelling](mesh)
+    ref_loss, _, ref_rules = SPELLINGS[spelling](_single(mesh))
+    x = _tokens()
+    with ref_rules:
+        expected = jax.value_and_grad(ref_loss)(params, x)
+    with rules:
+        f = context_parallel(loss, mesh=mesh, axis="cp", schedule="ring", load_balance="zigzag")
+        got = jax.value_and_grad(f)(params, x)
+        assert_rewritten(f, params, x, count=1)
+        text = jax.jit(jax.value_and_grad(f)).lower(params, x).as_text()
+    assert_tree_close(jax.device_get(got), jax.device_get(expected), rtol=2e-5)
+    r = _roles(mesh)
+    if spelling == "moe":
+        # The experts' weights stay split over the model's axis inside the shard_map.
+        want = f'in_shardings=[<@mesh, [{{}}, {{}}]>, <@mesh, [{{"{r["expert"]}"}}, {{}}, {{}}]>]'
+        assert want in text, f"no shard_map with {want} in the lowered program"
+        return
+    kept = lambda a: "{}" if a is None or spelling == "one_device" else f'{{"{a}"}}'  # noqa: E731
+    want = f'<@mesh, [{kept(r["batch"])}, {{"cp"}}, {kept(r["heads"])}, {{}}]> : ' \
+           f'tensor<{B}x{S}x{H}x{D}xf32>'
+    if spelling == "nnx":  # NNX constrains its parameters: q's kernel [embed, heads, kv]
+        want = f'<@mesh, [{kept(r["batch"])}, {kept(r["heads"])}, {{}}]> : tensor<{E}x{H}x{D}xf32>'
+    assert want in text, f"no constraint {want} in the lowered program"
+
+
+def test_auto_schedule_keeps_the_model_axes():
+    """Under schedule=auto and load_balance=auto too (fast: the EasyDeL pattern)."""
+    mesh = make_mesh(*MESHES["data_cp"])
+    loss, params, _ = explicit(mesh)
+    x = _tokens()
+    expected = jax.value_and_grad(explicit(_single(mesh))[0])(params, x)
+    f = context_parallel(loss, mesh=mesh, axis="cp")
+    assert_tree_close(jax.device_get(jax.value_and_grad(f)(params, x)), jax.device_get(expected),
+                      rtol=2e-5)
+    assert_rewritten(f, params, x, count=1)
+
+
+def test_constraint_on_an_axis_the_program_lacks_is_refused():
+    model_mesh = make_mesh((8,), ("dp",))
+
+    def loss(p, x):
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(model_mesh, P("dp")))
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, p[n]) for n in ("wq", "wk", "wv"))
+        return jnp.mean(_causal(q, k, v) ** 2)
+    f = context_parallel(loss, mesh=make_mesh(*MESHES["data_cp"]), axis="cp")
+    with pytest.raises(ContextParallelError, match="names mesh axis 'dp' of size 8, which "
+                       "the program's mesh {'data': 2, 'cp': 4} does not have"):
+        f(_weights(), _tokens())
+
+
+def test_the_cp_axis_on_a_dim_other_than_the_sequence_is_refused():
+    mesh = make_mesh(*MESHES["data_cp"])
+
+    def loss(p, x):
+        q, k, v = (jax.lax.with_sharding_constraint(
+            jnp.einsum("bse,ehd->bshd", x, p[n]), NamedSharding(mesh, P(None, None, "cp")))
+            for n in ("wq", "wk", "wv"))
+        return jnp.mean(_causal(q, k, v) ** 2)
+    f = context_parallel(loss, mesh=mesh, axis="cp")
+    with pytest.raises(ContextParallelError, match="shards dim 2 over the CP axis 'cp'"):
+        f(_weights(), _tokens())
+
+
+def test_shard_map_on_another_mesh_is_refused():
+    loss, params, _ = moe(make_mesh((2, 4), ("expert", "ep2")))
+    f = context_parallel(loss, mesh=make_mesh(*MESHES["expert_cp"]), axis="cp")
+    with pytest.raises(ContextParallelError, match="runs on mesh .* but the program's mesh is"):
+        f(params, _tokens())
