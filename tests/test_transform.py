@@ -383,7 +383,8 @@ def test_position_tables_follow_the_reordering(load_balance):
 
 @pytest.mark.slow
 def test_padded_batch_needs_no_square_mask():
-    """``tokens != pad`` masks become segment ids: nothing S×S reaches the schedule."""
+    """A ``tokens != pad`` mask becomes a key-padding term (a ``[B, S]`` vector travelling
+    with the keys): nothing S×S reaches the schedule."""
     keys = jax.random.split(jax.random.key(11), 2)
     x = jax.random.normal(keys[0], (2, 32, 2, 8))
     tokens = jax.random.randint(keys[1], (2, 32), 0, 4)  # 0 is padding
@@ -398,8 +399,8 @@ def test_padded_batch_needs_no_square_mask():
     np.testing.assert_allclose(value, ref_v, rtol=RTOL)
     assert_tree_close(grad, ref_g)
     text = f.explain(x, tokens, verbose=True)
-    assert "rewritten [causal padding] causal segments empty=uniform" in text
-    assert "mask: causal segments empty=uniform;" in text
+    assert "rewritten [causal key_padding] causal key_padding empty=uniform" in text
+    assert "mask: causal key_padding empty=uniform;" in text
 
 
 def _scanned_remat_vmapped(params, x):
