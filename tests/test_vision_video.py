@@ -169,8 +169,8 @@ def vit_args(rng, size: int = 32, patch: int = 4, layers: int = 2):
     return params, normal(rng, B, size, size, 3), labels
 
 
-@pytest.mark.parametrize("schedule,load_balance,heads", [
-    SCHEDULES[0], *(pytest.param(*case, marks=pytest.mark.slow) for case in SCHEDULES[1:])])
+@pytest.mark.slow  # the fast tier's 2-D patches: test_image_rows_and_columns_in_patches_...
+@pytest.mark.parametrize("schedule,load_balance,heads", SCHEDULES)
 def test_vit_conv_patches_and_axial_rope(rng, schedule, load_balance, heads):
     """The sequence starts at the patch embedding (no input carries it: every device reads
     the image); every attention is sharded and the numbers are one device's."""
@@ -206,9 +206,9 @@ def test_image_rows_and_columns_in_patches_are_the_sequence(rng):
 DIT = video_dit.Config(frames=8, height=8, width=8, dim=48, heads=8, layers=1, mlp_dim=64)
 
 
-@pytest.mark.parametrize("schedule,load_balance", [
-    pytest.param("auto", "auto", marks=pytest.mark.slow), ("ring", "zigzag"),
-    pytest.param("ulysses", "none", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the fast tier traces and plans it: test_video_dit_explain_names_...
+@pytest.mark.parametrize("schedule,load_balance", [("auto", "auto"), ("ring", "zigzag"),
+                                                   ("ulysses", "none")])
 def test_video_dit(schedule, load_balance):
     """The example's DiT: frames × rows × columns of patches merged into the sequence of
     a full attention, exact and sharded under each schedule."""
@@ -236,9 +236,8 @@ def flat_dit_loss(params, tokens, frames: int = 8, heads: int = 4):
     return jnp.mean(jnp.tanh(x) ** 2)
 
 
-@pytest.mark.parametrize("schedule,load_balance,heads", [
-    pytest.param(*case, marks=() if case[0] == "ring" else pytest.mark.slow)
-    for case in SCHEDULES])
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,load_balance,heads", SCHEDULES)
 def test_dit_on_pre_flattened_latents(rng, schedule, load_balance, heads):
     """The tokens' dim reaches the attention through the ``[B, T, P, C]`` view (a split and
     a merge): the input is the sequence, no ``seq_axes`` needed."""
