@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from conftest import assert_rewritten, assert_tree_close, sharded_only
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import assert_rewritten, assert_tree_close, make_mesh, sharded_only
 from cptransform import context_parallel
 from cptransform.ir.errors import SeqAxisError
 
@@ -106,6 +108,25 @@ def test_factorised_space_time_attention_under_every_schedule(rng, schedule, loa
     check(loss, space_time_args(rng), 2, argnums=(0, 1), schedule=schedule,
           load_balance=load_balance)
 
+
+
+@pytest.mark.slow
+def test_factorised_attention_under_the_models_own_constraint(rng):
+    """A model's constraint on ``[B, T, P, C]`` (its batch over 'data'): the CP axis goes
+    on the sharded sequence's dim alone (frames and patches are both sequences of that
+    value; both on 'cp' was a duplicate-axis error)."""
+    mesh = make_mesh((2, 4), ("data", "cp"))
+
+    def loss(params, x):
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P("data", None, None, None)))
+        return space_time_loss(params, x)
+
+    args = space_time_args(rng)
+    f = context_parallel(loss, mesh=mesh, axis="cp", schedule="ring", load_balance="zigzag")
+    with sharded_only():
+        assert_rewritten(f, *args, count=2)
+        got = jax.value_and_grad(f, argnums=(0, 1))(*args)
+    assert_tree_close(got, jax.value_and_grad(loss, argnums=(0, 1))(*args))
 
 # -- ViT: a conv patch embedding, axial 2-D RoPE ---------------------------------------------
 
