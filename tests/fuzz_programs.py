@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import fuzz_equal_dims
 from cptransform import context_parallel
 from cptransform.api.context_parallel import UnshardedWarning
 from cptransform.ir.errors import CPTransformError
@@ -116,8 +117,11 @@ RECURRENCE_CLASSES = (
     "chunked_scan",     # gated linear attention across chunks of a random size (CHUNKS)
     "prefix_scan",      # cumulative ops and associative scans over the tokens (PREFIXES)
 )
+#: Two or three sequence-like dims of one length (frames x patches x rows), attended one at
+#: a time or merged (tests/fuzz_equal_dims.py); after the others for the same reason.
+EQUAL_DIMS_CLASSES = ("equal_dims",)
 ALL_CLASSES = (MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES + PADDING_MERGE_CLASSES
-               + RECURRENCE_CLASSES)
+               + RECURRENCE_CLASSES + EQUAL_DIMS_CLASSES)
 
 #: Classes that currently find bugs (wrong numbers or unclear crashes), with the reason.
 #: ``tests/test_fuzz.py`` skips them; ``bench/fuzz.py`` runs them. Fix the bug, delete the
@@ -281,7 +285,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
     cp = choose("cp", (2, 4, 8))
     seq = choose("seq", tuple(s for s in range(16, 65, 2 * cp)))
     batch = choose("batch", (1, 2))
-    force_mha = cls == "fused_qkv"
+    force_mha = cls in ("fused_qkv", "equal_dims")
     heads, kv_heads = _heads(choose, cp, force_mha)
     head_dim = choose("head_dim", (4, 8, 16))
     mask = {"mask_none": "none", "mask_causal": "causal", "mask_window": "window",
@@ -294,6 +298,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         mask = "key_padding"
     elif cls == "row_test":
         mask = "row_test"
+    elif cls == "equal_dims":
+        mask = choose("mask", ("none", "causal"))
     elif mask is None:
         mask = choose("mask", ("none", "causal", "causal", "window"))
     spelling = choose("spelling", SPELLINGS)
@@ -361,6 +367,12 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "llama_block": POSITION_DTYPES,
     }.get(cls, ("",))
     variant = choose("variant", variants)
+    if cls == "equal_dims":
+        variant = fuzz_equal_dims.draw_variant(choose)
+        # lengths the layouts divide (the program then runs in layout order), n³ small
+        seq = choose("dim_length", tuple(n for n in (4, 8, 16) if n % (2 * cp) == 0
+                                         and (variant.startswith("2") or n <= 8)) or (8,))
+        batch = 2   # a batch of one would make every merge with it a no-op
     llama = cls == "llama_block"
     return FuzzCase(
         cls=cls, seed=seed, cp=cp, schedule=schedule, load_balance=load_balance,
@@ -744,6 +756,9 @@ def _normal(rng, shape, scale=1.0):
 def make_data(case: FuzzCase):
     """(params, inputs) for a case: random, never zeros, from the case's seed."""
     rng = np.random.default_rng(case.seed)
+    if case.cls == "equal_dims":
+        params, inputs = fuzz_equal_dims.params_and_inputs(case, rng)
+        return jax.tree_util.tree_map(jnp.asarray, (params, inputs))
     b, s, h, kh, d, dv, e = (case.batch, case.seq, case.heads, case.kv_heads, case.head_dim,
                              case.v_head_dim, case.model_dim)
     p: dict[str, Any] = {}
@@ -1417,6 +1432,9 @@ def build(case: FuzzCase):
     layer_keys = tuple(k for k in ("wq", "wk", "wv", "wqkv", "wo", "g") if k in params)
 
     def loss(p, inp):
+        if case.cls == "equal_dims":
+            return fuzz_equal_dims.loss(
+                case, lambda c, q, k, v: attend(c, q, k, v, p, inp), p, inp)
         if case.cls == "shift_loss":
             x = p["emb"][inp["tokens"]]
         elif case.cls == "seq_scatter":

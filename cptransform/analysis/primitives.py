@@ -17,13 +17,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from cptransform.analysis.dim_rules import (ActsOn, Link, LinkRule, acts_on_contracting,
+from cptransform.analysis.dim_rules import (ActsOn, GroupRule, Link, LinkRule,
+                                            acts_on_contracting,
                                             acts_on_dynamic_slice, acts_on_gather,
                                             acts_on_nothing, acts_on_pad, acts_on_param,
                                             acts_on_params, acts_on_recurrence,
                                             acts_on_seq_window,
                                             acts_on_slice, acts_on_top_k,
-                                            link_attention,
+                                            groups_reshape, link_attention,
                                             link_broadcast_in_dim, link_concatenate,
                                             link_dot_general, link_dropping, link_gather,
                                             link_recurrence, link_reshape, link_same_dims,
@@ -111,6 +112,7 @@ class PrimFacts:
     call: CallKind | None = None
     inlinable: bool = False
     linear: Linear | None = None
+    groups: GroupRule | None = None
 
 
 ELEMENTWISE_NAMES = """
@@ -158,7 +160,7 @@ PRIMS["dot_general"] = PrimFacts(Family.CONTRACTION, link_dot_general, acts_on_c
 PRIMS["broadcast_in_dim"] = PrimFacts(Family.SHAPE, link_broadcast_in_dim, acts_on_nothing,
                                       order_safe=True, shiftable=True, moves=Moves.BROADCAST)
 PRIMS["reshape"] = PrimFacts(Family.SHAPE, link_reshape, acts_on_nothing, order_safe=True,
-                             shiftable=True, moves=Moves.RESHAPE)
+                             shiftable=True, moves=Moves.RESHAPE, groups=groups_reshape)
 PRIMS["squeeze"] = PrimFacts(Family.SHAPE, link_dropping("dimensions"), acts_on_nothing,
                              order_safe=True, shiftable=True, moves=Moves.SQUEEZE)
 PRIMS["transpose"] = PrimFacts(Family.SHAPE, link_transpose, acts_on_nothing,
@@ -251,6 +253,13 @@ def seq_links(eqn) -> list[Link]:
     """The dim links of one equation (none for a primitive without a link rule)."""
     row = PRIMS.get(eqn.primitive.name)
     return row.seq_link(eqn) if row is not None and row.seq_link is not None else []
+
+
+def group_links(eqn) -> tuple[list, list]:
+    """The group links and member links of one equation (none for a primitive that
+    neither merges nor splits dims)."""
+    row = PRIMS.get(eqn.primitive.name)
+    return row.groups(eqn) if row is not None and row.groups is not None else ([], [])
 
 
 def acting_dims(eqn) -> list[set[int]] | None:

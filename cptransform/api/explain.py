@@ -55,6 +55,8 @@ def explain_module(module, options: Any, hlo_text: str | None = None, *,
              + (f" (kernel={options.kernel})" if kernels and options.kernel == "auto" else "")]
     if seq is not None and seq.lengths:
         lines.append(f"  sequence axis: {seq.describe()}")
+    if facts.sharded_sequence is not None:
+        lines.append(f"  {facts.sharded_sequence.describe()}")
     lines += _matcher_lines(facts.matches or (), verbose)
     if not plan.attentions and not facts.recurrences:
         lines.append("  no attention found: the function runs unchanged; nothing is sharded "

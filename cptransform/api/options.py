@@ -95,7 +95,8 @@ OPTIONS: dict[str, OptionSpec] = {spec.name: spec for spec in (
     OptionSpec("kernel", "str", "auto", "local step: auto takes per attention the fastest "
                "kernel that runs it", choices=kernel_choices, consumer=PLAN, flag=True),
     OptionSpec("seq_axes", "Any", None, "per positional argument its sequence dims (an int, "
-               "a tuple, None, or a pytree prefix of it), overriding the inferred ones"),
+               "a tuple, None, or a pytree prefix of it; dims merged into one sequence as a "
+               "tuple inside: ((1, 2),)), overriding the inferred ones"),
     OptionSpec("strict", "bool", False, "refuse ops that are not order-safe along the "
                "sequence instead of wrapping them, and an attention left unsharded",
                consumer=REORDER),
