@@ -56,32 +56,44 @@ def tree_error(got_tree, want_tree) -> TreeError:
 @dataclass(frozen=True)
 class Sharding:
     """How many of a program's attentions the transform rewrote into a CP schedule, of the
-    attentions the matcher saw (rewritten, or left whole over a q·k product)."""
+    attentions the matcher saw (rewritten, or left whole over a q·k product), and how many
+    of its recurrences along the sequence pass state between the devices (not gathered)."""
 
     rewritten: int
     attentions: int
+    passed: int = 0
+    recurrences: int = 0
 
     @property
     def ok(self) -> bool:
-        return 0 < self.rewritten == self.attentions
+        return self.rewritten == self.attentions and self.passed == self.recurrences \
+            and self.rewritten + self.passed > 0
 
     def __str__(self) -> str:
-        return (f"attentions sharded: {self.rewritten} of {self.attentions}"
-                + ("" if self.ok else "  NOT SHARDED"))
+        line = f"attentions sharded: {self.rewritten} of {self.attentions}"
+        if self.recurrences:
+            line += f"; recurrences passing state: {self.passed} of {self.recurrences}"
+        return line + ("" if self.ok else "  NOT SHARDED")
 
 
 def sharding(cp_fn, *args) -> Sharding:
     """:class:`Sharding` of ``cp_fn`` (a ``context_parallel`` function) for ``args``."""
-    matches = cp_fn.module(*args).facts.matches or ()
+    facts = cp_fn.module(*args).facts
+    matches = facts.matches or ()
+    along = [r for r in facts.recurrences if r.method is not None]
     return Sharding(sum(m.rewritten for m in matches),
-                    sum(m.rewritten or m.runs_unsharded for m in matches))
+                    sum(m.rewritten or m.runs_unsharded for m in matches),
+                    sum(r.method != "gather" for r in along), len(along))
 
 
 def verdict(shards: Sharding, equal: bool, rtol: float = RTOL) -> str:
     """The last line an example prints: ``MATCH`` only for a sharded program with the
     single-device numbers."""
     if not shards.ok:
-        return f"NOT SHARDED ({shards.rewritten} of {shards.attentions} attentions sharded)"
+        passing = f", {shards.passed} of {shards.recurrences} recurrences passing state" \
+            if shards.recurrences else ""
+        return (f"NOT SHARDED ({shards.rewritten} of {shards.attentions} attentions "
+                f"sharded{passing})")
     return "MATCH" if equal else f"MISMATCH (rtol {rtol:g})"
 
 

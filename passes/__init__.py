@@ -25,6 +25,10 @@ def get_all_passes() -> dict[str, Callable[[], type[Pass]]]:
         from cptransform.passes.match_windows import MatchWindows
         return MatchWindows
 
+    def match_recurrences():
+        from cptransform.passes.match_recurrences import MatchRecurrences
+        return MatchRecurrences
+
     def infer_seq_axes():
         from cptransform.passes.infer_seq_axes import InferSeqAxes
         return InferSeqAxes
@@ -42,7 +46,7 @@ def get_all_passes() -> dict[str, Callable[[], type[Pass]]]:
         return LowerContextParallel
 
     return {"canonicalize": canonicalize, "match-attention": match_attention,
-            "match-windows": match_windows,
+            "match-windows": match_windows, "match-recurrences": match_recurrences,
             "infer-seq-axes": infer_seq_axes, "plan-context-parallel": plan_context_parallel,
             "reorder-sequence": reorder_sequence,
             "lower-context-parallel": lower_context_parallel}

@@ -7,11 +7,16 @@ dims — in ``module.facts.seq_axes`` and fails early when no attention reaches 
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
+from cptransform.analysis.primitives import Family, facts
+from cptransform.analysis.seq_axes import SeqAxes
+from cptransform.ir import compat
 from cptransform.ir.errors import SeqAxisError
 from cptransform.ir.facts import Fact
-from cptransform.ir.module import Module
+from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.analysis.seq_axes import infer_seq_axes
 from cptransform.analysis.seq_axes_summary import analyse, summarize
@@ -31,11 +36,34 @@ class InferSeqAxes(Pass):
         if module.facts.seq_axes_overrides:
             check_overrides(module, summary)
         if axes.attentions and not any(summary.inputs):
-            raise SeqAxisError(
-                "no input of the function reaches an attention's sequence axis through "
-                "dataflow; pass seq_axes= to say which argument dims are the sequence")
+            starts = patch_embeddings(module, axes)
+            if not starts:
+                raise SeqAxisError(
+                    "no input of the function reaches an attention's sequence axis through "
+                    "dataflow; pass seq_axes= to say which argument dims are the sequence "
+                    "(an int dim, a tuple of dims, or dims merged into the sequence as a "
+                    "tuple inside it: ((1, 2),) for the H·W patches of [B, H, W, C])")
+            summary = dataclasses.replace(summary, starts=starts)
         return PassResult(module.with_jaxpr(module.jaxpr, seq_axes=summary), False,
                           (f"infer-seq-axes: {summary.describe()}",))
+
+
+def patch_embeddings(module: Module, axes: SeqAxes) -> tuple[str, ...]:
+    """Where the sequence starts inside the program when no input carries it: a
+    convolution (a ViT's patch embedding, strided over pixels) whose result holds a
+    sequence and whose operands hold none. Its operands are not sharded (every device
+    reads the whole image); its result and everything after it are."""
+    def carries(atom) -> bool:
+        return bool(axes.dims(atom) or axes.groups(atom))
+
+    starts = []
+    for eqn in iter_eqns(module.jaxpr):
+        row = facts(eqn.primitive.name)
+        if row is not None and row.family is Family.WINDOW \
+                and any(carries(v) for v in eqn.outvars) \
+                and not any(carries(a) for a in eqn.invars):
+            starts.append(f"{eqn.primitive.name} at {compat.source_line(eqn)}")
+    return tuple(starts)
 
 
 def check_overrides(module: Module, summary) -> None:
@@ -48,13 +76,16 @@ def check_overrides(module: Module, summary) -> None:
         name = summary.input_names[index]
         shape = module.in_avals[index].shape
         for d in dims:
-            if lengths and shape[d] not in lengths:
+            merged = isinstance(d, tuple)
+            length = math.prod(shape[i] for i, _ in d) if merged else shape[d]
+            if lengths and length not in lengths:
+                what = f"dims {tuple(i for i, _ in d)} merged" if merged else f"dim {d}"
                 raise SeqAxisError(
-                    f"seq_axes says dim {d} of {name} (shape {shape}) is the sequence, but "
+                    f"seq_axes says {what} of {name} (shape {shape}) is the sequence, but "
                     f"the attentions' sequence lengths are {list(lengths)}; point "
                     "seq_axes at the dim of that length, or leave the argument to inference "
                     "(None)")
-        if inferred[index] and tuple(inferred[index]) != tuple(dims):
+        if inferred[index] and set(inferred[index]) != set(dims):
             raise SeqAxisError(
                 f"seq_axes gives {name} (shape {shape}) sequence dims {list(dims)}, but "
                 f"dataflow to the attention proves dims {list(inferred[index])}; fix the "

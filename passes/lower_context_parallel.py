@@ -17,6 +17,7 @@ CP axes.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -24,6 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from cptransform.analysis.primitives import INLINABLE, Family, names_of
 from cptransform.analysis.seq_axes import SeqAxes
+from cptransform.analysis.sequence_groups import sharded_dim
+from cptransform.analysis.sharded_sequence import LOCAL
 from cptransform.analysis.seq_axes_summary import analyse
 from cptransform.ir import compat
 from cptransform.ir.errors import ContextParallelError, PipelineError
@@ -35,8 +38,11 @@ from cptransform.lowering.context_parallel_attention import (context_parallel_at
                                                               sequence_mesh_axes)
 from cptransform.lowering.model_shardings import ProgramMesh, constraint_spec, shard_map_mesh
 from cptransform.lowering.seq_permute import collective_permutable, permuted_sequence
+from cptransform.lowering.recurrence import passed_recurrence
 from cptransform.lowering.seq_window import halo_bytes, windowed_op
 from cptransform.op.attention import attention_p
+from cptransform.op.attention_reference import attention_reference
+from cptransform.op.recurrence import Method, recurrence_p
 from cptransform.op.seq_permute import seq_permute_p
 from cptransform.op.seq_window import seq_window_p
 
@@ -69,7 +75,7 @@ class _Lowerer(Rewriter):
     """Re-trace with attention replaced and sequence shardings constrained."""
 
     def __init__(self, axes: SeqAxes, mesh, cp_axes, reordered: bool,
-                 index_of: dict[int, int]):
+                 index_of: dict[int, int], sharded: int | None = None):
         super().__init__(inlinable=INLINABLE)
         self.index_of = index_of
         self.reordered = reordered
@@ -77,15 +83,59 @@ class _Lowerer(Rewriter):
         self.cp_axes = tuple(cp_axes)
         self.log: list[str] = []
         self.seq = sequence_mesh_axes(self.cp_axes)
+        self.sharded = sharded  # which sequence carries the sharding (planner), or None
+        self.cp = math.prod(mesh.shape[a] for a in self.cp_axes)  # devices over the CP axes
         self.program = ProgramMesh(mesh, self.cp_axes, self.seq)
 
     def constrain(self, value, atom):
-        dims = self.axes.full_dims(atom)
-        if not dims or not hasattr(value, "shape"):
+        if not hasattr(value, "shape"):
             return value
+        dims = self.sharded_dims(atom)
+        return self.shard(value, dims[0]) if dims else value
+
+    def sharded_dims(self, atom) -> tuple[int, ...]:
+        """The dims of ``atom`` that may carry the CP sharding, first choice first: its
+        whole sequence dims (those of the sharded sequence first, where the planner chose
+        one of several: a value holding only another one, ``[B·T, P]`` with the frames
+        sharded, is moved to it rather than gathered), else the major dim of a group of
+        dims holding the sequence."""
+        dims = sorted(self.axes.full_dims(atom),
+                      key=lambda d: self.axes.sequence[(atom, d)] != self.sharded)
+        return tuple(dims) or tuple(d for d in (sharded_dim(atom.aval.shape, g, self.cp)
+                                                for g in self.axes.groups(atom))
+                                    if d is not None)
+
+    def shard(self, value, dim: int):
+        """``value`` constrained to be sharded over the CP axes along ``dim``."""
         spec = [P.UNCONSTRAINED] * value.ndim
-        spec[dims[0]] = self.seq if len(self.seq) > 1 else self.seq[0]
+        spec[dim] = self.seq if len(self.seq) > 1 else self.seq[0]
         return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, P(*spec)))
+
+    def local(self, eqn, invals):
+        """An attention whose own sequence is not sharded but whose batch holds the sharded
+        one (``plan-context-parallel`` wrote ``local``): its single-device computation under
+        ``shard_map``, every operand split along that batch dim (each device attends over
+        the keys of its own part of the batch: no communication, forward or backward)."""
+        spec = eqn.params["spec"]
+        q = eqn.invars[0]
+        index = next(i for i, d in enumerate(spec.q.batch)
+                     if self.axes.sequence.get((q, d)) == self.sharded)
+        size = q.aval.shape[spec.q.batch[index]]
+        batch_dims = {"q": spec.q.batch, "k": spec.k.batch, "v": spec.v.batch}
+        split = self.seq if len(self.seq) > 1 else self.seq[0]
+
+        def placement(name, atom):
+            dim = batch_dims.get(name, range(len(spec.q.batch)))[index]
+            if atom.aval.shape[dim] != size:  # broadcast along the batch: on every device
+                return P()
+            return P(*(None,) * dim, split)
+
+        in_specs = tuple(placement(n, a) for n, a in zip(spec.operand_names(), eqn.invars))
+        local_spec = spec.replace(schedule=None, layout=None, kernel=None)
+        run = jax.shard_map(lambda *xs: attention_reference(*xs, spec=local_spec),
+                            mesh=self.mesh, in_specs=in_specs, out_specs=in_specs[0],
+                            axis_names=set(self.cp_axes))
+        return run(*invals)
 
     def eval_eqn(self, eqn, invals):
         if eqn.primitive is attention_p:
@@ -98,9 +148,10 @@ class _Lowerer(Rewriter):
             # plan's, found by the equation's identity).
             scope = f"cptransform/attention#{self.index_of[id(eqn)]}/{spec.schedule}"
             with compat.eqn_context(eqn), jax.named_scope(scope):
-                out = _schedule_call(spec, self.mesh, self.cp_axes,
-                                     self.reordered and spec.positions
-                                     and spec.layout != "contiguous")(*invals)
+                out = self.local(eqn, invals) if spec.schedule == LOCAL else \
+                    _schedule_call(spec, self.mesh, self.cp_axes,
+                                   self.reordered and spec.positions
+                                   and spec.layout != "contiguous")(*invals)
             outs = [out]
         elif eqn.primitive is seq_window_p and self.axes.full_dims(eqn.invars[0]):
             window = eqn.params["window"]
@@ -114,6 +165,8 @@ class _Lowerer(Rewriter):
                 self.log.append(f"{window.describe()} at {compat.source_line(eqn)}: halo "
                                 f"exchange of {halo_bytes(window, aval.shape, aval.dtype.itemsize)}"
                                 " bytes per rank")
+        elif eqn.primitive is recurrence_p:
+            outs = self._recurrence(eqn, invals)
         elif eqn.primitive is seq_permute_p and self._collective(eqn):
             params = eqn.params
             with compat.eqn_context(eqn):
@@ -137,9 +190,11 @@ class _Lowerer(Rewriter):
 
     def _model_constraint(self, eqn, value):
         """The model's constraint on the CP mesh: its non-CP axes kept, the sequence dims
-        sharded over the CP axes (:func:`constraint_spec`)."""
+        sharded over the CP axes (:func:`constraint_spec`): one dim, the sharded
+        sequence's where a value holds several (frames and patches); the others are left to
+        the partitioner."""
         atom = eqn.invars[0]
-        full = self.axes.full_dims(atom)
+        full = tuple(d for d in self.sharded_dims(atom)[:1] if d in self.axes.full_dims(atom))
         merged = tuple(d for d in self.axes.dims(atom) if d not in full)
         spec = constraint_spec(compat.constraint_annotation(eqn), self.program, full, merged,
                                f"the sharding constraint at {compat.source_line(eqn)}")
@@ -155,6 +210,18 @@ class _Lowerer(Rewriter):
         dims = self.axes.full_dims(eqn.outvars[0])
         return any(not compat.is_literal(a) and self.axes.full_dims(a) == dims
                    and a.aval.shape == eqn.outvars[0].aval.shape for a in eqn.invars)
+
+    def _recurrence(self, eqn, invals) -> list:
+        """A recurrence planned to pass state (or totals) runs under ``shard_map``
+        (:mod:`cptransform.lowering.recurrence`); a gathered one is the op it was, in
+        natural order, for XLA's partitioner."""
+        rec = eqn.params["recurrence"]
+        with compat.eqn_context(eqn):
+            if rec.method in (None, Method.GATHER):
+                return rec.apply(*invals) if rec.layout is None else \
+                    recurrence_p.bind(*invals, recurrence=rec)
+            self.log.append(f"{rec.describe()} at {compat.source_line(eqn)}")
+            return passed_recurrence(*invals, recurrence=rec, mesh=self.mesh, seq=self.seq)
 
     def _collective(self, eqn) -> bool:
         """A layout conversion of a whole sequence-sharded dim: moved by collectives (a
@@ -204,9 +271,11 @@ class LowerContextParallel(Pass):
             return PassResult(module, False)
         # Attentions are in layout order only where reorder-sequence permuted the program
         # (``facts.layout``); otherwise a zigzag/striped attention permutes its operands.
+        sharded = module.facts.sharded_sequence
         lowerer = _Lowerer(analyse(module), module.facts.mesh, module.facts.cp_axes,
                            reordered=module.facts.layout is not None,
-                           index_of=index_of)
+                           index_of=index_of,
+                           sharded=None if sharded is None else sharded.sequence)
         jaxpr = compat.open_jaxpr(module.jaxpr)
         consts = compat.consts_of(module.jaxpr)
 

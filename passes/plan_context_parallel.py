@@ -52,6 +52,10 @@ from cptransform.analysis.hardware import HARDWARE, Hardware, hardware_for_devic
 from cptransform.analysis.load_balance import LayoutBalance, best_layout, rank_flops
 from cptransform.analysis.prediction import Prediction
 from cptransform.analysis.primitives import INLINABLE
+from cptransform.analysis.recurrence_cost import RecurrencePlan, plan_recurrence
+from cptransform.analysis.seq_axes_summary import analyse
+from cptransform.analysis.sharded_sequence import LOCAL, ShardedSequence, attention_axes, \
+    choose
 from cptransform.ir import compat
 from cptransform.ir.errors import PlanError, unknown_name
 from cptransform.ir.facts import Fact
@@ -62,6 +66,7 @@ from cptransform.lowering.kernels import kernels
 from cptransform.lowering.kernels.capabilities import choose_kernel, warn_passed_over
 from cptransform.lowering.schedule import Schedule, schedules
 from cptransform.op.attention import attention_p
+from cptransform.op.recurrence import Method, recurrence_p
 from cptransform.op import mask_terms
 from cptransform.op.attention_spec import MaskSpec
 from cptransform.op.layouts import LAYOUTS, LayoutName, SequenceLayout, layout_multiple
@@ -77,6 +82,11 @@ def schedule_choices() -> tuple[str, ...]:
     with the least predicted time) and every registered schedule, in listing order."""
     return ("auto", *schedules())
 
+
+#: ``recurrences`` option values: ``auto`` (each recurrence's cheapest method), ``pass``
+#: (state, totals or a pipelined carry passed between devices wherever that is exact) or
+#: ``gather`` (every one on the whole sequence, as XLA partitions it).
+RECURRENCE_CHOICES = ("auto", "pass", Method.GATHER.value)
 
 #: ``load_balance`` values that name a real scheme this planner cannot plan, and why.
 REFUSED_LOAD_BALANCES = {
@@ -182,6 +192,7 @@ class LayoutPlan:
     mesh: object
     axes: tuple[str, ...]
     log: tuple[str, ...]
+    sharded: ShardedSequence | None = None
 
 
 def _mib(n: int) -> str:
@@ -203,6 +214,7 @@ class PlanContextParallel(Pass):
     hardware: str | None = None
     memory_limit: int | str | None = None
     kernel: str = "auto"
+    recurrences: str = "auto"
 
     def check(self) -> None:
         """One clear error for an unknown option value."""
@@ -213,6 +225,8 @@ class PlanContextParallel(Pass):
             raise NotImplementedError(REFUSED_LOAD_BALANCES[self.load_balance])
         if self.load_balance not in LOAD_BALANCES:
             raise PlanError(unknown_name("load_balance", self.load_balance, LOAD_BALANCES))
+        if self.recurrences not in RECURRENCE_CHOICES:
+            raise PlanError(unknown_name("recurrences", self.recurrences, RECURRENCE_CHOICES))
         if self.hardware is not None and self.hardware not in HARDWARE:
             raise PlanError(unknown_name("hardware", self.hardware, HARDWARE))
         problem = memory_limit_problem(self.memory_limit)
@@ -244,10 +258,12 @@ class PlanContextParallel(Pass):
         limit = None if hardware is None else memory_limit_bytes(self.memory_limit, hardware)
         forced = LOAD_BALANCES[self.load_balance]
         options, errors = {}, {}
+        seq_axes = analyse(module)
+        found = [attention_axes(seq_axes, e, cp) for e in eqns]
         for layout in candidate_layouts(forced):
             try:
                 options[layout] = self.plan_layout(eqns, layout, cp, mesh, axes, build,
-                                                   hardware, limit)
+                                                   hardware, limit, (found, seq_axes.lengths))
             except PlanError as err:
                 if layout == forced:
                     raise
@@ -259,22 +275,11 @@ class PlanContextParallel(Pass):
         balances = tuple(replace(o.balance, chosen=o is choice) for o in options.values())
         layout, plans, mesh, axes = choice.balance.layout, choice.plans, choice.mesh, choice.axes
 
+        sharded = choice.sharded
         # The kernel was chosen under every candidate layout alike; warned of once per
         # attention, for the plan kept.
         for p in plans:
             warn_passed_over(p.kernel)
-        # The re-trace walks these same equation objects (inside bodies too): the plan is
-        # found by the equation's identity, never by the order of visits.
-        plan_of = {id(e): p for e, p in zip(eqns, plans)}
-
-        def decide(eqn, invals):
-            plan = plan_of[id(eqn)]
-            spec = eqn.params["spec"].replace(schedule=plan.schedule, layout=layout,
-                                              kernel=plan.kernel_name)
-            return [attention_p.bind(*invals, spec=spec)]
-
-        new = Rewriter(rules={attention_p.name: decide}, inlinable=INLINABLE).run(module.jaxpr) if eqns \
-            else module.jaxpr
         # Sequences of one common length (an encoder and a decoder of equal lengths) share
         # one permutation: every op between them (cross attention, a sum of encoder and
         # decoder states) then sees both in the same order, as in natural order.
@@ -283,6 +288,29 @@ class PlanContextParallel(Pass):
         reordered = layout != "contiguous" and seq_len is not None \
             and seq_len % layout_multiple(layout, cp) == 0
         sequence = SequenceLayout(layout, seq_len, cp) if reordered else None
+        recurrences = self.plan_recurrences(module, seq_axes, sequence, mesh, axes, hardware,
+                                             limit)
+        # The re-trace walks these same equation objects (inside bodies too): the plan is
+        # found by the equation's identity, never by the order of visits.
+        plan_of = {id(e): p for e, p in zip(eqns, plans)}
+        plan_of.update(recurrences)
+
+        def decide(eqn, invals):
+            plan = plan_of[id(eqn)]
+            spec = eqn.params["spec"].replace(schedule=plan.schedule, layout=layout,
+                                              kernel=plan.kernel_name)
+            return [attention_p.bind(*invals, spec=spec)]
+
+        def run_by(eqn, invals):
+            # A recurrence off the sequence is the op it was; the others carry their method.
+            rec, method = eqn.params["recurrence"], plan_of[id(eqn)].method
+            if method is None:
+                return rec.apply(*invals)
+            return recurrence_p.bind(*invals, recurrence=rec.with_method(method))
+
+        rules = {attention_p.name: decide, recurrence_p.name: run_by}
+        new = Rewriter(rules=rules, inlinable=INLINABLE).run(module.jaxpr) \
+            if eqns or recurrences else module.jaxpr
         where = "" if reordered or layout == "contiguous" else \
             " inside each attention only: " + (
                 f"{len(lengths)} sequences of different lengths" if seq_len is None else
@@ -293,14 +321,76 @@ class PlanContextParallel(Pass):
         log = choice.log + tuple(p.describe() for p in plans) + (
             f"layout: {layout} ({why}{';' if where else ''}{where})",)
         log += tuple(f"  {b.describe()}" for b in balances)
+        log += tuple(p.describe() for p in recurrences.values())
+        log += (sharded.describe(),) if sharded is not None else ()
         return PassResult(module.with_jaxpr(new, plan=plans, layout=sequence, mesh=mesh,
-                                            cp_axes=axes, balance=balances), bool(eqns), log)
+                                            cp_axes=axes, balance=balances,
+                                            recurrences=tuple(recurrences.values()),
+                                            sharded_sequence=sharded),
+                          bool(eqns or recurrences), log)
+
+    def plan_recurrences(self, module: Module, seq_axes, sequence: SequenceLayout | None, mesh,
+                         axes: tuple[str, ...], hardware: Hardware | None,
+                         limit: int | None) -> dict[int, RecurrencePlan]:
+        """A :class:`RecurrencePlan` per ``recurrence_p`` equation, keyed by the equation's
+        identity: each runs by the cheapest method its kind allows (the ``recurrences``
+        option), over the program's layout ``sequence`` (``seq_axes``: the program's
+        :class:`SeqAxesSummary`)."""
+        found = [e for e in iter_eqns(module.jaxpr) if e.primitive is recurrence_p]
+        if not found:
+            return {}
+        producers = {v: e for e in iter_eqns(module.jaxpr) for v in e.outvars}
+        cp = module.facts.cp
+        span = max(axis_spans(mesh, axes))
+        return {id(eqn): plan_recurrence(index, eqn, seq_axes, producers, cp, sequence,
+                                         hardware, limit, span, self.recurrences)
+                for index, eqn in enumerate(found)}
+
+    @staticmethod
+    def shard_sequence(plans, found, lengths, hardware: Hardware | None, spans
+                       ) -> tuple[tuple[AttentionPlan, ...], ShardedSequence | None]:
+        """Where one value holds several sequences (frames × patches), the one to shard
+        (:mod:`cptransform.analysis.sharded_sequence`; ``found``: each attention's
+        :class:`AttentionAxes`), and ``plans`` with the attentions it lets run on each
+        device's part of their batch planned ``local``."""
+        chosen = [next((x for x in p.predictions if x.schedule == p.schedule), None)
+                  for p in plans]
+        if hardware is None or None in chosen:
+            # Unpriced: every attention counts one, a local one half, a moved one two.
+            time_s, compute_s, move_s = ([1.0] * len(plans), [0.5] * len(plans),
+                                         [1.0] * len(plans))
+        else:
+            link = hardware.link(max(spans))
+            time_s = [c.time_s for c in chosen]
+            compute_s = [c.compute_s for c in chosen]
+            move_s = [2 * p.shape.operand_bytes * (p.shape.cp - 1) / p.shape.cp ** 2
+                      / link.bytes_per_s for p in plans]
+        sharded = choose(found, time_s, compute_s, move_s, lengths)
+        if sharded is None:
+            return plans, None
+
+        def local(i, p):
+            s = sharded.sequence
+            reason = (f"its batch dim {found[i].batch[s]} holds the sharded sequence {s}: "
+                      "each device attends over its own part of the batch, no "
+                      f"communication (planned otherwise: {p.schedule})")
+            predictions = p.predictions if chosen[i] is None else (replace(
+                chosen[i], schedule=LOCAL, time_s=compute_s[i], forward_s=compute_s[i] / 3.5,
+                comm_s=0.0, bytes=0),) + p.predictions
+            return replace(p, schedule=LOCAL, runner_up=p.schedule, reason=reason,
+                           predictions=predictions,
+                           bytes_per_device={LOCAL: 0, **p.bytes_per_device})
+
+        return tuple(local(i, p) if i in sharded.local else p
+                     for i, p in enumerate(plans)), sharded
 
     def plan_layout(self, eqns, layout: str, cp: int, mesh, axes: tuple[str, ...],
                     build: Schedule | None, hardware: Hardware | None,
-                    limit: int | None) -> LayoutPlan:
+                    limit: int | None, sequences) -> LayoutPlan:
         """Every attention planned under ``layout``, and the program's balance under it;
-        ``build``: the two-axis schedule whose mesh is built from the one CP axis."""
+        ``build``: the two-axis schedule whose mesh is built from the one CP axis;
+        ``sequences``: each attention's :class:`AttentionAxes` and the sequences' lengths
+        (which of several sequences to shard is decided under each layout)."""
         log: tuple[str, ...] = ()
         degree_note = None
         if build is not None and eqns:
@@ -312,16 +402,18 @@ class PlanContextParallel(Pass):
         spans = axis_spans(mesh, axes)
         plans = tuple(self.plan_one(i, e, cp, len(axes), inner, layout, hardware, limit,
                                     spans, degree_note) for i, e in enumerate(eqns))
+        plans, sharded = self.shard_sequence(plans, *sequences, hardware, spans)
         known = schedules()
-        flops = sum((rank_flops(known[p.schedule].work(p.shape), cp)
-                     for p in plans), np.zeros(cp))
+        # A local attention does the work of the schedule it was planned otherwise.
+        flops = sum((rank_flops(known[p.runner_up if p.schedule == LOCAL else p.schedule]
+                                .work(p.shape), cp) for p in plans), np.zeros(cp))
         times = [next((x.time_s for x in p.predictions if x.schedule == p.schedule), None)
                  for p in plans]
         time_s = None if None in times else sum(times)
         data = any(not mask_terms.positional(p.mask.terms()) for p in plans)
         balance = LayoutBalance(layout, tuple(p.schedule for p in plans),
                                 tuple(float(f) for f in flops), time_s, data)
-        return LayoutPlan(balance, plans, mesh, axes, log)
+        return LayoutPlan(balance, plans, mesh, axes, log, sharded)
 
     def choose_degree(self, schedule: Schedule, eqns, cp: int, layout: str,
                       hardware: Hardware, limit: int) -> tuple[int, str]:

@@ -38,9 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import fuzz_equal_dims
 from cptransform import context_parallel
 from cptransform.api.context_parallel import UnshardedWarning
 from cptransform.ir.errors import CPTransformError
+from cptransform.op.recurrence import Method
 
 # ----------------------------------------------------------------------------------------
 # Case classes
@@ -107,7 +109,19 @@ PROGRAM_CLASSES += LAYOUT_CLASSES
 #: A validity vector merged with the causal mask the libraries' ways (PADDING_MERGES); last
 #: in ALL_CLASSES, so that every other class keeps its index (the seed of its draws).
 PADDING_MERGE_CLASSES = ("mask_padding_merge",)
-ALL_CLASSES = MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES + PADDING_MERGE_CLASSES
+#: Recurrences along the tokens, which must pass state between devices (a gathered one is
+#: a failure); after the others for the same reason.
+RECURRENCE_CLASSES = (
+    "affine_scan",      # a lax.scan over the tokens whose carry is affine, a random body
+                        # (AFFINE_BODIES), forward or reversed, before or after the block
+    "chunked_scan",     # gated linear attention across chunks of a random size (CHUNKS)
+    "prefix_scan",      # cumulative ops and associative scans over the tokens (PREFIXES)
+)
+#: Two or three sequence-like dims of one length (frames x patches x rows), attended one at
+#: a time or merged (tests/fuzz_equal_dims.py); after the others for the same reason.
+EQUAL_DIMS_CLASSES = ("equal_dims",)
+ALL_CLASSES = (MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES + PADDING_MERGE_CLASSES
+               + RECURRENCE_CLASSES + EQUAL_DIMS_CLASSES)
 
 #: Classes that currently find bugs (wrong numbers or unclear crashes), with the reason.
 #: ``tests/test_fuzz.py`` skips them; ``bench/fuzz.py`` runs them. Fix the bug, delete the
@@ -167,6 +181,22 @@ RECURRENCE_KINDS = ("scan_linear", "scan_reverse", "scan_rnn", "scan_state", "fo
                     "while_index", "associative", "map_tokens")
 RECURRENCES = tuple(f"{kind}@{place}" for kind in RECURRENCE_KINDS
                     for place in ("input", "output"))
+
+#: The ``affine_scan`` class's bodies, ``structure@place/direction``: a diagonal carry with
+#: a per-token coefficient, one broadcast along the batch (a free dim), a matrix state
+#: decayed by the delta rule (DeltaNet: mixed key dim, free value dim), an outer-product
+#: state decayed per key dim (GLA/Mamba-2 per token), two independent carry leaves, and a
+#: carry mixed by a per-token matrix ``h @ A(x_t)``; the per-step outputs are nonlinear.
+AFFINE_STRUCTURES = ("diagonal", "broadcast", "delta", "outer", "two_leaves", "mixing")
+AFFINE_BODIES = tuple(f"{structure}@{place}/{direction}" for structure in AFFINE_STRUCTURES
+                      for place in ("input", "output") for direction in ("forward", "reverse"))
+#: The ``chunked_scan`` class's chunk lengths (those whose chunks split over the devices).
+CHUNKS = (2, 4, 8)
+#: The ``prefix_scan`` class's recurrences, ``kind/direction``.
+PREFIX_KINDS = ("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "linear_pair",
+                "max_plus")
+PREFIXES = tuple(f"{kind}/{direction}" for kind in PREFIX_KINDS
+                 for direction in ("forward", "reverse"))
 
 #: How ``combined_maps`` combines attention maps: two softmaxes and a scalar λ, one softmax
 #: over twice the heads viewed ``[B, H, 2, Q, K]`` (the Diff Transformer's reference code),
@@ -255,7 +285,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
     cp = choose("cp", (2, 4, 8))
     seq = choose("seq", tuple(s for s in range(16, 65, 2 * cp)))
     batch = choose("batch", (1, 2))
-    force_mha = cls == "fused_qkv"
+    force_mha = cls in ("fused_qkv", "equal_dims")
     heads, kv_heads = _heads(choose, cp, force_mha)
     head_dim = choose("head_dim", (4, 8, 16))
     mask = {"mask_none": "none", "mask_causal": "causal", "mask_window": "window",
@@ -268,6 +298,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         mask = "key_padding"
     elif cls == "row_test":
         mask = "row_test"
+    elif cls == "equal_dims":
+        mask = choose("mask", ("none", "causal"))
     elif mask is None:
         mask = choose("mask", ("none", "causal", "causal", "window"))
     spelling = choose("spelling", SPELLINGS)
@@ -323,6 +355,9 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "shift_extreme": ("logsumexp_huge", "sqrt_zero"),
         "gathered_keys": ("take_along_axis", "indexing"),
         "recurrence": RECURRENCES,
+        "affine_scan": AFFINE_BODIES,
+        "chunked_scan": tuple(str(c) for c in CHUNKS if seq % (c * cp) == 0),
+        "prefix_scan": PREFIXES,
         "derived_sequence": ("mtp", "prefix_1", "prefix_3"),
         "combined_maps": COMBINATIONS,
         "dropout_probs": DROPOUTS,
@@ -332,6 +367,12 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "llama_block": POSITION_DTYPES,
     }.get(cls, ("",))
     variant = choose("variant", variants)
+    if cls == "equal_dims":
+        variant = fuzz_equal_dims.draw_variant(choose)
+        # lengths the layouts divide (the program then runs in layout order), n³ small
+        seq = choose("dim_length", tuple(n for n in (4, 8, 16) if n % (2 * cp) == 0
+                                         and (variant.startswith("2") or n <= 8)) or (8,))
+        batch = 2   # a batch of one would make every merge with it a no-op
     llama = cls == "llama_block"
     return FuzzCase(
         cls=cls, seed=seed, cp=cp, schedule=schedule, load_balance=load_balance,
@@ -715,6 +756,9 @@ def _normal(rng, shape, scale=1.0):
 def make_data(case: FuzzCase):
     """(params, inputs) for a case: random, never zeros, from the case's seed."""
     rng = np.random.default_rng(case.seed)
+    if case.cls == "equal_dims":
+        params, inputs = fuzz_equal_dims.params_and_inputs(case, rng)
+        return jax.tree_util.tree_map(jnp.asarray, (params, inputs))
     b, s, h, kh, d, dv, e = (case.batch, case.seq, case.heads, case.kv_heads, case.head_dim,
                              case.v_head_dim, case.model_dim)
     p: dict[str, Any] = {}
@@ -819,9 +863,11 @@ def make_data(case: FuzzCase):
                                 else (h,)).astype(np.float32)
     if case.cls == "dropout_probs":
         inp["dropout_key"] = np.asarray(jax.random.key_data(jax.random.key(case.seed)))
-    if case.cls == "recurrence":
+    if case.cls in ("recurrence",) + RECURRENCE_CLASSES:
         p["w_rec"] = _normal(rng, (e, e), 0.5 / math.sqrt(e))
         p["a_rec"] = _normal(rng, (e,))
+    if case.cls in RECURRENCE_CLASSES:
+        p["w_gate"] = _normal(rng, (e, e), 1 / math.sqrt(e))
     if case.cls == "windows" and case.variant.startswith("conv"):
         p["w_conv"] = _normal(rng, (int(case.variant.rsplit("_", 1)[1]), 1, e), 0.5)
     if case.cls in LAYOUT_CLASSES:
@@ -1255,6 +1301,111 @@ def recurrence(case: FuzzCase, x, p: dict):
     return x + lax.map(lambda t: jnp.tanh(t @ p["w_rec"]), x.swapaxes(0, 1)).swapaxes(0, 1)
 
 
+def affine_scan(case: FuzzCase, x, p: dict):
+    """The ``affine_scan`` class's scan (``case.variant``) over the tokens of x [B, S, E],
+    added to ``x``: a carry affine in itself, outputs any function of it."""
+    structure, rest = case.variant.split("@")
+    reverse = rest.endswith("reverse")
+    b, s, e = x.shape
+    heads, d = 2, e // 2
+    u = x @ p["w_rec"]
+    gate = jax.nn.sigmoid(x @ p["w_gate"])
+    if structure in ("diagonal", "broadcast"):
+        coefficient = gate if structure == "diagonal" else \
+            jnp.broadcast_to(jax.nn.sigmoid(p["a_rec"]), x.shape)
+        init, xs = jnp.zeros((b, e)), (coefficient, u)
+
+        def step(h, t):
+            a_t, u_t = t
+            h = a_t * h + u_t
+            return h, jnp.tanh(h) * u_t
+    elif structure in ("delta", "outer"):
+        k = (u / (1 + jnp.linalg.norm(u, axis=-1, keepdims=True))).reshape(b, s, heads, d)
+        v, g = x.reshape(b, s, heads, d), gate.reshape(b, s, heads, d)
+        init, xs = jnp.zeros((b, heads, d, d)), (k, v, g)
+
+        def step(h, t):
+            k_t, v_t, g_t = t
+            if structure == "delta":
+                beta = g_t[..., :1]
+                h = h - jnp.einsum("bhk,bhv->bhkv", beta * k_t,
+                                   jnp.einsum("bhk,bhkv->bhv", k_t, h) - v_t)
+            else:
+                h = g_t[..., None] * h + jnp.einsum("bhk,bhv->bhkv", k_t, v_t)
+            return h, jnp.einsum("bhk,bhkv->bhv", k_t, jnp.sin(h)).reshape(b, e)
+    elif structure == "two_leaves":
+        init, xs = (jnp.zeros((b, e)), jnp.zeros((b,))), (gate, u)
+
+        def step(h, t):
+            a_t, u_t = t
+            h1, h2 = h
+            h1, h2 = a_t * h1 + u_t, 0.5 * h2 + u_t[:, 0]
+            return (h1, h2), h1 * jnp.cos(h2)[:, None]
+    else:
+        mix = jnp.einsum("bsi,ij->bsij", gate, p["w_rec"]) / e
+
+        def step(h, t):
+            m_t, u_t = t
+            h = jnp.einsum("bi,bij->bj", h, m_t) + u_t
+            return h, jax.nn.gelu(h)
+        init, xs = jnp.zeros((b, e)), (mix, u)
+    _, ys = lax.scan(step, init, tuple(jnp.moveaxis(t, 1, 0) for t in xs), reverse=reverse)
+    return x + jnp.moveaxis(ys, 0, 1)
+
+
+def chunked_scan(case: FuzzCase, x, p: dict):
+    """The ``chunked_scan`` class's gated linear attention in chunk form over x [B, S, E]
+    (``case.variant``: the chunk length), added to ``x``."""
+    b, s, e = x.shape
+    c = int(case.variant)
+    n, heads, d = s // c, 2, e // 2
+    q, k = (t.reshape(b, n, c, heads, d) for t in (x @ p["w_rec"], x @ p["w_gate"]))
+    v = x.reshape(b, n, c, heads, d)
+    g = jax.nn.log_sigmoid((x * p["a_rec"]).reshape(b, n, c, heads, d)) / 8
+    causal = jnp.tril(jnp.ones((c, c), bool))
+
+    def step(state, t):
+        q_c, k_c, v_c, g_c = t
+        decay = jnp.cumsum(g_c, axis=1)
+        qd, kd = q_c * jnp.exp(decay), k_c * jnp.exp(-decay)
+        out = jnp.einsum("bqhk,bhkv->bqhv", qd, state) + jnp.einsum(
+            "bhqt,bthv->bqhv", jnp.einsum("bqhk,bthk->bhqt", qd, kd) * causal, v_c)
+        last = decay[:, -1]
+        state = jnp.exp(last)[..., None] * state + jnp.einsum(
+            "bthk,bthv->bhkv", k_c * jnp.exp(last[:, None] - decay), v_c)
+        return state, out
+
+    _, out = lax.scan(step, jnp.zeros((b, heads, d, d)),
+                      tuple(jnp.moveaxis(t, 1, 0) for t in (q, k, v, g)))
+    return x + jnp.moveaxis(out, 0, 1).reshape(b, s, e) / c
+
+
+def prefix_scan(case: FuzzCase, x, p: dict):
+    """The ``prefix_scan`` class's recurrence (``case.variant``) over the tokens of
+    x [B, S, E], added to ``x``."""
+    kind, direction = case.variant.split("/")
+    reverse = direction == "reverse"
+    u = x @ p["w_rec"]
+    if kind in ("cumsum", "cummax", "cummin", "cumlogsumexp"):
+        return x + getattr(lax, kind)(u, axis=1, reverse=reverse) / u.shape[1]
+    if kind == "cumprod":
+        return x + lax.cumprod(1 + 0.05 * jnp.tanh(u), axis=1, reverse=reverse)
+    a = jax.nn.sigmoid(x @ p["w_gate"])
+    if kind == "linear_pair":
+        def combine(left, right):
+            return left[0] * right[0], right[0] * left[1] + right[1]
+    else:
+        def combine(left, right):
+            return (jnp.maximum(left[0] + right[1], right[0]),
+                    left[1] + right[1])
+    return x + lax.associative_scan(combine, (a, u), axis=1, reverse=reverse)[0] / 4
+
+
+#: Each recurrence-passing class's op over the tokens of x [B, S, E].
+PASSING_OPS = {"affine_scan": affine_scan, "chunked_scan": chunked_scan,
+               "prefix_scan": prefix_scan}
+
+
 def window_op(case: FuzzCase, x, p: dict):
     """The ``windows`` class's op (``case.variant``) along the tokens of x [B, S, E]."""
     kind, width = case.variant.rsplit("_", 1)
@@ -1281,6 +1432,9 @@ def build(case: FuzzCase):
     layer_keys = tuple(k for k in ("wq", "wk", "wv", "wqkv", "wo", "g") if k in params)
 
     def loss(p, inp):
+        if case.cls == "equal_dims":
+            return fuzz_equal_dims.loss(
+                case, lambda c, q, k, v: attend(c, q, k, v, p, inp), p, inp)
         if case.cls == "shift_loss":
             x = p["emb"][inp["tokens"]]
         elif case.cls == "seq_scatter":
@@ -1294,6 +1448,10 @@ def build(case: FuzzCase):
         recurrent = case.cls == "recurrence"
         if recurrent and case.variant.endswith("@input"):
             x = recurrence(case, x, p)
+        passing = PASSING_OPS.get(case.cls)
+        at_input = passing is not None and "@output" not in case.variant
+        if at_input:
+            x = passing(case, x, p)
         if case.cls == "scan_layers":
             stacked = {k: p[k] for k in layer_keys}
             rest = {k: v for k, v in p.items() if k not in layer_keys}
@@ -1319,6 +1477,8 @@ def build(case: FuzzCase):
             y = block(case, p, x, inp)
         if recurrent and case.variant.endswith("@output"):
             y = recurrence(case, y, p)
+        if passing is not None and not at_input:
+            y = passing(case, y, p)
         if case.cls == "derived_sequence":
             cut = 1 if case.variant == "mtp" else int(case.variant.rsplit("_", 1)[1])
             z = y[:, :-1] + 0.5 * x[:, 1:] if case.variant == "mtp" else y[:, cut:]
@@ -1448,8 +1608,11 @@ def _run_program(case: FuzzCase) -> Outcome:
     if case.cls == "nan_weight":
         assert np.isnan(float(ref[0])), "the NaN weight should make the reference loss NaN"
     try:
+        # The recurrence classes pass state whatever it costs: the planner prices passing
+        # against gathering, and these short sequences would often gather.
+        passing = {"recurrences": "pass"} if case.cls in RECURRENCE_CLASSES else {}
         f = context_parallel(loss, cp=case.cp, schedule=case.schedule,
-                             load_balance=case.load_balance, allow_unsharded=True)
+                             load_balance=case.load_balance, allow_unsharded=True, **passing)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", UnshardedWarning)
             got = jax.block_until_ready(jax.jit(jax.value_and_grad(f))(params, inputs))
@@ -1463,6 +1626,12 @@ def _run_program(case: FuzzCase) -> Outcome:
     unsharded = [w for w in caught if issubclass(w.category, UnshardedWarning)]
     if unsharded:
         return Outcome("unmatched", _refusals(str(unsharded[0].message)))
+    if case.cls in RECURRENCE_CLASSES:
+        gathered = [r.describe() for r in f.module(params, inputs).facts.recurrences
+                    if r.method in (None, Method.GATHER)]
+        if gathered:
+            return Outcome("unmatched", "a recurrence not passing state: "
+                           + "; ".join(gathered))
     return Outcome("passed")
 
 

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import _check  # noqa: E402
 import gemma  # noqa: E402
+import hybrid_recurrent  # noqa: E402
 import llama  # noqa: E402
 import nnx_optax  # noqa: E402
 import packed_documents  # noqa: E402
@@ -28,6 +29,11 @@ def test_llama():
 @pytest.mark.slow
 def test_gemma_local_and_global_layers():
     assert gemma.check(seq=32, cfg=gemma.Config(layers=2, window=4))
+
+
+@pytest.mark.slow
+def test_hybrid_recurrent_layers_pass_state():
+    assert hybrid_recurrent.check(seq=64)
 
 
 @pytest.mark.slow

@@ -141,6 +141,20 @@ def test_fuzz_chunked_attention_fast_sample(seed):
     drawn_and_run("mask_chunked", seed)
 
 
+def test_fuzz_equal_dims_pinned_case():
+    """The fast tier's case of ``equal_dims`` (its ``FUZZ_SEEDS`` entry in
+    ``tests/canonical_corpus.py``): frames and patches of one length, attended one at a
+    time by 5-D einsums with the RoPE around a ``[B·T, P, H, D]`` reshape, under
+    ring/zigzag. Without the attention's batch links in ``link_attention`` it is wrong
+    (loss off by 7e-3): k's frames, lost by the reshape, stayed in natural order beside
+    q's permuted ones."""
+    from canonical_corpus import FUZZ_SEEDS
+    (text,) = [t for t in FUZZ_SEEDS if "cls='equal_dims'" in t]
+    case = eval(text, {"FuzzCase": FuzzCase})
+    outcome = run_case(case)
+    assert outcome.status == "passed", f"{outcome}\nreproduce: {case.repro()}"
+
+
 def test_float32_noise_allowance_still_sees_a_real_error():
     """The allowance for an ill-conditioned float32 program (the transformed run may be a few
     times further from float64 than the undecorated run is) passes the undecorated run's own

@@ -18,6 +18,7 @@ from cptransform.lowering.kernels import kernels
 from cptransform.lowering.schedule import schedules
 from cptransform.op.layouts import LAYOUTS
 from cptransform.passes import get_all_passes
+from cptransform.op.recurrence import Method
 from cptransform.passes.plan_context_parallel import LOAD_BALANCES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +30,8 @@ def test_allowed_values_are_the_registries():
     choices = {name: OPTIONS[name].choices() for name in CHOICE_OPTIONS}
     assert choices == {"schedule": ("auto", *schedules()), "kernel": ("auto", *sorted(kernels())),
                        "load_balance": ("auto", "zigzag", "striped", "none"),
-                       "hardware": tuple(HARDWARE)}
+                       "hardware": tuple(HARDWARE),
+                       "recurrences": ("auto", "pass", Method.GATHER.value)}
     assert {"halo", "double_ring"} <= set(schedules()) and set(kernels()) >= {"xla", "pallas"}
     assert {v for v in LOAD_BALANCES.values() if v is not None} == set(LAYOUTS)
 
@@ -52,7 +54,7 @@ def test_passes_take_the_options_they_consume():
                           if spec.consumer == consumer}, consumer
     options = Options(schedule="ring", load_balance="zigzag", kernel="xla", hardware="h100",
                       memory_limit="80%", strict=True, keep_permuted=True)
-    assert cp_pipeline(None, options).spelled().split(",")[4:] == [
+    assert cp_pipeline(None, options).spelled().split(",")[5:] == [
         "plan-context-parallel{schedule=ring load_balance=zigzag hardware=h100 "
         "memory_limit=80% kernel=xla}",
         "reorder-sequence{keep_permuted=True strict=True}",

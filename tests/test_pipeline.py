@@ -39,7 +39,8 @@ def test_parse_options_and_spelling():
 #: A value other than its default for each non-boolean option of a built-in pass.
 OPTION_SAMPLES = {"fold_scales": ("exact",), "schedule": ("ring", "halo"),
                   "load_balance": ("zigzag", "none"), "hardware": ("h100",),
-                  "memory_limit": ("80%", 2 ** 30), "kernel": ("xla", "pallas")}
+                  "memory_limit": ("80%", 2 ** 30), "kernel": ("xla", "pallas"),
+                  "recurrences": ("gather",)}
 
 
 def _changed_options(cls):

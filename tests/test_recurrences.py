@@ -1,133 +1,285 @@
-"""Recurrences over the tokens next to attention under load-balanced layouts: a loop whose
-iterations follow the sequence (a scan over time after ``swapaxes`` / ``moveaxis``, a
-``fori_loop`` indexing the tokens by its counter) runs in token order, converted once
-around it, and gives one device's numbers; loops that do not follow the tokens (a scan
-over layers, ``lax.map`` over tokens) keep the layout order; ``strict=True`` refuses the
-conversion with the cause and the fix. The fuzzer's ``recurrence`` class covers the class
-with more spellings and placements."""
+"""Recurrences over the tokens are sharded by passing state, not by gathering the sequence:
+each layer of ``examples/recurrent_layers.py`` in a hybrid block with a causal attention
+gives one device's loss and gradients, with each recurrence run by the method its kind
+allows (``prefix of totals`` for cumulative ops and associative scans, ``state passing``
+for a scan whose carry is affine, a ``pipeline`` or ``gather`` for any other carry), in
+every layout. A program with recurrences and no attention is sharded along them. The
+fuzzer's ``recurrence``, ``affine_scan``, ``chunked_scan`` and ``prefix_scan`` classes draw
+more spellings and placements."""
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
 
-from conftest import assert_tree_close
-from cptransform import context_parallel
+from conftest import assert_rewritten, assert_tree_close
+from cptransform import UnshardedError, context_parallel
 from cptransform.ir.errors import ReorderError
+from cptransform.op.recurrence import Method
 
-B, S, E, H = 2, 32, 8, 2
-TOKEN_ORDER = "runs in token order"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import recurrent_layers as R  # noqa: E402
 
-
-def linear_scan(x, a, reverse=False):
-    def step(h, xt):
-        h = jax.nn.sigmoid(a) * h + xt
-        return h, h
-    _, ys = lax.scan(step, jnp.zeros_like(x[:, 0]), x.swapaxes(0, 1), reverse=reverse)
-    return ys.swapaxes(0, 1)
-
-
-def rnn_moveaxis(x, a):
-    def step(h, xt):
-        h = jnp.tanh(h * a + xt)
-        return h, 0.5 * h
-    _, ys = lax.scan(step, jnp.zeros_like(x[:, 0]), jnp.moveaxis(x, 1, 0))
-    return jnp.moveaxis(ys, 0, 1)
+B, S, D = 2, 32, 16
+PASSED = {"mamba": Method.STATE_PASSING, "linear_attention": Method.PREFIX_OF_TOTALS,
+          "gla": Method.STATE_PASSING, "rg_lru": Method.PREFIX_OF_TOTALS,
+          "deltanet": Method.STATE_PASSING, "ema": Method.PREFIX_OF_TOTALS,
+          "gru": Method.GATHER}
 
 
-def matrix_state(x, a):
-    """A linear-attention / Mamba-style state ``[B, H, d, d]`` carried over the tokens."""
-    k = jnp.moveaxis(x.reshape(B, S, H, E // H), 1, 0)
-
-    def step(c, kt):
-        c = jax.nn.sigmoid(a[0]) * c + jnp.einsum("bhd,bhf->bhdf", kt, kt)
-        return c, jnp.einsum("bhd,bhdf->bhf", kt, c)
-    _, ys = lax.scan(step, jnp.zeros((B, H, E // H, E // H)), k)
-    return jnp.moveaxis(ys, 0, 1).reshape(B, S, E) / S
+def data(name: str, seed: int = 0):
+    params = R.block_params(name, jax.random.key(seed), D)
+    return params, jax.random.normal(jax.random.key(seed + 1), (B, S, D))
 
 
-def fori_index(x, a):
-    def body(i, carry):
-        h, out = carry
-        h = jnp.tanh(a * h + lax.dynamic_index_in_dim(x, i, 1, keepdims=False))
-        return h, lax.dynamic_update_index_in_dim(out, h, i, 1)
-    return lax.fori_loop(0, S, body, (jnp.zeros_like(x[:, 0]), jnp.zeros_like(x)))[1]
+def check(loss, args, methods, attentions: int = 1, cp: int = 4, **options):
+    """``loss`` under ``context_parallel`` against one device (loss and gradients of every
+    argument), its attentions all rewritten and its recurrences run by ``methods``;
+    returns the transformed module."""
+    f = context_parallel(loss, cp=cp, **options)
+    argnums = tuple(range(len(args)))
+    got = jax.jit(jax.value_and_grad(f, argnums))(*args)
+    assert_tree_close(got, jax.jit(jax.value_and_grad(loss, argnums))(*args))
+    if attentions:
+        assert_rewritten(f, *args, count=attentions)
+    module = f.module(*args)
+    assert [r.method for r in module.facts.recurrences] == list(methods), \
+        [r.describe() for r in module.facts.recurrences]
+    return module
 
 
-RECURRENCES = {"scan_swapaxes": linear_scan,
-               "scan_reverse": lambda x, a: linear_scan(x, a, reverse=True),
-               "rnn_moveaxis": rnn_moveaxis, "matrix_state": matrix_state,
-               "fori_index": fori_index}
+@pytest.mark.parametrize("name,load_balance,cp", [
+    ("linear_attention", "zigzag", 4),   # prefix of totals: two cumsums
+    ("deltanet", "zigzag", 4),           # state passing, a matrix state [B, H, d, d]
+    ("rg_lru", "none", 4),               # lax.associative_scan, proved from its traced form
+    ("gla", "zigzag", 2),                # a scan across 4 chunks of 8, zigzag over 2 ranks
+])
+def test_layer_in_a_hybrid_block(name, load_balance, cp):
+    params, x = data(name)
+    loss = R.hybrid_block(R.LAYERS[name])
+    count = 2 if name in ("linear_attention", "ema") else 1
+    module = check(loss, (params, x), [PASSED[name]] * count, load_balance=load_balance,
+                   cp=cp)
+    assert not module.facts.reorder_log, module.facts.reorder_log
 
 
-def model(recurrence):
-    def loss(p):
-        x = p["x"] + recurrence(p["x"], p["a"])
-        q, k, v = ((x @ p[w]).reshape(B, S, H, E // H) for w in ("wq", "wk", "wv"))
-        y = x + jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, S, E)
-        y = y + recurrence(y, p["a"])
-        return jnp.mean(jnp.tanh(y) ** 2)
-    return loss
-
-
-def params(seed=0):
-    keys = jax.random.split(jax.random.key(seed), 5)
-    p = {w: jax.random.normal(k, (E, E)) / np.sqrt(E)
-         for w, k in zip(("wq", "wk", "wv"), keys)}
-    return {**p, "x": jax.random.normal(keys[3], (B, S, E)),
-            "a": jax.random.normal(keys[4], (E,))}
-
-
-def check(recurrence, load_balance, **options):
-    loss, p = model(recurrence), params()
-    f = context_parallel(loss, cp=4, load_balance=load_balance, **options)
-    got = jax.jit(jax.value_and_grad(f))(p)
-    assert_tree_close(got, jax.jit(jax.value_and_grad(loss))(p))
-    return f.module(p).facts.reorder_log
-
-
-@pytest.mark.parametrize("load_balance", ["zigzag", "striped"])
-@pytest.mark.parametrize("name", [pytest.param(n, marks=[] if n == "scan_swapaxes"
-                                               else [pytest.mark.slow])
-                                  for n in RECURRENCES])
-def test_recurrence_over_tokens_runs_in_token_order(name, load_balance):
-    log = check(RECURRENCES[name], load_balance)
-    converted = [m for m in log if TOKEN_ORDER in m]
-    assert len(converted) == 2, log   # one loop before the attention, one after
-    if name == "fori_index":
-        assert all("would convert on every iteration" in m for m in converted), converted
-    else:
-        assert all("carries state across iterations" in m for m in converted), converted
+LAYOUTS = ("none", "zigzag", "striped", "auto")
+#: Each layer in two layouts, rotated so that every layout holds three or four layers: the
+#: whole product took the slow tier twice as long for layouts the fuzzer draws anyway.
+LAYER_LAYOUTS = [(name, LAYOUTS[(i + shift) % 4])
+                 for i, name in enumerate(sorted(R.LAYERS)) for shift in (0, 1)]
 
 
 @pytest.mark.slow
-def test_map_over_tokens_and_scan_over_layers_keep_the_layout():
+@pytest.mark.parametrize("name,load_balance", LAYER_LAYOUTS)
+def test_every_layer_in_two_layouts(name, load_balance):
+    params = R.block_params(name, jax.random.key(3), D)
+    x = jax.random.normal(jax.random.key(4), (B, 128, D))
+    count = 2 if name in ("linear_attention", "ema") else 1
+    check(R.hybrid_block(R.LAYERS[name]), (params, x), [PASSED[name]] * count,
+          load_balance=load_balance, cp=8)
+
+
+def test_carried_scan_pipelines_when_gathering_does_not_fit():
+    """A GRU's carry is not affine: exact either way; the planner prices a pipeline
+    (memory ∝ S/cp) against gathering, and a memory limit the gathered scan exceeds leaves
+    the pipeline."""
+    params, x = data("gru")
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x + R.gru(p["mix"], x)) ** 2)
+
+    module = check(loss, (params, x), [Method.PIPELINE], attentions=0, memory_limit=10_000)
+    (plan,) = module.facts.recurrences
+    assert "not affine" in plan.reason and "over the memory limit" in plan.reason, plan.reason
+    assert {c.method for c in plan.costs} == {Method.PIPELINE, Method.GATHER}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("load_balance", ["none", "zigzag"])
+def test_pipeline_in_a_hybrid_block(load_balance, monkeypatch):
+    """The pipeline in each layout, beside an attention (forced: gathering is cheaper at
+    this size)."""
+    from cptransform.analysis import recurrence_cost
+    from cptransform.op.recurrence import Kind
+
+    monkeypatch.setitem(recurrence_cost.METHODS, Kind.CARRIED, (Method.PIPELINE,))
+    params, x = data("gru")
+    check(R.hybrid_block(R.gru), (params, x), [Method.PIPELINE], load_balance=load_balance)
+
+
+def test_recurrent_only_model_is_sharded():
+    """No attention: the sequence is the recurrences' axis, and they pass state."""
+    params = {"a": R.init("mamba", jax.random.key(0), D),
+              "b": R.init("linear_attention", jax.random.key(1), D)}
+    x = jax.random.normal(jax.random.key(2), (B, S, D))
+
+    def loss(p, x):
+        h = x + R.mamba(p["a"], R.rms(x))
+        h = h + R.linear_attention(p["b"], R.rms(h))
+        return jnp.mean(jnp.tanh(h) ** 2)
+
+    module = check(loss, (params, x), [Method.STATE_PASSING] + [Method.PREFIX_OF_TOTALS] * 2,
+                   attentions=0, cp=8)
+    assert module.facts.seq_axes.inputs[-1] == (1,)
+
+
+def test_no_attention_and_no_recurrence_sharded_raises():
+    """A recurrence whose steps do not split over the devices is gathered: with no
+    attention, nothing is sharded, which is an error naming it."""
+    x = jax.random.normal(jax.random.key(0), (B, 30, D))
+
+    def loss(x):
+        return jnp.sum(jnp.cumsum(x, axis=1) ** 2)
+
+    with pytest.raises(UnshardedError, match=r"(?s)no attention found and no recurrence "
+                       r"sharded.*cumsum prefix.*steps do not split into 4 chunks"):
+        context_parallel(loss, cp=4)(x)
+
+
+def test_nan_and_inf_propagate_as_on_one_device():
+    """A NaN in one token and an infinite one elsewhere: every output and gradient has one
+    device's NaN pattern (the later tokens of a forward recurrence, the earlier of a
+    reverse one)."""
+    x = np.array(jax.random.normal(jax.random.key(0), (B, S, D)))
+    x[0, 11, 3] = np.nan
+    x[1, 20, 5] = np.inf
+
+    def loss(x):
+        gate = jax.nn.sigmoid(x[..., :1])
+
+        def step(h, xt):
+            h = 0.9 * h + xt
+            return h, h
+        _, ys = lax.scan(step, jnp.zeros_like(x[:, 0]), x.swapaxes(0, 1), reverse=True)
+        y = jnp.cumsum(x * gate, axis=1) + ys.swapaxes(0, 1)
+        return jnp.sum(jnp.where(jnp.isfinite(y), y, 0.0) ** 2), y
+
+    f = context_parallel(loss, cp=4, allow_unsharded=False)
+    got = jax.jit(jax.value_and_grad(f, has_aux=True))(x)
+    want = jax.jit(jax.value_and_grad(loss, has_aux=True))(x)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+        np.testing.assert_allclose(np.nan_to_num(a), np.nan_to_num(b), rtol=1e-5, atol=1e-4)
+    assert [r.method for r in f.module(x).facts.recurrences] == \
+        [Method.STATE_PASSING, Method.PREFIX_OF_TOTALS]
+
+
+@jax.custom_vjp
+def _clipped(x):
+    return x
+
+
+_clipped.defvjp(lambda x: (x, None), lambda _, g: (jnp.clip(g, -0.01, 0.01),))
+
+
+@pytest.mark.slow
+def test_custom_vjp_in_the_step_is_kept():
+    """A custom gradient rule on the step's input stays the user's rule: the gradients are
+    the clipped ones, as on one device."""
+    params, x = data("deltanet")
+
+    def layer(p, x, cut=False):
+        return R.deltanet(p, _clipped(x))
+
+    check(R.hybrid_block(layer), (params, x), [Method.STATE_PASSING], load_balance="none")
+
+
+def test_explain_names_each_recurrence_its_method_and_bytes():
+    params, x = data("mamba")
+    f = context_parallel(R.hybrid_block(R.mamba), cp=4, load_balance="none")
+    text = f.explain(params, x, verbose=True)
+    assert "recurrence #0 at" in text and "scan affine" in text and "carry diagonal" in text
+    assert "method: state passing — least predicted time" in text, text
+    assert "forward communication per device: state passing" in text and "gather" in text
+
+
+@pytest.mark.slow
+def test_gather_on_request_and_strict_refuses_its_round_trip():
+    """``recurrences="gather"`` runs each recurrence on the whole sequence (exact, as XLA
+    partitions it); in a load-balanced layout that is a round trip through natural order,
+    which ``strict=True`` refuses with the cause and the fix."""
+    params, x = data("mamba")
+    loss = R.hybrid_block(R.mamba)
+    check(loss, (params, x), [Method.GATHER], load_balance="none", recurrences="gather")
+    f = context_parallel(loss, cp=4, load_balance="zigzag", recurrences="gather",
+                         strict=True)
+    with pytest.raises(ReorderError, match="recurrence at .*strict=True.*load_balance='none'"):
+        f(params, x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("load_balance", ["none", "zigzag"])
+def test_reverse_recurrences(load_balance):
+    """Reverse scans, cumulative ops and associative scans take their state from the
+    chunks after them."""
+    params, x = data("rg_lru")
+
+    def layer(p, x, cut=False):
+        a = jax.nn.sigmoid(x @ p["a"])
+
+        def combine(left, right):
+            return left[0] * right[0], right[0] * left[1] + right[1]
+
+        def step(h, xt):
+            h = 0.8 * h + xt
+            return h, jnp.tanh(h)
+
+        _, ys = lax.scan(step, jnp.zeros_like(x[:, 0]), x.swapaxes(0, 1), reverse=True)
+        return (lax.associative_scan(combine, (a, x), axis=1, reverse=True)[1]
+                + lax.cumsum(x, axis=1, reverse=True) / S + ys.swapaxes(0, 1))
+
+    check(R.hybrid_block(layer), (params, x),
+          [Method.STATE_PASSING, Method.PREFIX_OF_TOTALS, Method.PREFIX_OF_TOTALS],
+          load_balance=load_balance)
+
+
+@pytest.mark.slow
+def test_map_over_tokens_and_scan_over_layers_are_no_recurrences():
     """No carry (``lax.map`` over tokens) or iterations that are layers, not tokens: the
-    loop runs in layout order, nothing is converted."""
-    def over_tokens(x, a):
-        return lax.map(lambda t: jnp.tanh(t * a), x.swapaxes(0, 1)).swapaxes(0, 1)
+    loop is no recurrence and runs in layout order, nothing is converted."""
+    H = 2
 
-    assert not [m for m in check(over_tokens, "zigzag") if "un-permute" in m]
+    def model(p):
+        x = p["x"] + lax.map(lambda t: jnp.tanh(t * p["a"]),
+                             p["x"].swapaxes(0, 1)).swapaxes(0, 1)
 
-    def layers(p):
         def layer(x, w):
-            q, k, v = ((x @ w[i]).reshape(B, S, H, E // H) for i in range(3))
-            o = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, S, E)
+            q, k, v = ((x @ w[i]).reshape(B, S, H, D // H) for i in range(3))
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(B, S, D)
             return x + o, None
-        y, _ = lax.scan(layer, p["x"], p["w"])
+        y, _ = lax.scan(layer, x, p["w"])
         return jnp.mean(y ** 2)
 
     key = jax.random.key(3)
-    p = {"x": jax.random.normal(key, (B, S, E)),
-         "w": jax.random.normal(jax.random.fold_in(key, 1), (2, 3, E, E)) / np.sqrt(E)}
-    f = context_parallel(layers, cp=4, load_balance="zigzag")
-    assert_tree_close(jax.jit(jax.value_and_grad(f))(p),
-                      jax.jit(jax.value_and_grad(layers))(p))
-    assert not [m for m in f.module(p).facts.reorder_log if "un-permute" in m]
+    p = {"x": jax.random.normal(key, (B, S, D)), "a": jax.random.normal(key, (D,)),
+         "w": jax.random.normal(jax.random.fold_in(key, 1), (2, 3, D, D)) / np.sqrt(D)}
+    module = check(model, (p,), [], load_balance="zigzag")
+    assert not [m for m in module.facts.reorder_log if "un-permute" in m]
 
 
-def test_strict_refuses_a_recurrence_over_tokens():
-    f = context_parallel(model(linear_scan), cp=4, load_balance="zigzag", strict=True)
-    with pytest.raises(ReorderError, match="carries state across iterations.*strict=True.*"
-                       "associative_scan.*load_balance='none'"):
-        f(params())
+@pytest.mark.slow
+def test_recurrence_inside_a_scan_over_layers():
+    """Layers stacked by ``lax.scan`` (its body holds an attention: no recurrence itself):
+    each layer's selective scan passes state, in layout order inside the loop body."""
+    keys = jax.random.split(jax.random.key(5), 3)
+
+    def stacked(name):
+        return jax.tree.map(lambda *xs: jnp.stack(xs),
+                            *[R.init(name, k, D) for k in jax.random.split(keys[0], 2)])
+
+    params = {"mix": stacked("mamba"), "attn": stacked("linear_attention")}
+    x = jax.random.normal(keys[1], (B, S, D))
+
+    def loss(p, x):
+        def layer(h, lp):
+            h = h + R.mamba(lp["mix"], R.rms(h))
+            return h + R.attention(lp["attn"], R.rms(h)), None
+        h, _ = lax.scan(layer, x, p)
+        return jnp.mean(jnp.tanh(h) ** 2)
+
+    module = check(loss, (params, x), [Method.STATE_PASSING], load_balance="zigzag")
+    assert not module.facts.reorder_log, module.facts.reorder_log

@@ -96,3 +96,30 @@ def test_keys_of_a_kv_cache_are_a_sequence_of_their_own_length():
     assert axes.lengths == (8, 12)
     assert axes.full_dims(x) == (1,) and axes.dims(cache) == (1,)
     assert axes.sequence[(x, 1)] != axes.sequence[(cache, 1)]
+
+
+def test_batch_dims_are_one_axis_across_q_k_and_v():
+    """Frames are batch dims of a spatial attention over ``[B, T, P, H, D]`` and the
+    sequence of a temporal one. k's frames, merged with the batch by a reshape and split
+    back, still reach the frames through the spatial attention: their order must agree
+    with q's (a dim the analysis lost was once left in natural order beside q's
+    permuted one, a silent wrong answer under zigzag)."""
+    def space_time(x, y):
+        b, t, p, h, d = y.shape
+        k = (y.reshape(b * t, p, h, d) * 2.0).reshape(b, t, p, h, d)
+        s = jnp.einsum("btqhd,btkhd->bthqk", x, k)
+        o = jnp.einsum("bthqk,btkhd->btqhd", jax.nn.softmax(s, -1), k)
+        s = jnp.einsum("bqphd,bkphd->bphqk", o, x)
+        return jnp.einsum("bphqk,bkphd->bqphd", jax.nn.softmax(s, -1), x).sum()
+
+    shape = (2, 4, 8, 1, 4)
+    module = matched(space_time, jnp.ones(shape), jnp.ones(shape))
+    axes = infer_seq_axes(module.jaxpr)
+    spatial = next(e for e in axes.attentions if e.invars[0].aval.shape[2] == 8
+                   and e.params["spec"].q.seq == 2)
+    q, k, v = spatial.invars[:3]
+    spec = spatial.params["spec"]
+    frames = axes.sequence.get((q, spec.q.batch[1]))
+    assert frames is not None and axes.lengths[frames] == 4
+    assert axes.sequence.get((k, spec.k.batch[1])) == frames
+    assert axes.sequence.get((v, spec.v.batch[1])) == frames

@@ -89,6 +89,14 @@ class AttentionShape:
         kv_side = (self.kv_padded - self.kv_len) * self.kv_heads * (self.head_dim + self.dv)
         return self.batch * (q_side + kv_side) * self.dtype_bytes
 
+    @property
+    def operand_bytes(self) -> int:
+        """Bytes of q, o, k and v over all devices (what an all-to-all moving the attention
+        to another sharding sends, across the devices)."""
+        return self.batch * self.dtype_bytes * (
+            self.seq_len * self.heads * (self.head_dim + self.dv)
+            + self.kv_len * self.kv_heads * (self.head_dim + self.dv))
+
     def describe_padding(self) -> str:
         """``queries 19 -> 24 (+5), keys …; +N bytes``, or ``none``."""
         sides = [f"{name} {n} -> {p} (+{p - n})" for name, n, p in (

@@ -11,15 +11,31 @@ Two kinds of rule, both read through :mod:`cptransform.analysis.primitives`:
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 from cptransform.ir import compat
 
 Link = tuple[Any, int, Any, int]  # (atom, dim, atom, dim): the two dims are the same axis
+#: Dims that hold one axis together, major first: ``(dim, chunk)`` per member, the member's
+#: index ``i`` standing for ``i // chunk`` (a patch of ``chunk`` pixels is one token), so
+#: the group's index is the row-major merge of its members'. ``((1, 1), (2, 1))`` is dims 1
+#: and 2 of ``[B, H, W, C]`` merged into ``H·W`` tokens.
+Group = tuple[tuple[int, int], ...]
+#: ``(atom, group, atom, group)``: the two groups are the same axis (a reshape merging dims
+#: into one, or splitting one into several).
+GroupLink = tuple[Any, Group, Any, Group]
+#: ``(atom, dim, atom, dim, factor)``: member ``(dim, c)`` of the first atom is member
+#: ``(dim, c * factor)`` of the second (``factor`` 1: the same axis, as a :data:`Link`; a
+#: reshape's major dim of a split is the high digit of the dim it splits, its chunk the
+#: product of the minor dims' sizes).
+MemberLink = tuple[Any, int, Any, int, int]
 #: ``rule(eqn)``: the dim links of one equation.
 LinkRule = Callable[[Any], list[Link]]
 #: ``rule(eqn)``: for each operand, the set of its dims the op acts on.
 ActsOn = Callable[[Any], list[set[int]]]
+#: ``rule(eqn)``: the group links and member links of one equation (reshapes).
+GroupRule = Callable[[Any], tuple[list, list]]
 
 
 # -- link rules ------------------------------------------------------------------------------
@@ -159,6 +175,48 @@ def link_reshape(eqn) -> list[Link]:
     return [(x, a, out, b) for a, b in reshape_dim_map(x.aval.shape, out.aval.shape).items()]
 
 
+def _big_dims(shape: Sequence[int], dims: tuple[int, ...]) -> tuple[int, ...]:
+    """``dims`` without the size-1 ones (they hold no index)."""
+    return tuple(d for d in dims if shape[d] != 1)
+
+
+def group_links_reshape(eqn) -> list[GroupLink]:
+    """A reshape merging dims into one links the merged dims (a group, major first) to the
+    result dim; a split links the dim to the group of dims it becomes. Size-1 dims are left
+    out; dims that keep their size are :func:`link_reshape`'s."""
+    x, out = eqn.invars[0], eqn.outvars[0]
+    links = []
+    for ins, outs in reshape_groups(x.aval.shape, out.aval.shape) or ():
+        ins, outs = _big_dims(x.aval.shape, ins), _big_dims(out.aval.shape, outs)
+        if len(ins) + len(outs) > 2 and min(len(ins), len(outs)) == 1:
+            links.append((x, tuple((d, 1) for d in ins), out, tuple((d, 1) for d in outs)))
+    return links
+
+
+def member_links_reshape(eqn) -> list[MemberLink]:
+    """The major dim of a merge or split as a member of the other side: in a merge of
+    ``(d1, d2, ..)`` into ``e``, ``d1``'s index is ``e``'s divided by the minor dims' sizes
+    (its chunk); in a split of ``d`` into ``(e1, e2, ..)``, ``e1`` is ``d`` in chunks of the
+    minor dims' sizes (a row of patches of an image split ``H -> (H/p, p)``)."""
+    x, out = eqn.invars[0], eqn.outvars[0]
+    links = []
+    for ins, outs in reshape_groups(x.aval.shape, out.aval.shape) or ():
+        ins, outs = _big_dims(x.aval.shape, ins), _big_dims(out.aval.shape, outs)
+        if len(ins) == 1 and len(outs) > 1:
+            minor = math.prod(out.aval.shape[e] for e in outs[1:])
+            links.append((out, outs[0], x, ins[0], minor))
+        elif len(outs) == 1 and len(ins) > 1:
+            minor = math.prod(x.aval.shape[d] for d in ins[1:])
+            links.append((x, ins[0], out, outs[0], minor))
+    return links
+
+
+def groups_reshape(eqn) -> tuple[list[GroupLink], list[MemberLink]]:
+    """A reshape's merges and splits (:func:`group_links_reshape`,
+    :func:`member_links_reshape`)."""
+    return group_links_reshape(eqn), member_links_reshape(eqn)
+
+
 def link_dropping(param: str) -> LinkRule:
     """Rule for ops that remove the dims listed in ``params[param]`` (squeeze, reductions)."""
     def rule(eqn) -> list[Link]:
@@ -278,11 +336,23 @@ def link_unstack(eqn) -> list[Link]:
 
 
 def link_attention(eqn) -> list[Link]:
-    """Attention links its q and out dims (other than seq and features); K, V, masks and
-    the sinks link nothing through it."""
+    """Attention links its q and out dims (other than features), and each batch dim of q to
+    the same batch dim of every other operand (k and v at their layouts' batch dims, the
+    optional operands at their leading dims; not where one broadcasts it): a batch dim is
+    one axis across the operands (the frames of a spatial attention over ``[B, T, P, H,
+    D]``), whose order must agree in all of them. The keys' sequence and heads dims link
+    nothing through it (cross-attention keys are a sequence of their own; GQA heads are
+    not the queries')."""
     spec = eqn.params["spec"]
     q, out = eqn.invars[0], eqn.outvars[0]
-    return [(q, d, out, d) for d in range(q.aval.ndim) if d != spec.q.feature]
+    links = [(q, d, out, d) for d in range(q.aval.ndim) if d != spec.q.feature]
+    batch_dims = {"k": spec.k.batch, "v": spec.v.batch}
+    for name, operand in zip(spec.operand_names()[1:], eqn.invars[1:]):
+        dims = batch_dims.get(name, range(len(spec.q.batch)))
+        links += [(q, a, operand, b) for a, b in zip(spec.q.batch, dims)
+                  if not compat.is_literal(operand)
+                  and q.aval.shape[a] == operand.aval.shape[b]]
+    return links
 
 
 def link_seq_window(eqn) -> list[Link]:
@@ -357,3 +427,28 @@ def acts_on_contracting(eqn) -> list[set[int]]:
     """A contraction sums over its contracting dims of both operands."""
     (lc, rc), _ = eqn.params["dimension_numbers"]
     return [set(lc), set(rc)]
+
+
+def link_recurrence(eqn) -> list[Link]:
+    """A recurrence links the axis of every operand and result that runs along it (the
+    steps: a scan's ``xs`` and ``ys``); an elementwise-shaped one (a cumulative op, an
+    associative scan) links each operand's dims to its result's, leaf by leaf. A scan's
+    consts and carries link nothing through it."""
+    rec = eqn.params["recurrence"]
+    ins = [x for x, it in zip(eqn.invars, rec.iterated) if it and not compat.is_literal(x)]
+    outs = [y for y, it in zip(eqn.outvars, rec.iterated_out) if it]
+    if rec.loop is None:
+        return [(x, d, y, d) for x, y in zip(ins, outs) for d in range(x.aval.ndim)]
+    axis = rec.axis
+    steps = ins + outs
+    return [(a, axis, b, axis) for a, b in zip(steps, steps[1:])]
+
+
+def acts_on_recurrence(eqn) -> list[set[int]]:
+    """A recurrence reads across its axis; a scan's body may read across any dim of its
+    step slices and of its consts and carries."""
+    rec = eqn.params["recurrence"]
+    if rec.loop is None:
+        return [{rec.axis} if it else set(range(compat.aval_of(x).ndim))
+                for x, it in zip(eqn.invars, rec.iterated)]
+    return [set(range(compat.aval_of(x).ndim)) for x in eqn.invars]

@@ -93,6 +93,10 @@ class Hardware:
     # Measured TFLOP/s of visible work per (kernel, mask, pass): mask "causal" or "full",
     # pass "forward" or "forward+backward" (bench/kernels.py); empty for the rows without.
     kernel_tflops: dict = field(default_factory=dict)
+    # Seconds of one iteration of a sequential loop (a recurrence's step: a scan's
+    # dispatch, its carry's round trip), the least a step costs however small its body;
+    # not fitted: a launch-bound step's order of magnitude.
+    loop_step_s: float = 5e-6
 
     def kernel_flops_per_s(self, kernel: str, mask: str, backward: bool = False
                            ) -> float | None:

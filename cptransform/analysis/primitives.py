@@ -12,24 +12,28 @@ unknown dims and is not order-safe: it is refused or handled positionally, never
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
 
-from cptransform.analysis.dim_rules import (ActsOn, Link, LinkRule, acts_on_contracting,
+from cptransform.analysis.dim_rules import (ActsOn, GroupRule, Link, LinkRule,
+                                            acts_on_contracting,
                                             acts_on_dynamic_slice, acts_on_gather,
                                             acts_on_nothing, acts_on_pad, acts_on_param,
-                                            acts_on_params, acts_on_seq_window,
+                                            acts_on_params, acts_on_recurrence,
+                                            acts_on_seq_window,
                                             acts_on_slice, acts_on_top_k,
-                                            link_attention,
+                                            groups_reshape, link_attention,
                                             link_broadcast_in_dim, link_concatenate,
                                             link_dot_general, link_dropping, link_gather,
-                                            link_reshape, link_same_dims, link_seq_window,
+                                            link_recurrence, link_reshape, link_same_dims,
+                                            link_seq_window,
                                             link_slice_like,
                                             link_sort, link_split, link_stack, link_top_k,
                                             link_transpose, link_unstack)
 from cptransform.op.attention import attention_p
+from cptransform.op.recurrence import recurrence_p
 from cptransform.op.seq_permute import seq_permute_p
 from cptransform.op.seq_window import seq_window_p
 
@@ -46,6 +50,17 @@ class Family(enum.Enum):
     CALL = "call"                # carries a body (jit, remat, loops, custom derivatives)
     ATTENTION = "attention"      # cptransform's own attention_p
     WINDOW = "window"            # reads a bounded window of neighbours along a dim
+    RECURRENCE = "recurrence"    # cptransform's own recurrence_p: steps along one dim
+
+
+class Linear(enum.Enum):
+    """How a primitive's result depends on its floating-point operands, for the affine-carry
+    analysis (``h' = A·h + b``: the carry may only flow through linear maps). Integer and
+    boolean operands (indices, predicates) are parameters of the map, never linear in it."""
+
+    JOINT = "joint"          # linear in its float operands together: sums, reshapes, slices
+    EACH = "each"            # linear in each float operand, the others fixed: mul, dot_general
+    NUMERATOR = "numerator"  # linear in its first operand only: div
 
 
 class Moves(enum.Enum):
@@ -84,6 +99,7 @@ class PrimFacts:
     broadcasts its operand. ``call``: for calls, what kind of body. ``inlinable``: a call
     whose body can be evaluated in place of it (jit, closed calls, remat, custom derivative
     rules; not control flow), which is what the rewriter inlines (:data:`INLINABLE`).
+    ``linear``: how the result is linear in the operands (:class:`Linear`; None: not).
     """
 
     family: Family
@@ -95,6 +111,8 @@ class PrimFacts:
     moves: Moves | None = None
     call: CallKind | None = None
     inlinable: bool = False
+    linear: Linear | None = None
+    groups: GroupRule | None = None
 
 
 ELEMENTWISE_NAMES = """
@@ -142,7 +160,7 @@ PRIMS["dot_general"] = PrimFacts(Family.CONTRACTION, link_dot_general, acts_on_c
 PRIMS["broadcast_in_dim"] = PrimFacts(Family.SHAPE, link_broadcast_in_dim, acts_on_nothing,
                                       order_safe=True, shiftable=True, moves=Moves.BROADCAST)
 PRIMS["reshape"] = PrimFacts(Family.SHAPE, link_reshape, acts_on_nothing, order_safe=True,
-                             shiftable=True, moves=Moves.RESHAPE)
+                             shiftable=True, moves=Moves.RESHAPE, groups=groups_reshape)
 PRIMS["squeeze"] = PrimFacts(Family.SHAPE, link_dropping("dimensions"), acts_on_nothing,
                              order_safe=True, shiftable=True, moves=Moves.SQUEEZE)
 PRIMS["transpose"] = PrimFacts(Family.SHAPE, link_transpose, acts_on_nothing,
@@ -182,6 +200,7 @@ for _name, _kind in {"pjit": CallKind.JIT, "jit": CallKind.JIT,
                              inlinable=_kind is not CallKind.CONTROL_FLOW)
 
 PRIMS[attention_p.name] = PrimFacts(Family.ATTENTION, link_attention)
+PRIMS[recurrence_p.name] = PrimFacts(Family.RECURRENCE, link_recurrence, acts_on_recurrence)
 
 # Windowed ops along the sequence run with a halo exchange once match-windows wraps them as
 # seq_window_p (layout-aware: reorder-sequence keeps them in layout order); the raw ones
@@ -193,6 +212,16 @@ for _name in ("reduce_window", "reduce_window_max", "reduce_window_min", "reduce
               "conv_general_dilated", "select_and_scatter", "select_and_scatter_add",
               "select_and_gather_add"):
     PRIMS[_name] = PrimFacts(Family.WINDOW)
+
+
+# The linear column: a carry flowing only through these is affine in itself.
+for _name, _linear in {
+        **dict.fromkeys("add add_any sub neg copy copy_p stop_gradient convert_element_type "
+                        "select_n broadcast_in_dim reshape squeeze transpose reduce_sum "
+                        "concatenate pad slice dynamic_slice rev "
+                        "cumsum".split(), Linear.JOINT),
+        "mul": Linear.EACH, "dot_general": Linear.EACH, "div": Linear.NUMERATOR}.items():
+    PRIMS[_name] = replace(PRIMS[_name], linear=_linear)
 
 
 def facts(name: str) -> PrimFacts | None:
@@ -224,6 +253,13 @@ def seq_links(eqn) -> list[Link]:
     """The dim links of one equation (none for a primitive without a link rule)."""
     row = PRIMS.get(eqn.primitive.name)
     return row.seq_link(eqn) if row is not None and row.seq_link is not None else []
+
+
+def group_links(eqn) -> tuple[list, list]:
+    """The group links and member links of one equation (none for a primitive that
+    neither merges nor splits dims)."""
+    row = PRIMS.get(eqn.primitive.name)
+    return row.groups(eqn) if row is not None and row.groups is not None else ([], [])
 
 
 def acting_dims(eqn) -> list[set[int]] | None:

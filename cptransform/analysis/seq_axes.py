@@ -18,12 +18,15 @@ from typing import Any, Iterable
 
 import networkx as nx
 
-from cptransform.analysis.dim_rules import Link
+from cptransform.analysis.dim_rules import Group, Link
 from cptransform.analysis.primitives import seq_links
+from cptransform.analysis.sequence_groups import add_groups, is_group, node, size
 from cptransform.ir import compat
 from cptransform.op.attention import attention_p
 from cptransform.op.attention_spec import ROLES
+from cptransform.op.recurrence import recurrence_p
 from cptransform.op.operand_roles import Side
+from cptransform.ir.errors import SeqAxisError
 
 
 def attention_sides(eqn) -> tuple[list[tuple[Any, int]], list[tuple[Any, int]]]:
@@ -95,6 +98,7 @@ class SeqAxes:
     lengths: tuple[int, ...] = ()
     sequence: dict = field(default_factory=dict)
     attentions: list = field(default_factory=list)
+    grouped: dict = field(default_factory=dict)  # atom -> its group nodes in a sequence
 
     @property
     def seq_len(self) -> int | None:
@@ -113,6 +117,15 @@ class SeqAxes:
 
     def carries(self, atom: Any) -> bool:
         return bool(self.dims(atom))
+
+    def groups(self, atom: Any) -> tuple[Group, ...]:
+        """Groups of dims of ``atom`` that hold a whole sequence together, each major first
+        (see :mod:`~cptransform.analysis.sequence_groups`): ``((1, 1), (2, 1))`` for the
+        patches of ``[B, H, W, C]`` merged into ``H·W`` tokens."""
+        if compat.is_literal(atom):
+            return ()
+        return tuple(n[1] for n in self.grouped.get(atom, ())
+                     if size(n) == self.lengths[self.sequence[n]])
 
 
 def _add_links(graph: nx.Graph, eqn) -> None:
@@ -141,13 +154,13 @@ def _assign(graph: nx.Graph, seeds: list) -> tuple[dict, list] | None:
     sequence: dict = {}
     lengths: list[int] = []
     for seed in seeds:
-        size = seed[0].aval.shape[seed[1]]
+        length = size(seed)
         if seed in sequence:
-            if size != lengths[sequence[seed]]:
+            if length != lengths[sequence[seed]]:
                 return None
             continue
         index = len(lengths)
-        lengths.append(size)
+        lengths.append(length)
         members = nx.node_connected_component(graph, seed) if seed in graph else set()
         for member in members | {seed}:
             sequence[member] = index
@@ -165,8 +178,7 @@ def _assign_derived(graph: nx.Graph, seeds: list) -> tuple[dict, list]:
     size-changing ops between them partitioned in natural order."""
     same_size = nx.Graph()
     same_size.add_nodes_from(graph.nodes)
-    same_size.add_edges_from((a, b) for a, b in graph.edges
-                             if a[0].aval.shape[a[1]] == b[0].aval.shape[b[1]])
+    same_size.add_edges_from((a, b) for a, b in graph.edges if size(a) == size(b))
     # Over size-keeping links alone no component holds two sizes.
     sequence, lengths = _assign(same_size, seeds)
     # Breadth first from every dim the sequences hold at once: a dim reached from two
@@ -189,18 +201,22 @@ def _walk(jaxpr) -> Iterable[Any]:
             yield from _walk(sub)
 
 
-def infer_seq_axes(closed: Any, overrides: dict[int, tuple[int, ...]] | None = None) -> SeqAxes:
+def infer_seq_axes(closed: Any, overrides: dict[int, tuple] | None = None) -> SeqAxes:
     """Infer sequence-carrying dims of every value of ``closed``, sequence by sequence.
 
-    ``overrides`` maps a flat input index to its sequence dims (``()`` = none); such inputs
-    are seeded (or cut off) explicitly, the rest follows from dataflow. Two seeds of one
-    component with different sizes are sequences derived from one another by a slice, a
-    pad or a concatenation (:func:`_assign_derived`).
+    ``overrides`` maps a flat input index to its sequence dims (``()`` = none; an entry
+    that is a :data:`~cptransform.analysis.dim_rules.Group` is dims merged into one
+    sequence); such inputs are seeded (or cut off) explicitly, the rest follows from
+    dataflow, through merges and splits of dims too
+    (:mod:`~cptransform.analysis.sequence_groups`). Two seeds of one component with
+    different sizes are sequences derived from one another by a slice, a pad or a
+    concatenation (:func:`_assign_derived`).
     """
     graph = nx.Graph()
-    seeds: list[tuple[Any, int]] = []
+    seeds: list = []
     attentions = []
-    for eqn in _walk(closed):
+    eqns = list(_walk(closed))
+    for eqn in eqns:
         _add_links(graph, eqn)
         if eqn.primitive is attention_p:
             attentions.append(eqn)
@@ -209,13 +225,56 @@ def infer_seq_axes(closed: Any, overrides: dict[int, tuple[int, ...]] | None = N
             for side in attention_sides(eqn):
                 graph.add_edges_from(zip(side, side[1:]))
                 seeds += side
+    add_groups(graph, eqns, lambda eqn: seq_links(eqn) + _body_links(eqn))
     jaxpr = compat.open_jaxpr(closed)
+    recurrences = [] if attentions or overrides else recurrence_seeds(closed)
+    seeds += [seed for _, seed in recurrences]
     blocked = set()
     for index, dims in (overrides or {}).items():
         var = jaxpr.invars[index]
-        seeds += [(var, d) for d in dims]
-        blocked |= {(var, d) for d in range(var.aval.ndim) if d not in dims}
+        given = [node(var, d) if isinstance(d, tuple) else (var, d) for d in dims]
+        seeds += given
+        blocked |= {(var, d) for d in range(var.aval.ndim)} - set(given)
+        blocked |= {n for n in graph.nodes if n[0] is var and is_group(n)} - set(given)
     graph.remove_nodes_from(blocked)
     seeds = [seed for seed in seeds if seed not in blocked]
-    sequence, lengths = _assign(graph, seeds) or _assign_derived(graph, seeds)
-    return SeqAxes(tuple(lengths), sequence, attentions)
+    assigned = _assign(graph, seeds)
+    if recurrences and (assigned is None or len(assigned[1]) > 1):
+        raise _several_axes(recurrences, graph)
+    sequence, lengths = assigned or _assign_derived(graph, seeds)
+    grouped: dict = {}
+    for n in sequence:
+        if is_group(n):
+            grouped.setdefault(n[0], []).append(n)
+    return SeqAxes(tuple(lengths), sequence, attentions, grouped)
+
+
+def recurrence_seeds(closed: Any) -> list[tuple[Any, tuple[Any, int]]]:
+    """``(equation, (atom, dim))`` for the axis of every operand and result a recurrence
+    runs along: a program without attention is sharded along its recurrences."""
+    seeds = []
+    for eqn in _walk(closed):
+        if eqn.primitive is not recurrence_p:
+            continue
+        rec = eqn.params["recurrence"]
+        atoms = [x for x, it in zip(eqn.invars, rec.iterated) if it] + \
+            [y for y, it in zip(eqn.outvars, rec.iterated_out) if it]
+        seeds += [(eqn, (a, rec.axis)) for a in atoms if not compat.is_literal(a)]
+    return seeds
+
+
+def _several_axes(recurrences: list, graph: nx.Graph) -> SeqAxisError:
+    """A program without attention whose recurrences run along several unlinked axes:
+    which is the sequence is the user's to say."""
+    groups: dict = {}
+    for eqn, seed in recurrences:
+        component = frozenset(nx.node_connected_component(graph, seed)) if seed in graph \
+            else frozenset({seed})
+        groups.setdefault(component, []).append((eqn, seed))
+    where = "; ".join(
+        f"{eqn.params['recurrence'].describe()} at {compat.source_line(eqn)} "
+        f"(length {seed[0].aval.shape[seed[1]]})" for members in groups.values()
+        for eqn, seed in members[:1])
+    return SeqAxisError(
+        f"the function has no attention, and its recurrences run along {len(groups)} "
+        f"different axes: {where}; pass seq_axes= to say which input dims are the sequence")

@@ -29,6 +29,8 @@ from cptransform.passes.canonicalize import Canonicalize
 from cptransform.passes.infer_seq_axes import InferSeqAxes
 from cptransform.passes.lower_context_parallel import LowerContextParallel
 from cptransform.passes.match_attention import MatchAttention
+from cptransform.op.recurrence import Method
+from cptransform.passes.match_recurrences import MatchRecurrences
 from cptransform.passes.match_windows import MatchWindows
 from cptransform.passes.plan_context_parallel import PlanContextParallel
 from cptransform.passes.reorder_sequence import ReorderSequence
@@ -114,11 +116,14 @@ def _seq_axis_overrides(seq_axes: Any, args: tuple, traced: list[int]) -> dict[i
 
     ``seq_axes`` has one entry per positional argument, as ``jax.vmap``'s ``in_axes``: a
     pytree prefix of the argument whose leaves are ``None`` (no sequence axis), an int dim
-    or a tuple of ints (several dims); a leaf applies to every array leaf of the subtree it
-    stands for, so ``(None, 1)`` gives every array of the second argument dim 1 and
-    ``(None, {"tokens": 1, "mask": None})`` names them one by one. Static arguments
-    (positions not in ``traced``) hold no arrays and are skipped; keyword arguments are
-    left to inference.
+    or a tuple of dims (several), where a dim may itself be a tuple of two or more ints:
+    dims merged into one sequence, major first (``((1, 2),)`` for the ``H·W`` patches of
+    ``[B, H, W, C]``; such a tuple is always a leaf). A leaf applies to every array leaf of
+    the subtree it stands for, so ``(None, 1)`` gives every array of the second argument
+    dim 1 and ``(None, {"tokens": 1, "mask": None})`` names them one by one. Static
+    arguments (positions not in ``traced``) hold no arrays and are skipped; keyword
+    arguments are left to inference. A merged entry comes back as a
+    :data:`~cptransform.analysis.dim_rules.Group`.
     """
     if seq_axes is None:
         return {}
@@ -135,21 +140,32 @@ def _seq_axis_overrides(seq_axes: Any, args: tuple, traced: list[int]) -> dict[i
             continue
         for dims, leaf in _entry_leaves(entry, arg, position):
             ndim = np.ndim(leaf)
-            if any(not -ndim <= d < ndim for d in dims):
+            flat = [d for dim in dims for d in (dim if isinstance(dim, tuple) else (dim,))]
+            if any(not -ndim <= d < ndim for d in flat) or len(flat) != len(set(flat)):
                 raise ContextParallelOptionError(
                     f"seq_axes entry {dims if len(dims) > 1 else dims[0]} of argument "
                     f"{position} does not fit an array of shape {np.shape(leaf)}")
-            out[index] = tuple(d % ndim for d in dims)
+            out[index] = tuple(tuple((d % ndim, 1) for d in dim) if isinstance(dim, tuple)
+                               else dim % ndim for dim in dims)
             index += 1
     return out
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_merged(x: Any) -> bool:
+    """Dims merged into one sequence: a tuple of two or more ints."""
+    return isinstance(x, tuple) and len(x) > 1 and all(_is_int(d) for d in x)
+
+
 def _is_dims(entry: Any) -> bool:
-    """A leaf of a ``seq_axes`` prefix: ``None``, an int, or a tuple of ints."""
-    def is_int(x):
-        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-    return entry is None or is_int(entry) or (
-        isinstance(entry, tuple) and all(is_int(d) for d in entry))
+    """A leaf of a ``seq_axes`` prefix: ``None``, an int, or a tuple of ints and merged
+    dims (tuples of two or more ints) holding at least one int or one merged tuple."""
+    return entry is None or _is_int(entry) or (
+        isinstance(entry, tuple) and all(_is_int(d) or _is_merged(d) for d in entry)
+        and (any(_is_merged(d) for d in entry) or all(_is_int(d) for d in entry)))
 
 
 def _entry_leaves(entry: Any, arg: Any, position: int) -> list[tuple[tuple[int, ...], Any]]:
@@ -157,7 +173,8 @@ def _entry_leaves(entry: Any, arg: Any, position: int) -> list[tuple[tuple[int, 
     subtrees it is a prefix of."""
     def broadcast(dims, subtree):
         dims = () if dims is None else (int(dims),) if not isinstance(dims, tuple) \
-            else tuple(int(d) for d in dims)
+            else tuple(tuple(int(i) for i in d) if isinstance(d, tuple) else int(d)
+                       for d in dims)
         return _PrefixLeaf([(dims, leaf) for leaf in jax.tree_util.tree_leaves(subtree)])
     try:
         spread = jax.tree_util.tree_map(broadcast, entry, arg, is_leaf=_is_dims)
@@ -196,7 +213,8 @@ def prepare(module: Module, options: Options, overrides: dict | None = None) -> 
 def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipeline:
     """The context-parallel pass pipeline for a prepared module, as pass objects (the CLI
     prints it with ``spelled()``); ``lower=False`` stops before lowering (for plans)."""
-    passes = [Canonicalize(), MatchAttention(), MatchWindows(), InferSeqAxes(),
+    passes = [Canonicalize(), MatchAttention(), MatchWindows(), MatchRecurrences(),
+              InferSeqAxes(),
               PlanContextParallel(**options.pass_arguments(PlanContextParallel.name)),
               ReorderSequence(**options.pass_arguments(ReorderSequence.name))]
     if lower:
@@ -205,16 +223,18 @@ def cp_pipeline(module: Module, options: Options, *, lower: bool = True) -> Pipe
 
 
 def report_unsharded(module: Module, options: Options) -> None:
-    """A transform that shards less than asked never passes for success. With ``cp > 1``
-    and no attention rewritten, nothing is sharded: raise, naming each softmax seen and why
-    it was left (``allow_unsharded=True``: warn and run unchanged). With attentions
+    """A transform that shards less than asked never passes for success. With ``cp > 1``,
+    no attention rewritten and no recurrence passing state, nothing is sharded: raise,
+    naming each softmax and recurrence seen and why it was left (``allow_unsharded=True``:
+    warn and run unchanged). With attentions
     rewritten, each attention left whole (a softmax over a q·k product refused: its
     probabilities multiplied by data, a softmax combined with a non-softmax) runs its whole
     S×S work on every device: a :class:`PartlyShardedWarning` names each (``strict=True``:
     raise)."""
     if module.facts.cp <= 1:
         return
-    if module.facts.plan:
+    if module.facts.plan or any(r.method not in (None, Method.GATHER)
+                                for r in module.facts.recurrences):
         whole = [m for m in module.facts.matches or () if m.runs_unsharded]
         if not whole:
             return
@@ -227,8 +247,10 @@ def report_unsharded(module: Module, options: Options) -> None:
         warnings.warn(message, PartlyShardedWarning, stacklevel=4)
         return
     refused = [f"  {m}" for m in module.facts.matches or () if not m.rewritten]
-    message = (f"{module.name}: no attention found, so nothing is sharded over cp="
-               f"{module.facts.cp}; the function would run as on one device"
+    refused += [f"  {r.describe()}" for r in module.facts.recurrences]
+    message = (f"{module.name}: no attention found and no recurrence sharded, so nothing "
+               f"is sharded over cp={module.facts.cp}; the function would run as on one "
+               "device"
                + (":\n" + "\n".join(refused) if refused else " (no softmax either)")
                + "\nUse cptransform.attention(q, k, v, ...) for an attention the matcher "
                  "cannot see, or pass allow_unsharded=True to run the function unsharded "

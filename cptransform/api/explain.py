@@ -55,13 +55,17 @@ def explain_module(module, options: Any, hlo_text: str | None = None, *,
              + (f" (kernel={options.kernel})" if kernels and options.kernel == "auto" else "")]
     if seq is not None and seq.lengths:
         lines.append(f"  sequence axis: {seq.describe()}")
+    if facts.sharded_sequence is not None:
+        lines.append(f"  {facts.sharded_sequence.describe()}")
     lines += _matcher_lines(facts.matches or (), verbose)
-    if not plan.attentions:
+    if not plan.attentions and not facts.recurrences:
         lines.append("  no attention found: the function runs unchanged; nothing is sharded "
                      "(pass seq_axes= or use cptransform.attention for an attention the "
                      "matcher does not see)")
     for group in plan.attentions:
         lines += _group_lines(group, verbose)
+    for recurrence in facts.recurrences:
+        lines += recurrence_lines(recurrence, verbose)
     if verbose:
         lines += balance_lines(facts.balance)
     else:
@@ -108,6 +112,24 @@ def _group_lines(group, verbose: bool) -> list[str]:
         lines += [f"      {prediction.describe()}" for prediction in group.predictions]
     elif group.chosen is not None:
         lines.append(f"    predicted per device: {group.chosen.describe()}")
+    return lines
+
+
+def recurrence_lines(plan, verbose: bool) -> list[str]:
+    """The lines of one :class:`~cptransform.analysis.recurrence_cost.RecurrencePlan`: what
+    it is, how it runs across devices and why, and the bytes each method moves."""
+    lines = [f"  recurrence #{plan.index} at {plan.source}: {plan.what}"]
+    if plan.method is None:
+        return lines + [f"    not sharded: {plan.reason}"]
+    grain = "token" if plan.chunk == 1 else f"chunk of {plan.chunk} tokens"
+    reason = plan.reason if verbose else plan.reason.split(EXCLUDED)[0]
+    lines.append(f"    method: {plan.method} — {reason}; {plan.steps} steps of one {grain}")
+    costs = plan.costs if verbose else [c for c in plan.costs if c.method == plan.method]
+    if costs:
+        lines.append("    forward communication per device: "
+                     + ", ".join(f"{c.method} {c.bytes / 2**20:.3f} MiB" for c in costs))
+    if verbose:
+        lines += [f"      {c.describe()}" for c in plan.costs]
     return lines
 
 

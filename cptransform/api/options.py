@@ -20,8 +20,8 @@ from cptransform.api.arguments import CallArguments
 from cptransform.ir.errors import ContextParallelOptionError, unknown_name
 from cptransform.lowering.kernels import kernel_choices
 from cptransform.lowering.schedule import schedules
-from cptransform.passes.plan_context_parallel import LOAD_BALANCES, REFUSED_LOAD_BALANCES, \
-    PlanContextParallel, schedule_choices
+from cptransform.passes.plan_context_parallel import LOAD_BALANCES, RECURRENCE_CHOICES, \
+    REFUSED_LOAD_BALANCES, PlanContextParallel, schedule_choices
 from cptransform.passes.reorder_sequence import ReorderSequence
 
 PLAN = PlanContextParallel.name
@@ -95,7 +95,8 @@ OPTIONS: dict[str, OptionSpec] = {spec.name: spec for spec in (
     OptionSpec("kernel", "str", "auto", "local step: auto takes per attention the fastest "
                "kernel that runs it", choices=kernel_choices, consumer=PLAN, flag=True),
     OptionSpec("seq_axes", "Any", None, "per positional argument its sequence dims (an int, "
-               "a tuple, None, or a pytree prefix of it), overriding the inferred ones"),
+               "a tuple, None, or a pytree prefix of it; dims merged into one sequence as a "
+               "tuple inside: ((1, 2),)), overriding the inferred ones"),
     OptionSpec("strict", "bool", False, "refuse ops that are not order-safe along the "
                "sequence instead of wrapping them, and an attention left unsharded",
                consumer=REORDER),
@@ -113,6 +114,11 @@ OPTIONS: dict[str, OptionSpec] = {spec.name: spec for spec in (
                "choice's local step may use: bytes, or N% of the hardware's memory",
                problem=memory_limit_problem, consumer=PLAN, flag=True, metavar="BYTES|N%",
                parse=memory_limit_text),
+    OptionSpec("recurrences", "str", "auto", "per recurrence along the sequence: auto "
+               "prices passing state against gathering and takes the faster; pass always "
+               "passes state where exact; gather runs each on the whole sequence",
+               choices=lambda: RECURRENCE_CHOICES,
+               consumer=PLAN, flag=True),
 )}
 
 
@@ -139,6 +145,7 @@ class Options:
     static_argnames: str | tuple[str, ...] = _default("static_argnames")
     hardware: str | None = _default("hardware")
     memory_limit: int | str | None = _default("memory_limit")
+    recurrences: str = _default("recurrences")
 
     def check(self) -> None:
         """Raise for a value an option does not take, or CP axes the schedule cannot run

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:  # types only: the records are defined in the layers above
     from cptransform.analysis.load_balance import LayoutBalance
     from cptransform.analysis.match_report import MatchReport
+    from cptransform.analysis.recurrence_cost import RecurrencePlan
     from cptransform.analysis.seq_axes_summary import SeqAxesSummary
+    from cptransform.analysis.sharded_sequence import ShardedSequence
     from cptransform.op.layouts import Conversion, SequenceLayout
     from cptransform.passes.plan_context_parallel import AttentionPlan
 
@@ -44,6 +46,8 @@ class Facts:
     balance: tuple[LayoutBalance, ...] = ()            # one per candidate layout (planner)
     reorder_log: tuple[str, ...] = ()
     conversions: tuple[Conversion, ...] = ()          # reorder-sequence: priced conversions
+    recurrences: tuple[RecurrencePlan, ...] = ()       # planner: one per recurrence
+    sharded_sequence: ShardedSequence | None = None    # planner: which of several sequences
 
     def has(self, fact: Fact) -> bool:
         """Whether ``fact`` has been provided."""

@@ -181,7 +181,8 @@ def trace_like(jaxpr: Any, fn: Callable) -> Any:
 
 def interpret(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any],
               step: Callable[[Any, Callable], Sequence[Any]]) -> list:
-    """Evaluate an open jaxpr equation by equation under the current trace.
+    """Evaluate an open jaxpr equation by equation under the current trace (or any record
+    of ``constvars``, ``invars``, ``eqns`` and ``outvars``: a part of one).
 
     ``step(eqn, read)`` returns the equation's outputs; ``read(atom)`` gives the value of
     any variable defined so far (or a literal's value)."""

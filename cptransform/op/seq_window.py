@@ -70,18 +70,6 @@ def _abstract_eval(*avals, window: Window):
     return compat.ShapedArray(out.shape, out.dtype)
 
 
-def _jvp(primals, tangents, *, window: Window):
-    out = seq_window_p.bind(*primals, window=window)
-    tans = [compat.instantiate_zeros(t) for t in tangents]
-    _, t_out = jax.jvp(lambda *xs: _impl(*xs, window=window), list(primals), tans)
-    return out, t_out
-
-
-def _batch(args, dims, *, window: Window):
-    return jax.vmap(lambda *xs: _impl(*xs, window=window), in_axes=tuple(dims))(*args), 0
-
-
-seq_window_p = compat.define_primitive(
-    "seq_window", multiple_results=False, impl=_impl, abstract_eval=_abstract_eval,
-    jvp=_jvp, batch=_batch)
+seq_window_p = compat.define_wrapper("seq_window", multiple_results=False, impl=_impl,
+                                    abstract_eval=_abstract_eval)
 compat.register_pp_rule(seq_window_p, lambda params: f"seq_window[{params['window'].describe()}]")

@@ -29,9 +29,10 @@ from cptransform.op.attention import attention_p
 from cptransform.ir.module import Module
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import fit_body, interpret, map_bodies, trace_like
-from cptransform.analysis.primitives import acting_dims
+from cptransform.analysis.primitives import CallKind, Family, acting_dims, calls, names_of
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.op.layouts import Conversion, SequenceLayout
+from cptransform.op.recurrence import Method, recurrence_p
 from cptransform.op.seq_window import seq_window_p
 from cptransform.lowering.halo import CHUNKS_PER_RANK
 from cptransform.ir.errors import ReorderError
@@ -42,6 +43,10 @@ from cptransform.passes.reorder_sequence.states import (PERM, NAT, INV, EQUIVARI
                                                         REBUILT, LOOPS, CUSTOM_RULES)
 from cptransform.passes.reorder_sequence.merged import MergedOrders
 from cptransform.passes.reorder_sequence.shifted import ShiftedSlices
+
+#: Elementwise primitives, and the jit calls a custom rule's body may hold.
+ELEMENTWISE = names_of(Family.ELEMENTWISE)
+JITS = calls(CallKind.JIT)
 
 
 @dataclass
@@ -91,6 +96,8 @@ class _Reorderer(MergedOrders, ShiftedSlices):
                 return outs
             where = f"{name} at {compat.source_line(eqn)}"
             invals = [self.settle(x, where) for x in invals]
+        if eqn.primitive is recurrence_p:
+            return self.recurrence(eqn, invals)
         merged = [i for i, x in enumerate(invals) if isinstance(self.get(x), Merged)]
         if merged and not (name in CALLS and name not in REBUILT | CUSTOM_RULES):
             outs = self.merged(eqn, invals, merged)
@@ -167,6 +174,63 @@ class _Reorderer(MergedOrders, ShiftedSlices):
         params = {**eqn.params, "window": eqn.params["window"].in_layout(self.layout)}
         (out,) = compat.bind_eqn(eqn, invals, params)
         return [self.put(out, PERM)]
+
+    def recurrence(self, eqn, invals):
+        """Keep a recurrence planned to pass state (or totals) in layout order: it
+        records the layout of its steps, the program's on a full sequence dim or the
+        layout of the chunks on a chunked one (zigzag: each device's two chunks take their
+        incoming state from the chunks before them in natural order). Gathered ones, and
+        any under a layout that does not keep chunks whole (striped), run in natural
+        order, converted around them."""
+        rec = eqn.params["recurrence"]
+        steps = [i for i, it in enumerate(rec.iterated) if it]
+        invals = list(invals)
+        layout = self._steps_layout(eqn, invals, steps)
+        if layout is None:
+            invals = [self.natural(x, eqn) if isinstance(self.get(x), Merged) else x
+                      for x in invals]
+            carrying = [i for i, a in enumerate(eqn.invars) if self.axes.full_dims(a)
+                        and self.get(invals[i]) != INV]
+            return self.positional(eqn, invals, carrying,
+                                   {self.get(invals[i]) for i in carrying})
+        state = Merged(rec.axis, 1, layout)
+        with compat.eqn_context(eqn):
+            outs = recurrence_p.bind(*invals, recurrence=rec.in_layout(layout))
+        return [self.put(o, self.merged_state(v, state) if it else INV)
+                for o, v, it in zip(outs, eqn.outvars, rec.iterated_out)]
+
+    def _steps_layout(self, eqn, invals, steps) -> SequenceLayout | None:
+        """The layout a recurrence's steps are held in when it can keep it: the program's
+        (a layout-order full sequence dim) or a merged dim's chunk layout, the same for
+        every step operand; ``None``: it runs in natural order. Step operands are put in
+        it as an order-free op's would be: a natural-order one beside a layout-order one
+        is permuted, and one that is not a sequence dim of its own (``inv``: chunks cut
+        from natural-order tokens, or steps made apart from the tokens) is aligned with
+        merged ones."""
+        rec = eqn.params["recurrence"]
+        if rec.method in (None, Method.GATHER) or self.layout.name not in CHUNKS_PER_RANK:
+            return None
+        found, natural, loose = set(), [], []
+        for i in steps:
+            st, full = self.get(invals[i]), rec.axis in self.axes.full_dims(eqn.invars[i])
+            if st == PERM and full:
+                found.add(self.layout)
+            elif st == NAT and full:
+                natural.append(i)
+            elif isinstance(st, Merged) and st.dim == rec.axis and st.inner == 1:
+                found.add(st.layout)
+            elif st == INV and not full:
+                loose.append(i)
+            elif st != INV:
+                return None
+        if len(found) != 1 or (natural and found != {self.layout}):
+            return None
+        layout = found.pop()
+        for i in natural:
+            invals[i] = self.to(invals[i], eqn.invars[i], PERM)
+        for i in loose:
+            invals[i] = self.align(invals[i], rec.axis, Merged(rec.axis, 1, layout))
+        return layout
 
     def priced(self, eqn_or_name, kind: str, nbytes: int, where: str | None = None):
         """Record one conversion (what :func:`explain` lists with its bytes)."""
@@ -265,6 +329,9 @@ class _Reorderer(MergedOrders, ShiftedSlices):
         if name in CUSTOM_RULES:
             carrying = [i for i, a in enumerate(eqn.invars)
                         if self.axes.full_dims(a) and self.get(invals[i]) != INV]
+            if elementwise_rule(eqn):
+                return self.equivariant(eqn, invals, carrying,
+                                        {self.get(invals[i]) for i in carrying})
             return self.positional(eqn, invals, carrying,
                                    {self.get(invals[i]) for i in carrying},
                                    "has a custom derivative rule, which must see the tokens "
@@ -377,6 +444,33 @@ class _Reorderer(MergedOrders, ShiftedSlices):
             return [self.to(o, v, order) for o, v in zip(outs, jaxpr.outvars)]
 
         return fit_body(closed, trace_like(jaxpr, fn))
+
+
+def _elementwise(jaxpr) -> bool:
+    """Every equation of ``jaxpr`` is elementwise, a fill (a scalar broadcast), or a call
+    of a body that is (a jit, the function itself re-bound inside its rule)."""
+    for eqn in compat.open_jaxpr(jaxpr).eqns:
+        name = eqn.primitive.name
+        if name in ELEMENTWISE or (name == "broadcast_in_dim"
+                                   and compat.aval_of(eqn.invars[0]).ndim == 0):
+            continue
+        body = compat.call_body(eqn) if name in JITS | CUSTOM_RULES else None
+        if body is None or not _elementwise(body):
+            return False
+    return True
+
+
+def elementwise_rule(eqn) -> bool:
+    """A ``custom_jvp`` function whose primal and derivative rule are both elementwise
+    (``jax.nn.relu``, ``softplus``, ``log_sigmoid``): each output entry reads only the same
+    entry of each operand, so the function and its rule commute with any order of the
+    tokens and run in layout order, unchanged. Any other custom rule may read the tokens
+    in their order."""
+    if eqn.primitive.name != "custom_jvp_call":
+        return False
+    body, rule = compat.call_body(eqn), compat.custom_jvp_rule(eqn)
+    return body is not None and rule is not None and _elementwise(body) \
+        and _elementwise(rule)
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,13 @@ class MergedOrders:
     # -- merged sequence dims (tokens flattened, folded into features, cut into chunks) --
     def merged_state(self, var, st: Merged):
         """``st``, or ``PERM`` when it is the program's layout on a full sequence dim that
-        the sequence analysis knows (so the usual rules apply)."""
-        if (st.layout == self.layout and st.inner == 1
-                and var.aval.shape[st.dim] == self.layout.seq_len
+        the sequence analysis knows (so the usual rules apply): the layout itself, or the
+        layout of its chunks of ``inner`` tokens with each chunk's tokens below (chunks
+        put back together: the same order when the layout moves whole chunks)."""
+        whole = st.layout == self.layout and st.inner == 1
+        chunks = st.inner > 1 and self.layout.coarsen(st.inner) == st.layout \
+            and st.layout.seq_len * st.inner == self.layout.seq_len
+        if ((whole or chunks) and var.aval.shape[st.dim] == self.layout.seq_len
                 and self.axes.full_dims(var) == (st.dim,)):
             return PERM
         return st

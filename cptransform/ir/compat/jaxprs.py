@@ -165,6 +165,24 @@ def bodies(eqn: Any) -> list[Body]:
     return found
 
 
+def custom_jvp_rule(eqn: Any) -> Any | None:
+    """The jaxpr of a ``custom_jvp_call``'s derivative rule with every tangent nonzero
+    (its inputs: the primals, then their tangents), or ``None`` when this release spells
+    the rule otherwise. JAX 0.10 to 0.12 keep it as ``jvp_jaxpr_fun``, a function of one
+    "tangent is zero" flag per non-constant operand returning ``(jaxpr, consts,
+    out_zeros)``."""
+    fun = eqn.params.get("jvp_jaxpr_fun")
+    call = getattr(fun, "call_wrapped", None)
+    if call is None:
+        return None
+    flags = [False] * (len(eqn.invars) - int(eqn.params.get("num_consts", 0)))
+    try:
+        jaxpr, consts, _ = call(*flags)
+    except Exception:  # noqa: BLE001 - a release that calls it otherwise: no rule to read
+        return None
+    return jaxpr if not consts else close_jaxpr(open_jaxpr(jaxpr), list(consts))
+
+
 def check_jaxpr(closed: Any) -> None:
     """Type-check a jaxpr; raises :class:`JaxprTypeError` when it is malformed."""
     _core.check_jaxpr(open_jaxpr(closed))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 from jax._src import core as _core
@@ -46,6 +47,27 @@ def define_primitive(
     ad.primitive_jvps[prim] = jvp
     batching.primitive_batchers[prim] = batch
     mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=multiple_results))
+    return prim
+
+
+def define_wrapper(name: str, *, multiple_results: bool, impl: Callable,
+                   abstract_eval: Callable) -> Primitive:
+    """A primitive that wraps plain JAX code ``impl(*operands, **params)``: evaluated,
+    lowered, differentiated and batched as ``impl``. Its JVP keeps the primitive for the
+    primal (so the equation stays visible to later passes) and differentiates ``impl`` for
+    the tangent; its batching rule vmaps ``impl``."""
+    def jvp(primals, tangents, **params):
+        out = prim.bind(*primals, **params)
+        tans = [instantiate_zeros(t) for t in tangents]
+        _, t_out = jax.jvp(lambda *xs: impl(*xs, **params), list(primals), tans)
+        return out, t_out
+
+    def batch(args, dims, **params):
+        out = jax.vmap(lambda *xs: impl(*xs, **params), in_axes=tuple(dims))(*args)
+        return out, ([0] * len(out) if multiple_results else 0)
+
+    prim = define_primitive(name, multiple_results=multiple_results, impl=impl,
+                            abstract_eval=abstract_eval, jvp=jvp, batch=batch)
     return prim
 
 
