@@ -77,12 +77,13 @@ def test_allgather_schedule_is_not_a_leak():
 
 
 def test_positional_op_leaks_and_explain_says_so():
-    """A running sum over the sequence is un-permuted around: GSPMD gathers the sequence
-    for it, and ``explain(leaks=True)`` names the all-gather."""
+    """A running sum over the sequence gathered (``recurrences="gather"``, instead of state
+    passed) is un-permuted around: GSPMD gathers the sequence for it, and
+    ``explain(leaks=True)`` names the all-gather."""
     x = jax.random.normal(jax.random.key(5), (1, 32, 2, 8))
-    found = leaks(cumulative_model, (x,), 32, load_balance="zigzag")
+    found = leaks(cumulative_model, (x,), 32, load_balance="zigzag", recurrences="gather")
     assert found and all(g.shape[g.dim] == 32 and g.dtype == "f32" for g in found)
-    f = context_parallel(cumulative_model, cp=4, load_balance="zigzag")
+    f = context_parallel(cumulative_model, cp=4, load_balance="zigzag", recurrences="gather")
     text = f.explain(x, leaks=True)
     assert "sharding leaks: " in text and "all-gather f32[1,32,2,8] on dim 1" in text
     assert "sharding leaks" not in f.explain(x)

@@ -146,20 +146,27 @@ def test_next_token_shift_stays_permuted(llama_case):
 
 
 def cumulative_model(x):
-    """Attention over a running sum along the sequence: not permutation-equivariant."""
+    """Attention over a running sum along the sequence: not permutation-equivariant (a
+    recurrence: state passed by default, gathered under ``recurrences="gather"``)."""
     h = jnp.cumsum(x, axis=1)
+    return jnp.sum(jax.nn.dot_product_attention(h, x, x, is_causal=True) ** 2)
+
+
+def sorted_model(x):
+    """Attention over the tokens sorted along the sequence: not permutation-equivariant."""
+    h = jnp.sort(x, axis=1)
     return jnp.sum(jax.nn.dot_product_attention(h, x, x, is_causal=True) ** 2)
 
 
 @pytest.mark.slow
 def test_positional_op_is_wrapped_or_refused():
     x = jax.random.normal(jax.random.key(5), (1, 32, 2, 8))
-    f = context_parallel(cumulative_model, cp=4, load_balance="zigzag")
-    np.testing.assert_allclose(f(x), cumulative_model(x), rtol=RTOL)
-    assert re.search(r"cumsum at .*test_transform.py.* un-permute its operands first "
+    f = context_parallel(sorted_model, cp=4, load_balance="zigzag")
+    np.testing.assert_allclose(f(x), sorted_model(x), rtol=RTOL)
+    assert re.search(r"sort at .*test_transform.py.* un-permute its operands first "
                      r"\(2048 bytes permuted\)", f.explain(x))
-    strict = context_parallel(cumulative_model, cp=4, load_balance="zigzag", strict=True)
-    with pytest.raises(ReorderError, match="cumsum at .*strict=True"):
+    strict = context_parallel(sorted_model, cp=4, load_balance="zigzag", strict=True)
+    with pytest.raises(ReorderError, match="sort at .*strict=True"):
         strict(x)
 
 
