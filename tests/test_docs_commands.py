@@ -153,5 +153,5 @@ def test_the_readme_commands_come_first():
     demo, tests = blocks[0], blocks[1]
     assert demo[0] <= 60 and tests[0] <= 60
     assert demo[1].splitlines()[0].endswith(".venv/bin/python examples/llama.py")
-    assert tests[1].splitlines()[0].endswith('-m pytest -q -m "not slow" -n 2 --dist loadfile')
+    assert tests[1].splitlines()[0].endswith('-m pytest -q -m "not slow" -n 2 --dist load')
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
