@@ -17,6 +17,7 @@ from jax import lax
 
 from conftest import assert_rewritten, assert_tree_close
 from cptransform import UnshardedError, context_parallel
+from cptransform.ir import compat
 from cptransform.ir.errors import ReorderError
 from cptransform.op.recurrence import Method
 
@@ -58,6 +59,10 @@ def check(loss, args, methods, attentions: int = 1, cp: int = 4, **options):
     ("gla", "zigzag", 2),                # a scan across 4 chunks of 8, zigzag over 2 ranks
 ])
 def test_layer_in_a_hybrid_block(name, load_balance, cp):
+    if name == "rg_lru" and compat.jax_release()[:2] == (0, 11):
+        # Not refused by the planner yet (compat.compiler_crash names the halo one only).
+        pytest.skip("JAX 0.11.x's XLA segfaults compiling this block (measured on the CPU "
+                    "backend of 0.11.2; 0.10.2 and 0.12 compile it and match one device)")
     params, x = data(name)
     loss = R.hybrid_block(R.LAYERS[name])
     count = 2 if name in ("linear_attention", "ema") else 1
