@@ -31,6 +31,7 @@ from cptransform.analysis.hardware import Hardware
 from cptransform.analysis.recurrence_axes import along_sequence, sequence_elsewhere
 from cptransform.analysis.seq_axes import SeqAxes
 from cptransform.ir import compat
+from cptransform.ir.errors import PlanError
 from cptransform.ir.module import iter_eqns
 from cptransform.op.layouts import SequenceLayout
 from cptransform.op.recurrence import Kind, Method, Recurrence
@@ -64,7 +65,9 @@ class MethodCost:
 class RecurrencePlan:
     """The decision for one recurrence (``index`` = order in the program): its ``method``
     (``None``: not along the sequence, run as the op it was), why, each candidate's
-    :class:`MethodCost`, and its ``steps`` of ``chunk`` tokens each."""
+    :class:`MethodCost`, and its ``steps`` of ``chunk`` tokens each; ``crash``: why it
+    is gathered although passing state fits it (this JAX's compiler crashes on it), which
+    the transform warns of."""
 
     index: int
     source: str
@@ -75,6 +78,7 @@ class RecurrencePlan:
     costs: tuple[MethodCost, ...] = ()
     steps: int = 0
     chunk: int = 1
+    crash: str = ""
 
     @property
     def chosen(self) -> MethodCost | None:
@@ -222,8 +226,15 @@ def plan_recurrence(index: int, eqn, axes: SeqAxes, producers: dict, cp: int,
         problem = "an operand carries the sequence on a second dim"
     if steps % (cp * chunks):
         problem = f"its {steps} steps do not split into {cp * chunks} chunks"
+    crash = compat.scan_compiler_crash(sum(rec.iterated)) \
+        if rec.kind is Kind.PREFIX and rec.primitive is None else None
+    if crash is not None and problem is None and choice == "pass":
+        raise PlanError(f"recurrence #{index} at {source}: {crash}")
     if choice == Method.GATHER:
         problem = "recurrences='gather'"
+    elif crash is not None and problem is None:
+        return plan(Method.GATHER, f"gathered: {crash}", steps=steps, chunk=along.chunk,
+                    crash=crash)
     avals = [compat.aval_of(x) for x in eqn.invars]
     out_avals = [compat.aval_of(y) for y in eqn.outvars]
     if problem is not None:

@@ -233,6 +233,10 @@ def report_unsharded(module: Module, options: Options) -> None:
     raise)."""
     if module.facts.cp <= 1:
         return
+    for r in module.facts.recurrences:
+        if r.crash:
+            warnings.warn(f"{module.name}: {r.describe()}", PartlyShardedWarning,
+                          stacklevel=4)
     if module.facts.plan or any(r.method not in (None, Method.GATHER)
                                 for r in module.facts.recurrences):
         whole = [m for m in module.facts.matches or () if m.runs_unsharded]
@@ -268,7 +272,9 @@ class UnshardedWarning(UserWarning):
 
 class PartlyShardedWarning(UnshardedWarning):
     """Some attention of a transformed function was left whole: it runs unsharded, its
-    S×S work on every device, while the others are sharded."""
+    S×S work on every device, while the others are sharded; or a recurrence is gathered
+    because this JAX's compiler crashes on passing its state
+    (``compat.scan_compiler_crash``)."""
 
 
 def refuse_gradients(module: Module) -> None:

@@ -15,7 +15,7 @@ constraints and ``shard_map`` regions).
 """
 from cptransform.ir.compat.versions import (  # checks the JAX version first
     ALLOW_UNTESTED_JAX, SUPPORTED_JAX, UnsupportedJaxError, check_jax_version,
-    compiler_crash, jax_release)
+    compiler_crash, jax_release, scan_compiler_crash)
 from cptransform.ir.compat.jaxprs import (
     JAXPR_CLASSES_MERGED, Body, ClosedJaxpr, Jaxpr, JaxprTypeError, Literal, ShapedArray,
     aval_of, bind_eqn, bodies, call_body, check_jaxpr, close_jaxpr, cond_branches, consts_of,
@@ -37,4 +37,4 @@ from cptransform.ir.compat.meshes import (
     SHARD_MAP, SHARDING_CONSTRAINT, MeshAnnotation, constraint_annotation, runs_on_own_mesh,
     shard_map_annotation, shard_map_on)
 
-__all__ = ['ALLOW_UNTESTED_JAX', 'Body', 'canonical_params', 'jax_function', 'stable_params', 'ClosedJaxpr', 'JAXPR_CLASSES_MERGED', 'Jaxpr', 'JaxprTypeError', 'Literal', 'Primitive', 'SUPPORTED_JAX', 'ShapedArray', 'UnsupportedJaxError', 'aval_of', 'bind_eqn', 'bodies', 'call_body', 'check_jax_version', 'check_jaxpr', 'close_jaxpr', 'compiler_crash', 'concrete_primal', 'cond_branches', 'consts_of', 'context_mesh', 'custom_jvp_rule', 'context_mesh_explicit_axes', 'context_mesh_is', 'cudnn_attention', 'cudnn_missing', 'dce', 'define_primitive', 'define_transpose', 'define_wrapper', 'differentiated', 'eqn_context', 'eqn_subjaxprs', 'eval_jaxpr', 'forward_differentiated', 'forward_over_reverse', 'inlining', 'instantiate_zeros', 'is_jaxpr_like', 'is_literal', 'jax_release', 'literal_value', 'name_stack', 'mesh_context', 'no_mesh_context', 'open_jaxpr', 'ppermute', 'register_pp_rule', 'scan_counts', 'source_line', 'source_lines', 'typed_cotangent', 'while_counts', 'SHARD_MAP', 'SHARDING_CONSTRAINT', 'MeshAnnotation', 'constraint_annotation', 'runs_on_own_mesh', 'shard_map_annotation', 'shard_map_on']
+__all__ = ['ALLOW_UNTESTED_JAX', 'Body', 'canonical_params', 'jax_function', 'stable_params', 'ClosedJaxpr', 'JAXPR_CLASSES_MERGED', 'Jaxpr', 'JaxprTypeError', 'Literal', 'Primitive', 'SUPPORTED_JAX', 'ShapedArray', 'UnsupportedJaxError', 'aval_of', 'bind_eqn', 'bodies', 'call_body', 'check_jax_version', 'check_jaxpr', 'close_jaxpr', 'compiler_crash', 'scan_compiler_crash', 'concrete_primal', 'cond_branches', 'consts_of', 'context_mesh', 'custom_jvp_rule', 'context_mesh_explicit_axes', 'context_mesh_is', 'cudnn_attention', 'cudnn_missing', 'dce', 'define_primitive', 'define_transpose', 'define_wrapper', 'differentiated', 'eqn_context', 'eqn_subjaxprs', 'eval_jaxpr', 'forward_differentiated', 'forward_over_reverse', 'inlining', 'instantiate_zeros', 'is_jaxpr_like', 'is_literal', 'jax_release', 'literal_value', 'name_stack', 'mesh_context', 'no_mesh_context', 'open_jaxpr', 'ppermute', 'register_pp_rule', 'scan_counts', 'source_line', 'source_lines', 'typed_cotangent', 'while_counts', 'SHARD_MAP', 'SHARDING_CONSTRAINT', 'MeshAnnotation', 'constraint_annotation', 'runs_on_own_mesh', 'shard_map_annotation', 'shard_map_on']

@@ -52,6 +52,25 @@ def compiler_crash(schedule: str) -> str | None:
     return None
 
 
+def scan_compiler_crash(arrays: int) -> str | None:
+    """Why this JAX's XLA crashes the process compiling the gradient of a
+    ``lax.associative_scan`` over ``arrays`` arrays whose state is passed between devices
+    (prefix of totals), or ``None``. The planner gathers such a recurrence instead (warning
+    that it does), and refuses ``recurrences='pass'`` with this text.
+
+    JAX 0.11.x: XLA segfaults compiling the gradient of a CP program running an
+    ``associative_scan`` of an affine pair ``(a, b)`` (RG-LRU's ``h = a·h + x``) by prefix of
+    totals; measured on the CPU backend of 0.11.2: a one-array scan (a sum) and ``cumsum``
+    compile, the forward compiles, the gathered scan compiles; 0.10.2 and 0.12 compile the
+    pair and match one device."""
+    if arrays > 1 and jax_release()[:2] == (0, 11):
+        return (f"JAX {_jax_version()}'s XLA crashes (a segfault) compiling the gradient of "
+                f"an associative_scan over {arrays} arrays whose state is passed between "
+                "devices; it is gathered instead (recurrences='gather'): use JAX 0.10.2 or "
+                "0.12 to shard it")
+    return None
+
+
 def check_jax_version(version: str | None = None) -> None:
     """Refuse a JAX outside :data:`SUPPORTED_JAX` with one error naming the range and the fix
     (a warning instead where ``CPTRANSFORM_ALLOW_UNTESTED_JAX=1``)."""
