@@ -1,0 +1,92 @@
+"""A finite fill too large to hide its keys (``where(mask, s, -8)``, then a ``tanh``
+soft-cap or none): each masked key keeps the logit ``cap(fill)``, a share of its row's
+probability (``MaskSpec.fill``). The attention runs sharded with the single-device values
+and gradients: no chunk pair and no ring step is skipped, and the kernels that cannot give
+masked pairs a finite logit are refused by name."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_rewritten, assert_tree_close
+from test_match_support import randn
+
+from cptransform import context_parallel
+from cptransform.ir.errors import KernelError
+from cptransform.op.attention_spec import MaskSpec
+
+B, T, H, D = 2, 64, 8, 8
+CAP = 5.0
+
+
+def filled_attention(q, k, v, *, fill=-8.0, cap=True, window=None):
+    """Causal (or a window of ``window`` keys back) logits with the masked ones set to
+    ``fill``, then ``CAP · tanh(x / CAP)`` when ``cap``."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+    i, j = jnp.arange(q.shape[1])[:, None], jnp.arange(k.shape[1])[None, :]
+    keep = j <= i if window is None else (j <= i) & (j > i - window)
+    s = jnp.where(keep, s, fill)
+    if cap:
+        s = CAP * jnp.tanh(s / CAP)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def data(seed: int, t: int = T):
+    rng = np.random.default_rng(seed)
+    return tuple(randn(rng, B, t, H, D) for _ in range(3))
+
+
+def loss_of(**kwargs):
+    return lambda q, k, v: jnp.sum(jnp.tanh(filled_attention(q, k, v, **kwargs)) ** 2)
+
+
+def check_sharded(loss, args, **options):
+    f = context_parallel(loss, cp=8, **options)
+    assert_rewritten(f, *args, count=1)
+    grad = lambda g: jax.value_and_grad(g, argnums=(0, 1, 2))  # noqa: E731
+    assert_tree_close(grad(f)(*args), grad(loss)(*args))
+    return f
+
+
+@pytest.mark.parametrize("options", [
+    dict(schedule="auto"),
+    dict(schedule="ring", load_balance="zigzag"),
+    # Contiguous shards: under a causal -inf mask whole ring steps would be skipped.
+    pytest.param(dict(schedule="ring", load_balance="none"), marks=pytest.mark.slow),
+    pytest.param(dict(schedule="allgather"), marks=pytest.mark.slow),
+    pytest.param(dict(schedule="ulysses"), marks=pytest.mark.slow),
+])
+def test_a_fill_then_a_soft_cap_runs_sharded(options):
+    f = check_sharded(loss_of(), data(0), **options)
+    assert "fill=-4.608" in f.explain(*data(0))
+
+
+@pytest.mark.parametrize("fill,cap", [(-8.0, False),
+                                      pytest.param(0.0, True, marks=pytest.mark.slow)])
+def test_a_finite_fill_without_or_with_a_soft_cap(fill, cap):
+    check_sharded(loss_of(fill=fill, cap=cap), data(1), schedule="ring", load_balance="none")
+
+
+def test_a_window_with_a_fill_is_not_a_halo():
+    """A window hides nothing under a fill: every key is read, so no halo is planned."""
+    f = check_sharded(loss_of(window=8), data(2), schedule="auto")
+    assert "halo" not in f.explain(*data(2)).lower()
+
+
+def test_hiding_fills_stay_masks():
+    """A fill at or below the limit still hides its keys (skipped blocks, a band)."""
+    assert MaskSpec(causal=True, fill=-8.0).band() == (None, None)
+    assert MaskSpec(causal=True, empty_rows="uniform").band() == (None, 0)
+    with pytest.raises(ValueError, match="finite float"):
+        MaskSpec(causal=True, fill=float("-inf"))
+
+
+def test_kernels_without_a_fill_are_refused_by_name():
+    f = context_parallel(loss_of(), cp=8, schedule="ring", kernel="pallas")
+    with pytest.raises(KernelError, match="finite logit -4.608"):
+        f(*data(3))
+
+
+def test_a_length_the_layout_does_not_divide_is_refused():
+    f = context_parallel(loss_of(), cp=8, schedule="ring", load_balance="zigzag")
+    with pytest.raises(NotImplementedError, match="pad key would take that share"):
+        f(*data(4, t=40))
