@@ -90,3 +90,33 @@ def test_a_length_the_layout_does_not_divide_is_refused():
     f = context_parallel(loss_of(), cp=8, schedule="ring", load_balance="zigzag")
     with pytest.raises(NotImplementedError, match="pad key would take that share"):
         f(*data(4, t=40))
+
+
+def test_a_nan_key_reaches_only_the_rows_that_see_it():
+    """A NaN in one key's K makes NaN the rows that see it (its logit is theirs) and not
+    the rows that mask it (they take the fill), as on one device."""
+    q, k, v = data(5)
+    k = k.at[:, 40].set(jnp.nan)
+    f = context_parallel(filled_attention, cp=8, schedule="ring", load_balance="zigzag")
+    assert_rewritten(f, q, k, v, count=1)
+    got, want = np.asarray(f(q, k, v)), np.asarray(filled_attention(q, k, v))
+    assert np.isnan(want[:, 40:]).all() and not np.isnan(want[:, :40]).any()
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(np.nan_to_num(got), np.nan_to_num(want), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_a_fill_of_data_masks():
+    """Segments and a dense mask from the data, filled with -3 then soft-capped."""
+    rng = np.random.default_rng(6)
+    q, k, v = data(6)
+    keep = jnp.asarray(rng.uniform(size=(B, 1, T, T)) > 0.5)
+    seg = jnp.asarray(np.sort(rng.integers(0, 3, (B, T)), axis=1))
+
+    def loss(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+        s = jnp.where(keep & (seg[:, None, :, None] == seg[:, None, None, :]), s, -3.0)
+        s = CAP * jnp.tanh(s / CAP)
+        return jnp.sum(jnp.tanh(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)) ** 2)
+
+    check_sharded(loss, (q, k, v), schedule="ring", load_balance="zigzag")
