@@ -12,7 +12,9 @@ from test_match_support import randn
 
 from cptransform import context_parallel
 from cptransform.ir.errors import KernelError
-from cptransform.op.attention_spec import MaskSpec
+from cptransform.lowering.kernels import kernels
+from cptransform.lowering.kernels.capabilities import choose_kernel
+from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 
 B, T, H, D = 2, 64, 8, 8
 CAP = 5.0
@@ -84,6 +86,18 @@ def test_kernels_without_a_fill_are_refused_by_name():
     f = context_parallel(loss_of(), cp=8, schedule="ring", kernel="pallas")
     with pytest.raises(KernelError, match="finite logit -4.608"):
         f(*data(3))
+
+
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_auto_passes_over_the_kernels_without_a_fill(backend):
+    """On a GPU or TPU ``auto`` takes the chunked XLA kernel, saying why not the faster
+    ones (their refusal comes before any on-device self-check)."""
+    bthd = Layout.parse("BTHD")
+    spec = AttentionSpec(q=bthd, k=bthd, v=bthd, scale=0.125,
+                         mask=MaskSpec(causal=True, fill=-4.5))
+    kernel, why = choose_kernel("auto", spec, jnp.bfloat16, (64, 64), kernels(),
+                                backend=backend)
+    assert kernel.name == "xla" and "not pallas: it does not give masked pairs" in why
 
 
 def test_a_length_the_layout_does_not_divide_is_refused():
