@@ -11,7 +11,7 @@ from conftest import assert_rewritten, assert_tree_close
 from test_match_support import randn
 
 from cptransform import context_parallel
-from cptransform.ir.errors import KernelError
+from cptransform.ir.errors import KernelError, PlanError
 from cptransform.lowering.kernels import kernels
 from cptransform.lowering.kernels.capabilities import choose_kernel
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
@@ -56,6 +56,8 @@ def check_sharded(loss, args, **options):
     pytest.param(dict(schedule="ring", load_balance="none"), marks=pytest.mark.slow),
     pytest.param(dict(schedule="allgather"), marks=pytest.mark.slow),
     pytest.param(dict(schedule="ulysses"), marks=pytest.mark.slow),
+    pytest.param(dict(schedule="hybrid", load_balance="zigzag"), marks=pytest.mark.slow),
+    pytest.param(dict(schedule="double_ring", load_balance="none"), marks=pytest.mark.slow),
 ])
 def test_a_fill_then_a_soft_cap_runs_sharded(options):
     f = check_sharded(loss_of(), data(0), **options)
@@ -72,6 +74,8 @@ def test_a_window_with_a_fill_is_not_a_halo():
     """A window hides nothing under a fill: every key is read, so no halo is planned."""
     f = check_sharded(loss_of(window=8), data(2), schedule="auto")
     assert "halo" not in f.explain(*data(2)).lower()
+    with pytest.raises(PlanError, match="halo needs a sliding window"):
+        context_parallel(loss_of(window=8), cp=8, schedule="halo")(*data(2))
 
 
 def test_hiding_fills_stay_masks():
