@@ -138,3 +138,23 @@ def test_a_fill_of_data_masks():
         return jnp.sum(jnp.tanh(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)) ** 2)
 
     check_sharded(loss, (q, k, v), schedule="ring", load_balance="zigzag")
+
+
+@pytest.mark.slow
+def test_a_fill_beside_sinks():
+    """A sink column beside filled logits: the sink joins rows that are never empty."""
+    q, k, v = data(8)
+    sinks = jnp.asarray(np.random.default_rng(8).standard_normal(H), jnp.float32)
+
+    def loss(q, k, v, sinks):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+        i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        s = CAP * jnp.tanh(jnp.where(j <= i, s, -8.0) / CAP)
+        column = jnp.broadcast_to(sinks[None, :, None, None], s.shape[:-1] + (1,))
+        w = jax.nn.softmax(jnp.concatenate([s, column], -1), -1)[..., :-1]
+        return jnp.sum(jnp.tanh(jnp.einsum("bhqk,bkhd->bqhd", w, v)) ** 2)
+
+    f = context_parallel(loss, cp=8, schedule="ring", load_balance="zigzag")
+    assert_rewritten(f, q, k, v, sinks, count=1)
+    grad = lambda g: jax.value_and_grad(g, argnums=(0, 1, 2, 3))  # noqa: E731
+    assert_tree_close(grad(f)(q, k, v, sinks), grad(loss)(q, k, v, sinks))
