@@ -79,6 +79,13 @@ def pad_block(block: Block, spec: AttentionSpec, tq: int, tkv: int) -> tuple[Blo
     real_q, real_kv = block.q.shape[1], block.k.shape[1]
     if (real_q, real_kv) == (tq, tkv):
         return block, spec
+    if spec.mask.fill is not None:
+        raise NotImplementedError(
+            f"this attention's masked logits take the finite value {spec.mask.fill:g} (each "
+            f"masked key keeps a share of its row), and its {real_q} queries / {real_kv} keys "
+            f"need padding to {tq} / {tkv} for the layout: a pad key would take that share "
+            "too. Use sequence lengths the layout divides (a multiple of cp; of 2·cp under "
+            "load_balance='zigzag')")
     padded_spec = spec.replace(mask=spec.mask.replace(segments=True), real_keys=real_kv)
     if spec.mask.segments:
         q_seg, kv_seg = block.q_seg, block.kv_seg

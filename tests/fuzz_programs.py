@@ -224,10 +224,11 @@ KV_CACHES = ("write_created", "write_input", "at_set", "concat")
 #: What ``logit_chain`` puts on the logits before the drawn mask: a learned temperature per
 #: head, a scalar one, a scale per query computed from the queries, a divisor per head
 #: (all folded into q); a temperature applied after the mask (refused: on one device its
-#: gradient is NaN under a -inf fill); a finite fill of -8 then a soft-cap (refused: the
-#: masked keys keep a share of the probability).
+#: gradient is NaN under a -inf fill); a finite fill of -8 then a soft-cap, or a finite fill
+#: of -2 alone (too large to hide: the masked keys keep a share of the probability,
+#: ``MaskSpec.fill``).
 LOGIT_CHAINS = ("temperature_head", "temperature_scalar", "scale_query", "divisor",
-                "after_mask", "softcap_fill")
+                "after_mask", "softcap_fill", "finite_fill")
 SPELLINGS = ("jnn", "einsum", "matmul")
 SCHEDULES = ("ring", "ulysses", "allgather", "auto")
 LOAD_BALANCES = ("none", "zigzag", "striped", "auto")
@@ -1183,8 +1184,10 @@ def chained_attention(case: FuzzCase, q, k, v, params, inputs):
     elif case.variant == "divisor":
         s = s / per_head
     allowed = _allowed(case, inputs)
-    if allowed is not None and case.variant == "softcap_fill":
-        s = jnp.where(allowed, s, -8.0)
+    if allowed is not None and case.variant in ("softcap_fill", "finite_fill"):
+        fill = -8.0 if case.variant == "softcap_fill" else -2.0
+        # The fill spelled as the drawn fill is: selected, or selected from the negation.
+        s = jnp.where(~allowed, fill, s) if case.fill == "neg_inf" else jnp.where(allowed, s, fill)
     elif allowed is not None:
         s = _masked(case, s, allowed, _fill_value(case.fill, s.dtype))
     if case.variant == "after_mask":

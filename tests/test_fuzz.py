@@ -57,9 +57,8 @@ KNOWN_UNMATCHED: dict[str | tuple[str, str], tuple[str, ...]] = {
     "mask_bias": ("a mask or bias varies along dims merged by a reshape of the logits",
                   "a finite fill added to the scores after a soft-cap or beside a bias"),
     # Refused by design, with the reason: a factor after the mask (one device's gradient
-    # of it is NaN under a -inf fill), a finite fill then a soft-cap (no mask at all).
-    "logit_chain": ("a data factor multiplies the logits after a mask",
-                    "too large to hide them"),
+    # of it is NaN under a -inf fill).
+    "logit_chain": ("a data factor multiplies the logits after a mask",),
     # A map times a map is linear in neither: no per-map value product exists, so the
     # combination stays whole on purpose (its refusal names the product).
     ("combined_maps", "product"): ("the probabilities go through mul before the value product",),

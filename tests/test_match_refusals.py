@@ -11,7 +11,7 @@ from cptransform.ir.errors import MatchAttentionError
 from cptransform.passes import get_all_passes
 
 PASSES = get_all_passes()
-from test_match_support import check_refused, randn, rewrite
+from test_match_support import check, check_refused, randn, rewrite, specs
 
 B, T, H, D, V = 2, 8, 2, 8, 16
 
@@ -113,7 +113,8 @@ def test_softmax_over_query_axis(rng):
 
 @pytest.mark.slow
 def test_mask_before_softcap(rng):
-    """``tanh`` after a ``-inf`` mask turns masked logits into ``-cap``: not a mask."""
+    """``tanh`` after a ``-1e9`` mask turns masked logits into ``-cap``: no mask hides
+    them, they keep that finite logit (``MaskSpec.fill``)."""
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
 
     def fn(q, k, v):
@@ -121,7 +122,20 @@ def test_mask_before_softcap(rng):
         s = jnp.tanh(s / 5.0) * 5.0
         return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
 
-    check_refused(fn, q, k, v, reason="masked logits")
+    (spec,) = specs(check(fn, q, k, v))
+    assert spec.mask.causal and spec.mask.fill == -5.0 and spec.softcap == 5.0
+
+
+def test_a_product_with_the_mask_keeps_no_fill(rng):
+    """``s · mask`` gives masked keys the logit ``0·s``, NaN where ``s`` is infinite, which
+    a kept fill of 0 would not reproduce: refused with the spelling that works."""
+    q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
+
+    def fn(q, k, v):
+        s = scores(q, k) * jnp.tril(jnp.ones((T, T), jnp.float32))
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s), v)
+
+    check_refused(fn, q, k, v, reason="by a product with the mask")
 
 
 def test_strict_raises_on_attention_like_refusal(rng):

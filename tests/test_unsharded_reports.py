@@ -103,6 +103,14 @@ def test_every_refusal_reason_marks_the_attention_left_whole(canonical, monkeypa
     assert reports[1].reason == reason and reports[1].runs_unsharded, reports[1]
 
 
+def two_fills(causal, s):
+    """The logits ``s`` filled with ``-1e9`` by ``causal`` and ``-inf`` by a window: a row
+    the window empties is uniform on one device where the causal mask hides a key, else
+    NaN, which no single fill gives."""
+    window = jnp.triu(jnp.ones_like(causal), -3)
+    return jnp.where(causal, jnp.where(window, s, -jnp.inf), -1e9)
+
+
 def refused_beside_a_sharded_one(kind: str):
     """A sharded causal attention, then one the matcher refuses for ``kind``."""
     causal = jnp.tril(jnp.ones((T, T), bool))
@@ -112,8 +120,8 @@ def refused_beside_a_sharded_one(kind: str):
         s = jnp.einsum("bqhd,bkhd->bhqk", o, k) / math.sqrt(D)
         if kind == "factor_after_mask":        # chain/logits: the factor's NaN gradient
             s = jnp.where(causal, s, -jnp.inf) * t[None, :, None, None]
-        elif kind == "softcap_after_fill":     # logits: a finite fill that cannot hide
-            s = 5.0 * jnp.tanh(jnp.where(causal, s, -8.0) / 5.0)
+        elif kind == "two_fills":              # logits: masks that fill differently
+            s = two_fills(causal, s)
         elif kind == "power":                  # walk: a primitive no chain reads
             s = jnp.where(causal, s ** 3, -jnp.inf)
         elif kind == "keys_factor":            # candidate: data along the keys
@@ -132,7 +140,8 @@ def data(seed: int = 0):
 
 @pytest.mark.parametrize("kind,reason", [
     ("factor_after_mask", "after a mask"),
-    pytest.param("softcap_after_fill", "too large to hide them", marks=pytest.mark.slow),
+    pytest.param("two_fills", "different values depending on which mask hides them",
+                 marks=pytest.mark.slow),
     pytest.param("power", "does not come from a q·k product", marks=pytest.mark.slow),
     pytest.param("keys_factor", "varies along the keys", marks=pytest.mark.slow),
 ])
@@ -152,19 +161,19 @@ def test_an_attention_left_whole_warns_and_is_explained(kind, reason):
 
 @pytest.mark.slow
 def test_alone_it_is_an_error_whose_advice_runs_the_function():
-    """A finite fill then a soft-cap (the masked keys keep a share of the probability):
-    alone in the function nothing is sharded, an ``UnshardedError``; its advice,
-    ``allow_unsharded=True``, runs it as on one device, with an ``UnshardedWarning``."""
+    """Masks filling with different values (``-1e9`` and ``-inf``): alone in the function
+    nothing is sharded, an ``UnshardedError``; its advice, ``allow_unsharded=True``, runs
+    it as on one device, with an ``UnshardedWarning``."""
     causal = jnp.tril(jnp.ones((T, T), bool))
 
     def fn(q, k, v, t):
-        s = 5.0 * jnp.tanh(jnp.where(causal, jnp.einsum("bqhd,bkhd->bhqk", q, k), -8.0) / 5.0)
+        s = two_fills(causal, jnp.einsum("bqhd,bkhd->bhqk", q, k))
         return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v) ** 2)
 
     args = data(1)
-    with pytest.raises(UnshardedError, match="(?s)too large to hide them.*allow_unsharded=True"):
+    with pytest.raises(UnshardedError, match="(?s)different values.*allow_unsharded=True"):
         context_parallel(fn, cp=8)(*args)
     f = context_parallel(fn, cp=8, allow_unsharded=True)
-    with pytest.warns(UnshardedWarning, match="too large to hide them"):
+    with pytest.warns(UnshardedWarning, match="different values"):
         got = jax.value_and_grad(f, argnums=(0, 1, 2))(*args)
     assert_tree_close(got, jax.value_and_grad(fn, argnums=(0, 1, 2))(*args))

@@ -127,4 +127,6 @@ def attention_shape(spec: AttentionSpec, q, k, v, *, cp: int, ulysses: int = 1,
         batch=math.prod(q.shape[d] for d in spec.q.batch), dtype_bytes=q.dtype.itemsize,
         cp=cp, ulysses=ulysses, band=spec.mask.band(), layout=layout,
         explicit_positions=spec.positions, kv_seq_len=k.shape[spec.k.seq],
-        multiple=layout_multiple(layout, cp), chunk=spec.mask.chunk)
+        multiple=layout_multiple(layout, cp),
+        # A finite fill skips no block: the chunks then hide nothing the cost model drops.
+        chunk=spec.mask.chunk if spec.mask.fill is None else None)

@@ -8,7 +8,8 @@ of the pairs it does not skip (full and partial pairs cost the same tile) from t
 ranges and the same terms (:func:`~cptransform.op.mask_terms.key_hull`), so the count is
 exact for causal, window, chunked and full masks on every layout. Segment ids, dense masks
 and top-k indices depend on the data and are not counted (their pairs count as visible: an
-upper bound).
+upper bound). A finite fill (``MaskSpec.fill``) skips nothing: its shape has no position
+terms, so every pair counts.
 """
 from __future__ import annotations
 

@@ -67,10 +67,13 @@ def block_kind(mask: MaskSpec, q_pos: np.ndarray, kv_pos: np.ndarray,
     the positions already hide
     them entirely — or, for segments, unless ``segment_ids`` (``[B, S]`` in natural order,
     an example-sized batch) gives the data: then the block is classified for that batch
-    element by element."""
+    element by element. Under a finite fill no block is skipped: one with a masked pair
+    is ``PARTIAL``."""
     terms = mask.terms()
     positional = tuple(t for t in terms if t.key_hull is not None)
     may, full = mask_terms.meet(positional, mask_terms.Blocks(_pieces(q_pos), _pieces(kv_pos)))
+    if mask.fill is not None and not (len(positional) == len(terms) and np.all(full)):
+        return BlockKind.PARTIAL
     if not np.any(may):
         return BlockKind.SKIP
     if mask.segments and segment_ids is not None:
@@ -102,7 +105,10 @@ def device_work(mask: MaskSpec, positions: np.ndarray, seq_len: int,
     indices, …), or segment ids without ``segment_ids``
     (``[B, S]`` in natural order; the pairs are then summed over the batch, counted on a
     ``[B, S, S]`` array: for inspecting example-sized batches). Without data, each query's
-    visible keys are the interval its terms' key hull gives."""
+    visible keys are the interval its terms' key hull gives. Under a finite fill every pair
+    is computed: every key of every query."""
+    if mask.fill is not None:
+        return np.full(positions.shape[0], positions.shape[1] * seq_len, float)
     if _data_beside_segments(mask) or (mask.segments and segment_ids is None):
         return None
     if mask.segments:

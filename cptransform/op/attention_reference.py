@@ -117,12 +117,14 @@ def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, *, bias=None, seed=None,
     """
     s = logits(spec, q, k, bias)
     ok = visible(spec.mask, q_pos, kv_pos, **operands)
-    s = jnp.where(ok, s, -jnp.inf)
+    s = masked_logits(spec.mask, ok, s)
     m = jnp.max(s, axis=-1, keepdims=True)
     # Only the no-mass case (-inf) is shifted by 0; a NaN or +inf maximum stays and turns
     # the row into NaN, as ``exp(x - max(x))`` does on one device.
     m_safe = lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
-    p = jnp.where(ok, jnp.exp(s - m_safe), 0.0)
+    p = jnp.exp(s - m_safe)
+    if spec.mask.fill is None:
+        p = jnp.where(ok, p, 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
     # ``l == 0`` exactly when the row got no mass; a NaN ``l`` must not count as empty.
     l_safe = jnp.where(l == 0, 1.0, l)
@@ -135,6 +137,14 @@ def attend(spec: AttentionSpec, q, k, v, q_pos, kv_pos, *, bias=None, seed=None,
                    preferred_element_type=s.dtype).reshape(b, q.shape[1], h, dv)
     lse = jnp.where(l[..., 0] == 0, -jnp.inf, jnp.log(l_safe[..., 0]) + m_safe[..., 0])
     return o, lse
+
+
+def masked_logits(mask_spec: MaskSpec, ok, s):
+    """The logits ``s`` with the pairs ``ok`` does not let through set to what the mask
+    gives them: ``-inf`` (hidden), or its finite ``fill`` (a constant: no gradient reaches
+    ``s`` there). Plain ``jnp``, so every kernel body shares it."""
+    fill = -jnp.inf if mask_spec.fill is None else mask_spec.fill
+    return jnp.where(ok, s, jnp.asarray(fill, s.dtype))
 
 
 def empty_rows_of(lse):

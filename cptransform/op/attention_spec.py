@@ -6,6 +6,7 @@ them, none re-derives them from shapes.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from cptransform.ir.spelled_enum import SpelledEnum
@@ -125,6 +126,13 @@ class MaskSpec:
     On one device an empty row's softmax is then uniform but its scores still receive the
     gradient of that uniform softmax, so the row's query and every key get a gradient; the
     schedules reproduce it (:func:`~cptransform.op.attention_reference.added_fill_term`).
+
+    ``fill`` (a finite float, or ``None``): the masked pairs are not hidden but take this
+    logit in place of theirs (``softmax(where(mask, s, fill))`` with a fill too large to
+    hide, e.g. ``-8`` before a soft-cap): each masked key keeps a share ``exp(fill)`` of
+    its row's probability and its logit gets no gradient. No pair is then skipped and no
+    row is empty, so :meth:`hiding_terms` is empty (what block skipping, the band and the
+    cost model read) while :meth:`terms` is still the predicate the kernels fill by.
     """
 
     causal: bool = False
@@ -140,8 +148,14 @@ class MaskSpec:
     coordinate_band: tuple[int | None, int | None] | None = None
     q_padding: bool = False
     kv_padding: bool = False
+    fill: float | None = None
 
     def __post_init__(self):
+        if self.fill is not None and not (isinstance(self.fill, float) and math.isfinite(self.fill)
+                                          and self.empty_rows == EmptyRows.ZERO.value):
+            raise ValueError("fill is a finite float logit the masked pairs take (no row is "
+                             f"then empty: empty_rows='zero'), got fill={self.fill!r}, "
+                             f"empty_rows={self.empty_rows!r}")
         if self.empty_rows not in EmptyRows.spellings():
             raise ValueError(f"empty_rows must be one of {', '.join(EmptyRows.spellings())}, "
                              f"got {self.empty_rows!r}")
@@ -192,18 +206,23 @@ class MaskSpec:
             out.append(mask_terms.TopK())
         return tuple(out)
 
+    def hiding_terms(self) -> tuple:
+        """The terms whose masked pairs receive no probability (what block skipping and
+        the cost model may drop): :meth:`terms`, or none under a finite ``fill``."""
+        return () if self.fill is not None else self.terms()
+
     def band(self) -> tuple[int | None, int | None]:
-        """Bounds ``(lo, hi)`` on ``d = kv_pos - q_pos`` that every visible pair satisfies
-        (the hull of the terms' bands: causal, window, chunks; ``None``: open)."""
-        return mask_terms.band_of(self.terms())
+        """Bounds ``(lo, hi)`` on ``d = kv_pos - q_pos`` that every pair receiving
+        probability satisfies (the hull of the :meth:`hiding_terms`' bands: causal, window,
+        chunks; ``None``: open)."""
+        return mask_terms.band_of(self.hiding_terms())
 
     @property
     def is_trivial(self) -> bool:
         """True when every pair is visible and nothing is added to the logits."""
-        return self.band() == (None, None) and not (self.segments or self.dense or self.bias
-                                                    or self.topk or self.q_padding
-                                                    or self.kv_padding
-                                                    or self.coordinate_band is not None)
+        return mask_terms.band_of(self.terms()) == (None, None) and not (
+            self.segments or self.dense or self.bias or self.topk or self.q_padding
+            or self.kv_padding or self.coordinate_band is not None)
 
     def describe(self) -> str:
         parts = []
@@ -233,6 +252,8 @@ class MaskSpec:
             parts.append("bias")
         if self.empty_rows != "zero":
             parts.append(f"empty={self.empty_rows}" + ("(added)" if self.added_fill else ""))
+        if self.fill is not None:
+            parts.append(f"fill={self.fill:g}")
         return " ".join(parts) if parts else "full"
 
     def replace(self, **changes) -> "MaskSpec":

@@ -44,7 +44,9 @@ class Capabilities:
     ``head_dims`` (a predicate on a head dim of q/k or v and the backend), ``backends``,
     ``needs_check``: the backends where ``"auto"`` takes it only after a passed
     :func:`self_check` on the device kind, ``dropout``: whether it draws the dropout bits
-    of a tile (:mod:`~cptransform.op.dropout`), and ``refuses``: the kernel's own further
+    of a tile (:mod:`~cptransform.op.dropout`), ``finite_fill``: whether it gives masked
+    pairs a finite logit (``MaskSpec.fill``) instead of hiding them and then skips no
+    block, and ``refuses``: the kernel's own further
     refusal ``(spec, head_dims) -> why | None`` (what the other fields cannot state: a
     soft-cap, a bias, a band shape, a missing library)."""
 
@@ -54,6 +56,7 @@ class Capabilities:
     backends: frozenset = frozenset(PREFERENCE)
     needs_check: frozenset = frozenset()
     dropout: bool = True
+    finite_fill: bool = True
     refuses: Callable[[AttentionSpec, tuple], str | None] | None = None
 
     def refusal(self, spec: AttentionSpec, dtype, head_dims: tuple[int, ...],
@@ -71,6 +74,9 @@ class Capabilities:
             return f"it does not run on the {backend} backend"
         if spec.dropout is not None and not self.dropout:
             return "it does not draw dropout bits (the chunked XLA kernel does)"
+        if spec.mask.fill is not None and not self.finite_fill:
+            return (f"it does not give masked pairs the finite logit {spec.mask.fill:g} "
+                    "(the chunked XLA kernel does)")
         return None if self.refuses is None else self.refuses(spec, tuple(head_dims))
 
 

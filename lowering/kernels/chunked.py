@@ -50,7 +50,8 @@ from cptransform.op.accumulation import accumulator_dtype
 from cptransform.lowering.kernels.capabilities import Capabilities
 from cptransform.op import dropout, mask_terms
 from cptransform.op.mask_terms import BlockKind
-from cptransform.op.attention_reference import capped_logits, empty_rows_of, visible
+from cptransform.op.attention_reference import capped_logits, empty_rows_of, masked_logits, \
+    visible
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.op.operand_roles import Side
 
@@ -73,6 +74,8 @@ def chunk_kinds(block: Block, spec: AttentionSpec, target: int = DEFAULT_CHUNK):
     (cq, _), (ck, nk) = _grid(block, target)
     may, full = mask_terms.meet(spec.mask.terms(), mask_terms.Blocks.cut(
         block.q_pos, block.kv_pos, cq, ck, **block.term_operands()))
+    # Under a finite fill the masked pairs keep a share of the row: none is skipped.
+    may = may | (spec.mask.fill is not None)
     # Padded keys must be masked, so the last key chunk is never FULL when it is padded.
     # (An iota, not a NumPy constant: a body that gains constants cannot stay under remat.)
     complete = jnp.arange(nk) * ck + ck <= block.k.shape[1]
@@ -257,17 +260,24 @@ class _Problem:
         return _rows(dropout.multiplier(self.spec.dropout, blk.dropout, q_pos, kv_pos),
                      self.groups)
 
-    def visible(self, i, j):
-        """Bool ``[B|1, Hkv|1, G·cq, ck]``: the mask of pair ``(i, j)`` (padded keys off)."""
+    def masked(self, s, i, j):
+        """``(s, ok, fed)`` of pair ``(i, j)`` under its mask: the logits ``s`` with the
+        masked pairs set as the mask sets them (``-inf``, or its finite fill) and padded
+        keys ``-inf``; ``ok`` (bool ``[B|1, Hkv|1, G·cq, ck]``) the pairs that keep their
+        own logit; ``fed`` those that receive probability (``ok``, or under a fill every
+        real key)."""
         ck = self.ck
         mine = self.block
         blk = Block(q_pos=mine.q_pos, kv_pos=mine.kv_pos, **mine.term_operands()).tile(
             i * self.cq, self.cq, j * ck, ck)
-        ok = visible(self.spec.mask, blk.q_pos, blk.kv_pos, **blk.term_operands())
-        ok = _rows(ok, self.groups)
+        ok = _rows(visible(self.spec.mask, blk.q_pos, blk.kv_pos, **blk.term_operands()),
+                   self.groups)
+        s = masked_logits(self.spec.mask, ok, s)
+        fed = ok if self.spec.mask.fill is None else jnp.ones_like(ok)
         if self.ck * self.nk != self.tkv:
-            ok = ok & (j * ck + jnp.arange(ck) < self.tkv)
-        return ok
+            real = j * ck + jnp.arange(ck) < self.tkv
+            ok, fed, s = ok & real, fed & real, jnp.where(real, s, -jnp.inf)
+        return s, ok, fed
 
 
 @dataclass(frozen=True)
@@ -311,10 +321,11 @@ def _pair_gradients(pb: _Problem, rows: _BackwardRows, spec: AttentionSpec, i, j
     # A NaN row has NaN probabilities at masked keys too (as a dense softmax).
     # s ≤ lse; a recomputed logit can still round a few ulps above it at huge
     # magnitudes, where exp would overflow (minimum keeps NaN).
-    p = jnp.exp(jnp.minimum(s - lse_i[..., None], 0.0))
     if masked:
-        ok = pb.visible(i, j)
-        p = jnp.where(ok, p, 0.0)
+        s_fed, ok, fed = pb.masked(s, i, j)
+        p = jnp.where(fed, jnp.exp(jnp.minimum(s_fed - lse_i[..., None], 0.0)), 0.0)
+    else:
+        p = jnp.exp(jnp.minimum(s - lse_i[..., None], 0.0))
     p = p + nan_i[..., None]
     # Dropout (o = Σ p·M·v): dV = (P∘M)ᵀ dO and dP = (dO Vᵀ)∘M; delta is unchanged.
     drop = pb.dropout(i, j)
@@ -406,9 +417,9 @@ class ChunkedKernel:
             def partial(j, state):
                 kc, vc = pb.kv(j)
                 s, _ = pb.logits(qc, kc, i, j)
-                ok = pb.visible(i, j)
-                m, l, acc, seen = update(state, jnp.where(ok, s, -jnp.inf), vc, j)
-                return m, l, acc, seen | jnp.any(ok, axis=-1)
+                s, _, fed = pb.masked(s, i, j)
+                m, l, acc, seen = update(state, s, vc, j)
+                return m, l, acc, seen | jnp.any(fed, axis=-1)
 
             def step(j, state):
                 # A skipped pair adds only Σ 0·V, added once per query chunk below.

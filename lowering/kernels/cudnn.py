@@ -310,7 +310,7 @@ class CudnnKernel:
         dtypes=DTYPES,
         head_dims=lambda d, backend: d > 0 and d % 8 == 0 and d <= head_dim_limit(),
         backends=frozenset({"gpu", "cuda"}), needs_check=frozenset({"gpu", "cuda"}),
-        dropout=False, refuses=refusal)
+        dropout=False, finite_fill=False, refuses=refusal)
 
     @property
     def _cudnn(self) -> CudnnCalls:

@@ -58,7 +58,8 @@ class PallasKernel:
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         head_dims=lambda d, backend: d > 0 and (
             _BACKEND_VARIANT.get(backend) != "gpu" or d in GPU_HEAD_DIMS),
-        needs_check=frozenset({"gpu", "cuda", "rocm", "tpu"}), dropout=False)
+        needs_check=frozenset({"gpu", "cuda", "rocm", "tpu"}), dropout=False,
+        finite_fill=False)
 
     def __init__(self, variant: str | None = None, block_q: int | None = None,
                  block_kv: int | None = None, interpret: bool | None = None):

@@ -63,8 +63,10 @@ def applies(block: Block, spec: AttentionSpec) -> bool:
     """Whether a call takes the gather: a top-k mask whose queries pick fewer keys each than
     the call holds (with as many picks as keys the gather saves nothing; ``bench/topk.py``
     on a CPU measures the two even at ``k = Tkv/2``, as the sweep looks every key up in
-    the picks). Dropout is drawn by the sweep only."""
+    the picks). Dropout is drawn by the sweep only, and so is a finite fill (the keys not
+    picked keep a share of the row)."""
     return bool(spec.mask.topk) and block.topk is not None and spec.dropout is None \
+        and spec.mask.fill is None \
         and block.topk.shape[-1] < block.k.shape[1]
 
 

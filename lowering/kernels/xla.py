@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 from cptransform.op import dropout
 from cptransform.op.accumulation import accumulator_dtype
-from cptransform.op.attention_reference import attend, empty_rows_of, logits_and_tanh, visible
+from cptransform.op.attention_reference import attend, empty_rows_of, logits_and_tanh, \
+    masked_logits, visible
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.lowering.block import Block
 from cptransform.lowering.kernels import sum_to
@@ -45,7 +46,10 @@ class XlaKernel:
         # Empty rows (lse = -inf) get p = 0; a NaN row keeps its NaN lse, so its p is NaN
         # at every key, masked ones too, as exp(x - max(x)) is on one device.
         lse_safe = jnp.where(empty_rows_of(lse), 0.0, lse)[..., None]
-        p = jnp.where(ok, jnp.exp(jnp.where(ok, s, -jnp.inf) - lse_safe), 0.0) + 0.0 * lse_safe
+        p = jnp.exp(masked_logits(spec.mask, ok, s) - lse_safe)
+        if spec.mask.fill is None:
+            p = jnp.where(ok, p, 0.0)
+        p = p + 0.0 * lse_safe
 
         do32 = do.astype(accum)
         delta = jnp.swapaxes(jnp.sum(do32 * o.astype(accum), axis=-1), 1, 2)  # [B, H, Tq]

@@ -13,7 +13,9 @@ either of ``e`` (``p = e / sum``, then ``p @ v``) or of the value product
   result must not depend on the scores, and must be ``-inf`` everywhere
   (``empty_rows="nan"``: a fully masked row is NaN, as the original's softmax gives) or one
   finite very negative value everywhere
-  (``empty_rows="uniform"``: a fully masked row averages V, as the original does);
+  (``empty_rows="uniform"``: a fully masked row averages V, as the original does), or
+  one finite value too large to hide its keys (``MaskSpec.fill``: each masked key keeps
+  that logit, e.g. ``where(mask, x, -8)`` before a soft-cap);
 * forward from the probabilities to the ``p·v`` ``dot_general``, through casts,
   transposes and reshapes only, with no other reader of the probabilities. A dim the
   logits chain merged (GQA logits ``[B, T, K, G, S]`` viewed as ``[B, T, K·G, S]``) must

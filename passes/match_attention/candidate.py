@@ -63,7 +63,8 @@ class Candidate:
     ``after``: the moves from the product's arrangement (``out_labels``) to ``out``'s, where
     the division by the row sum comes after them;
     ``factors``: ``(operand, exponent)`` of the data factors on the logits (a temperature
-    per head or per query), folded into q (the operand's labels are tuples, as the sink's).
+    per head or per query), folded into q (the operand's labels are tuples, as the sink's);
+    ``fill``: the finite logit masked pairs keep (``MaskSpec.fill``) or None.
     """
 
     root: Any
@@ -99,6 +100,7 @@ class Candidate:
     dropout: dropout.DropoutPlan | None = None
     after: tuple = ()
     factors: tuple = ()
+    fill: float | None = None
 
     @property
     def heads(self) -> tuple:
@@ -134,7 +136,7 @@ class Candidate:
             dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows,
             added_fill=self.added_fill,
             topk=self.topk is not None, chunk=self.chunk,
-            coordinate_band=self.coordinate_band)
+            coordinate_band=self.coordinate_band, fill=self.fill)
         return AttentionSpec(q=canonical, k=k_layout, v=k_layout, scale=float(self.scale),
                              softcap=self.softcap, groups=self.groups, mask=mask,
                              sinks=self.sink is not None,
@@ -154,7 +156,12 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     q_in, q_scale = strip_scale(graph, qk.q)
     k_in, k_scale = strip_scale(graph, qk.k)
     scale, softcap, biases, factors = visible_form(qk.steps, q_scale * k_scale)
-    rows, preds = empty_rows(qk.steps)
+    rows, preds, fill = empty_rows(qk.steps)
+    if fill is not None and (zeroing or pv.dropout is not None):
+        after = "zeroed by a mask after the softmax" if zeroing else "dropped out"
+        raise NotAttention(f"masked logits become {fill:g}, too large to hide them (each "
+                           f"masked key keeps a share of its row), and the probabilities are "
+                           f"{after}: not carried together; fill with -inf")
     if zeroing:
         rows = _zeroed_rows(preds, zeroing, column)
     added = rows == "uniform" and fill_added(qk.steps, preds)
@@ -219,7 +226,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         topk=None if topk is None else topk.indices, chunk=parts.chunk, visible=tuple(preds),
         coordinates=parts.coordinates[0] if parts.coordinates else None,
         coordinate_band=parts.coordinates[1] if parts.coordinates else None, dropout=drop,
-        after=pv.after, factors=factor_operands)
+        after=pv.after, factors=factor_operands, fill=fill)
 
 
 def _kv_heads_and_batch(graph: Graph, qk: QKProduct, shared: list) -> tuple:

@@ -80,20 +80,23 @@ _EFFECT: dict[StepKind, Callable] = {
 }
 
 
-def empty_rows(steps: Sequence[Step]) -> tuple[str, list[Pred]]:
-    """How masked logits end up (the ``MaskSpec.empty_rows`` they give: ``"nan"`` for a
-    ``-inf`` fill, ``"uniform"`` for a finite one), and the distinct visibility predicates.
+def empty_rows(steps: Sequence[Step]) -> tuple[str, list[Pred], float | None]:
+    """How masked logits end up: the ``MaskSpec.empty_rows`` they give (``"nan"`` for a
+    ``-inf`` fill, ``"uniform"`` for a finite one that hides its keys), the distinct
+    visibility predicates, and the kept fill (``MaskSpec.fill``: a finite value above
+    ``FINITE_FILL_LIMIT``, which hides nothing: each masked key keeps a share of its row;
+    ``None`` otherwise).
 
     Each subset of mask predicates that hides an entry is simulated on sample scores and
     biases (float32, as the program computes): the hidden value must not depend on them,
-    and must be ``-inf`` for every subset or one finite value ``<= FINITE_FILL_LIMIT``.
+    and must be ``-inf`` for every subset or one finite value.
     """
     preds: list[Pred] = []
     for st in steps:
         if st.pred is not None and st.pred not in preds:
             preds.append(st.pred)
     if not preds:
-        return "zero", preds
+        return "zero", preds, None
     if len(preds) > 6:
         raise NotAttention("more than six distinct masks on the logits")
     _factor_after_mask(steps)
@@ -115,18 +118,28 @@ def empty_rows(steps: Sequence[Step]) -> tuple[str, list[Pred]]:
             hidden_values |= outs
     if hidden_values == {-math.inf}:
         # softmax over a row of -inf is NaN on one device: the rewrite must say so.
-        return "nan", preds
+        return "nan", preds, None
     if len(hidden_values) == 1:
         (fill,) = hidden_values
         if fill <= FINITE_FILL_LIMIT:
-            return "uniform", preds
-        raise NotAttention(f"masked logits become {fill:g}, too large to hide them: each "
-                           "masked key keeps a share of its row's probability, so this is "
-                           "no mask, and no kernel computes a finite logit in place of a "
-                           "key's (a mask fills with -inf, or at most -1e4 after any "
-                           "soft-cap)")
+            return "uniform", preds, None
+        return "zero", preds, _kept_fill(steps, fill)
     raise NotAttention("masked logits take different values depending on which mask hides "
                        f"them ({', '.join(sorted(f'{v:g}' for v in hidden_values))})")
+
+
+def _kept_fill(steps: Sequence[Step], fill: float) -> float:
+    """``fill``, the logit masked keys keep (too large to hide them), when the kernels
+    can give it as one device does: selected (``where(mask, x, fill)``), never a product
+    ``x·mask``, whose masked logit ``0·x`` is NaN where ``x`` is infinite."""
+    if not math.isfinite(fill):
+        raise NotAttention(f"masked logits become {fill:g}: no key is hidden and every masked "
+                           "one takes all of its row's probability")
+    if any(st.kind is StepKind.MASK_MUL for st in steps):
+        raise NotAttention(f"masked logits become {fill:g} (too large to hide them) by a "
+                           "product with the mask: 0·x is NaN where x is infinite, which a "
+                           f"kept fill does not reproduce; select it: where(mask, x, {fill:g})")
+    return fill
 
 
 def _factor_after_mask(steps: Sequence[Step]) -> None:

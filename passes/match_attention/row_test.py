@@ -65,7 +65,7 @@ class RowTest:
 def find_row_test(graph: Graph, masks: MaskAnalyzer, c: Candidate) -> RowTest | None:
     """The row test after the attention ``c``, when one is proven (see the module
     docstring), else None (the select stays as it is: exact, with its mask)."""
-    if c.sink is not None or c.added_fill \
+    if c.sink is not None or c.added_fill or c.fill is not None \
             or c.empty_rows not in (EmptyRows.ZERO.value, EmptyRows.UNIFORM.value):
         return None
     found = _select_after(graph, c.out, c.out_labels)
