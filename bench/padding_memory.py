@@ -32,7 +32,8 @@ import model_families as mf  # noqa: E402
 from cptransform import context_parallel  # noqa: E402
 
 #: The padded families of ``model_families.FAMILIES``, and keras-hub's Gemma given an int
-#: ``padding_mask`` (its sliding layer's mask stays dense: ``docs/contract.md``).
+#: ``padding_mask`` (its sliding layer merges it by ``minimum`` tested ``!= 0``: the region
+#: padding term, ``docs/contract.md``).
 BUILDERS = {**{name: mf.FAMILIES[name] for name in (
     "gemma_padded", "gemma_padded_int", "keras_llama_padded", "keras_gemma_padded",
     "keras_gpt2_padded", "keras_mistral_padded")},
