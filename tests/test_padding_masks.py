@@ -166,6 +166,31 @@ def test_int_minimum_with_uneven_length_pads_queries_at_a_key_they_see(rng):
     assert_tree_close(got, want, 1e-5)
 
 
+@pytest.mark.parametrize("schedule,load_balance", [
+    ("ring", "zigzag"), pytest.param("halo", "none", marks=pytest.mark.slow)])
+def test_keras_gemma_sliding_layer_with_an_int_mask(rng, schedule, load_balance):
+    """keras-hub Gemma's sliding layer: ``logical_and(minimum(mask, causal), sliding)`` of
+    an int padding mask: the two-sided sliding window is a band term beside the region
+    padding, which says causal (so halo takes it), exact in values and gradients."""
+    w = 6
+
+    def loss(q, k, v, x):
+        merged = jnp.minimum(x[:, None, :], _causal()[None].astype(jnp.int32))
+        ones = jnp.ones((T, T), bool)
+        sliding = jnp.triu(ones, 1 - w) * jnp.tril(ones, w - 1)
+        return jnp.sum(jnp.sin(_attention(q, k, v, jnp.logical_and(merged, sliding[None])
+                                          [:, None])))
+
+    args = (*_qkv(rng), _int_mask(rng))
+    f = context_parallel(loss, cp=4, schedule=schedule, load_balance=load_balance)
+    assert_rewritten(f, *args, count=1)
+    (plan,) = f.module(*args).facts.plan
+    assert plan.mask.band() == (-(w - 1), w - 1) and plan.mask.region_padding == (None, 0)
+    assert not plan.mask.dense, plan.mask
+    assert_tree_close(jax.value_and_grad(f, (0, 1, 2))(*args),
+                      jax.value_and_grad(loss, (0, 1, 2))(*args), 1e-5)
+
+
 REGION_VARIANTS = [f"{merge}_{band}" for merge in fp.REGION_PADDINGS
                    for band in ("causal", "window")]
 
