@@ -97,6 +97,33 @@ def test_region_padding_is_conservative_and_skips_outside_blocks(rng, region):
     assert skipped
 
 
+def test_chunked_kernel_skips_the_upper_triangle_of_a_region_padding_at_run_time(rng):
+    """The chunked kernel's chunk table under keras-hub's ``minimum(x, causal) != 0``:
+    without negative entries every chunk above the diagonal is skipped, as under causal; a
+    negative entry in a key chunk keeps that chunk's column above the diagonal."""
+    from cptransform.lowering.block import Block
+    from cptransform.lowering.kernels.chunked import chunk_kinds
+
+    n, chunk = 64, 16
+    x = rng.integers(1, 3, (1, n))
+    pos = jnp.arange(n)[None]
+    qkv = jnp.zeros((1, n, 1, 8))
+    case = make_case(rng, "none", "mha", seq=n)
+    spec = case.spec.replace(mask=MaskSpec(region_padding=(None, 0)))
+
+    def kinds(x):
+        block = Block(q=qkv, k=qkv, v=qkv, q_pos=pos, kv_pos=pos,
+                      kv_inside=jnp.asarray(x != 0), kv_outside=jnp.asarray(x < 0))
+        return np.asarray(chunk_kinds(block, spec, chunk))
+
+    upper = np.triu(np.ones((n // chunk, n // chunk), bool), 1)
+    assert np.all(kinds(x)[upper] == mask_terms.BlockKind.SKIP)
+    x[0, 40] = -1  # key chunk 2
+    got = kinds(x)
+    assert np.all(got[:2, 2] != mask_terms.BlockKind.SKIP)
+    assert np.all(got[upper & (np.arange(n // chunk) != 2)[None, :]] == mask_terms.BlockKind.SKIP)
+
+
 def test_region_padding_is_priced_without_the_causal_halving(rng):
     """The planner counts a region padding's blocks as data-decided: no position term, so
     no causal halving of its work (its causal region bounds nothing)."""
