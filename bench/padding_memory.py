@@ -1,7 +1,8 @@
 """Padded batches of stock models at a long sequence: no array of ``S/cp × S`` per device.
 
 For each family of ``tests/model_families.py`` whose mask comes from a padding mask (the
-packages' own mask builders; DeepMind gemma and keras-hub, boolean and int masks), the
+packages' own mask builders; DeepMind gemma and keras-hub, boolean and int masks; and
+``int_minimum_layer``, keras-hub's int merge written out, which needs no package), the
 loss-and-gradient program under ``context_parallel(cp=...)`` is compiled at ``--seq``
 tokens (8K by default) and its largest arrays are read from the compiled HLO: a padding
 mask kept as an ``S×S`` data term shows as a ``[B, (H,) S/cp, S]`` array per device. Prints
@@ -26,17 +27,42 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import model_families as mf  # noqa: E402
 from cptransform import context_parallel  # noqa: E402
 
+def int_minimum_layer():
+    """keras-hub's attention over an int ``padding_mask`` without the package: the mask
+    merged by ``minimum`` with the causal one, tested ``!= 0`` (its ``dot_product_attention``
+    path), entries beyond 0/1 and negative ones included (the region padding term)."""
+    rng = np.random.default_rng(0)
+    n, heads, dim = mf.SEQ, 4, 8
+    params = jnp.asarray(rng.standard_normal((dim * heads, 3 * heads * dim)) * 0.1,
+                         jnp.float32)
+    h = jnp.asarray(rng.standard_normal((1, n, dim * heads)), jnp.float32)
+    mask = jnp.asarray(np.where(np.arange(n) < n // 8, 0, rng.integers(-1, 3, n))[None],
+                       jnp.int32)
+
+    def loss(w, h, mask):
+        q, k, v = jnp.split((h @ w).reshape(1, n, 3 * heads, dim), 3, axis=2)
+        causal = jnp.tril(jnp.ones((n, n), jnp.int32))
+        merged = jnp.minimum(mask[:, None, :], causal[None])
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dim)
+        s = jnp.where(merged[:, None] != 0, s, -1e9)
+        return jnp.sum(jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v) ** 2)
+    return loss, (params, h, mask)
+
+
 #: The padded families of ``model_families.FAMILIES``, and keras-hub's Gemma given an int
-#: ``padding_mask`` (its sliding layer's mask stays dense: ``docs/contract.md``).
+#: ``padding_mask`` (its sliding layer merges it by ``minimum`` tested ``!= 0``: the region
+#: padding term, ``docs/contract.md``).
 BUILDERS = {**{name: mf.FAMILIES[name] for name in (
     "gemma_padded", "gemma_padded_int", "keras_llama_padded", "keras_gemma_padded",
     "keras_gpt2_padded", "keras_mistral_padded")},
-    "keras_gemma_padded_int": lambda: mf.keras_gemma(padded=True, mask_dtype=np.int32)}
+    "keras_gemma_padded_int": lambda: mf.keras_gemma(padded=True, mask_dtype=np.int32),
+    "int_minimum_layer": int_minimum_layer}
 #: DeepMind gemma's params do not depend on the length: built short, the inputs tiled.
 _SHORT = ("gemma_padded", "gemma_padded_int")
 _ARRAY = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f(?:16|32|64))\[([0-9,]*)\]")

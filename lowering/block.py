@@ -21,6 +21,8 @@ Shapes (``B`` = all batch dims flattened, a heads dim always present):
   sent with the keys and never narrowed, since it names positions, not columns.
 * ``q_valid``/``kv_valid`` bool ``[B|1, T]`` or ``None``: which queries and keys are no
   padding (``MaskSpec.q_padding``/``kv_padding``); ``kv_valid`` travels with the keys.
+* ``kv_inside``/``kv_outside`` bool ``[B|1, Tkv]`` or ``None``: each key's test inside and
+  outside the region of ``MaskSpec.region_padding``; they travel with the keys.
 * ``q_coord`` int32 ``[B|1, Tq]`` or ``None``: the queries' data coordinates of a
   coordinate band (``MaskSpec.coordinate_band``), compared with the keys' positions. It
   belongs to the queries like ``q_seg``.
@@ -72,6 +74,8 @@ class Block:
     q_coord: Any = None
     q_valid: Any = None
     kv_valid: Any = None
+    kv_inside: Any = None
+    kv_outside: Any = None
     dropout: Any = None
 
     def replace(self, **fields) -> "Block":

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from cptransform.lowering.block import Block
 from cptransform.op.attention_spec import ROLES, AttentionSpec
+from cptransform.op import mask_terms
 from cptransform.op.mask_terms import offset_within
 from cptransform.op.operand_roles import Role, Side
 
@@ -96,20 +97,22 @@ def pad_block(block: Block, spec: AttentionSpec, tq: int, tkv: int) -> tuple[Blo
         hidden = jnp.ones((), jnp.int32)
     n = _batch_of(q_seg, kv_seg)
     q_seg, kv_seg = (jnp.broadcast_to(x, (n, x.shape[1])) for x in (q_seg, kv_seg))
-    n = _batch_of(block.q_pos, block.kv_pos, *(x for x in (block.kv_valid,) if x is not None))
+    aim = _aimed_keys(block)
+    n = _batch_of(block.q_pos, block.kv_pos, *(x for x in (aim,) if x is not None))
     q_pos, kv_pos = (jnp.broadcast_to(x, (n, x.shape[1])) for x in (block.q_pos, block.kv_pos))
     last = kv_pos[:, -1:]
-    first = _first_key(kv_pos, kv_seg, block.kv_valid)
+    first = _first_key(kv_pos, kv_seg, aim)
     padded = block.replace(
         q=_extend(block.q, tq, 0), k=_extend(block.k, tkv, 0), v=_extend(block.v, tkv, 0),
-        q_pos=_extend(q_pos, tq, first["kv_pos"] - offset_within(*spec.mask.band())),
+        q_pos=_extend(q_pos, tq, first["kv_pos"] - offset_within(*_aimed_band(spec.mask))),
         # Pad keys continue after the last real one: position ranges (and so the kernels'
         # skipping of empty chunk pairs) stay as tight as the real keys allow.
         kv_pos=_extend(kv_pos, tkv,
                        last + 1 + jnp.arange(tkv - real_kv, dtype=last.dtype)[None, :]),
         q_seg=q_seg, kv_seg=_extend(kv_seg, tkv, hidden),
-        kv_valid=None if block.kv_valid is None else _extend(block.kv_valid, tkv, False),
-        bias=_pad_dense(block.bias, tq, tkv, 0))
+        bias=_pad_dense(block.bias, tq, tkv, 0),
+        **{name: _extend(getattr(block, name), tkv, False) for name in _KEY_TESTS
+           if getattr(block, name) is not None})
     for term in padded_spec.mask.terms():
         for name, fill in term.padding(first).items():
             padded = padded.replace(**{name: _pad_queries(
@@ -117,10 +120,34 @@ def pad_block(block: Block, spec: AttentionSpec, tq: int, tkv: int) -> tuple[Blo
     return padded, padded_spec
 
 
+#: The boolean key operands of the terms (validity, region tests): False at pad keys.
+_KEY_TESTS = tuple(name for name, role in ROLES.items()
+                   if role.side is Side.KEY and role.boolean)
+
+
+def _aimed_keys(block: Block):
+    """Bool ``[B|1, Tkv]`` of the keys a pad query may be aimed at (``None``: any): valid
+    ones whose region padding's inside test holds."""
+    aim = None
+    for x in (block.kv_valid, block.kv_inside):
+        if x is not None:
+            aim = x if aim is None else aim & x
+    return aim
+
+
+def _aimed_band(mask) -> tuple:
+    """Bounds on ``d = kv_pos - q_pos`` a pad query takes to its key: the mask's band, and
+    inside the region of its region padding (where the aimed key's inside test holds)."""
+    bands = [mask_terms.Band(*mask.band())]
+    if mask.region_padding is not None:
+        bands.append(mask_terms.Band(*mask.region_padding))
+    return mask_terms.band_of(bands)
+
+
 def _first_key(kv_pos, kv_seg, kv_valid) -> dict:
     """``kv_pos`` and ``kv_seg`` (``[N, 1]``) of the key a pad query is aimed at: key 0, or
-    under key padding each row's first valid key (key 0 in a row with none: its real rows
-    see no key either)."""
+    under key padding (or a region padding) each row's first key that passes (key 0 in a
+    row with none: a pad query placed there may see no key, and its output is dropped)."""
     if kv_valid is None:
         return {"kv_pos": kv_pos[:, :1], "kv_seg": kv_seg[:, :1]}
     n = _batch_of(kv_pos, kv_seg, kv_valid)

@@ -152,6 +152,18 @@ def _padding(rng, heads, dv, dtype):
                                                                 kv_padding=True)))
 
 
+def _region_padding(rng, heads, dv, dtype):
+    """keras-hub's ``minimum(int mask, causal) != 0``: on the causal region a key is seen
+    where its entry is non-zero, past it where its entry is negative; the second row
+    left-padded (its first queries see no key), a few keys visible past the diagonal."""
+    ops, spec = _base(rng, "none", heads, dv, dtype)
+    data = rng.integers(1, 3, (BATCH, SEQ))
+    data[-1, :5] = 0
+    data[rng.random((BATCH, SEQ)) < 0.15] = -1
+    ops += [jnp.asarray(data != 0), jnp.asarray(data < 0)]
+    return Case(tuple(ops), spec.replace(mask=spec.mask.replace(region_padding=(None, 0))))
+
+
 def _softcap(rng, heads, dv, dtype):
     """A soft-cap of the logits (Gemma 2), causal."""
     ops, spec = _base(rng, "causal", heads, dv, dtype)
@@ -188,7 +200,8 @@ FEATURES = {
     "causal_window": _kind("causal_window"), "chunks": _chunks,
     "segments": _kind("segments"), "dense": _kind("dense"),
     "dense_causal": _kind("dense_causal"), "topk": _topk,
-    "coordinate_band": _coordinate_band, "padding": _padding, "bias": _kind("bias"),
+    "coordinate_band": _coordinate_band, "padding": _padding,
+    "region_padding": _region_padding, "bias": _kind("bias"),
     "softcap": _softcap,
     "sinks": _sinks, "dropout": _dropout,
 }

@@ -120,8 +120,12 @@ RECURRENCE_CLASSES = (
 #: Two or three sequence-like dims of one length (frames x patches x rows), attended one at
 #: a time or merged (tests/fuzz_equal_dims.py); after the others for the same reason.
 EQUAL_DIMS_CLASSES = ("equal_dims",)
+#: An int padding mask (negative entries included) merged with the causal mask (or a
+#: window) by arithmetic whose test differs on the band and off it (REGION_PADDINGS);
+#: last for the same reason.
+REGION_PADDING_CLASSES = ("mask_region_padding",)
 ALL_CLASSES = (MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES + PADDING_MERGE_CLASSES
-               + RECURRENCE_CLASSES + EQUAL_DIMS_CLASSES)
+               + RECURRENCE_CLASSES + EQUAL_DIMS_CLASSES + REGION_PADDING_CLASSES)
 
 #: Classes that currently find bugs (wrong numbers or unclear crashes), with the reason.
 #: ``tests/test_fuzz.py`` skips them; ``bench/fuzz.py`` runs them. Fix the bug, delete the
@@ -150,6 +154,15 @@ MASK_BUILDERS = ("hf_slice", "hf_dynamic_slice", "neo_xor", "mistral_triu",
 PADDING_MERGES = ("gemma_mul_int", "gemma_mul_bool", "keras_min_gt_int", "keras_min_bool",
                   "where_int", "logical_and_int", "query_side", "both_sides", "b1ss_float",
                   "bias_additive", "bias_where")
+#: How libraries merge int padding data with the causal mask so that the key test on the
+#: band differs from the one off it (the ``mask_region_padding`` class draws one, with the
+#: causal mask or a window; the data has negative entries): keras-hub's
+#: ``minimum(mask, causal)`` tested ``!= 0`` (as int or after a cast to float; ``> 0.5``
+#: is a conjunction, ``mask_padding_merge``'s), ``maximum(mask, causal) > 0`` of int data or of a boolean padding mask,
+#: ``where(causal, a, b) != 0`` of two int data vectors and ``where(causal, a != 0, b < 0)``
+#: of two boolean tests.
+REGION_PADDINGS = ("keras_min_ne", "keras_min_float", "max_int", "max_bool", "where_two_int",
+                   "where_two_bool")
 #: The ``row_test`` class's row tests (keras-hub Gemma zeroes the attention's output rows
 #: that see no key): over the attention's own int mask, spelled ``all(mask == 0)``,
 #: ``~any(mask != 0)`` or ``all(~(mask > .5))``; over it while the attention also applies a
@@ -294,7 +307,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
             "mask_key_padding": "key_padding", "mask_dense": "dense",
             "mask_bias": "bias", "mask_builders": "builder", "mask_chunked": "chunked",
             "mask_data_window": "data_window",
-            "mask_padding_merge": "padding_merge"}.get(cls)
+            "mask_padding_merge": "padding_merge",
+            "mask_region_padding": "region_padding"}.get(cls)
     if cls == "masked_rows":
         mask = "key_padding"
     elif cls == "row_test":
@@ -305,7 +319,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         mask = choose("mask", ("none", "causal", "causal", "window"))
     spelling = choose("spelling", SPELLINGS)
     if cls in ("masked_rows", "mask_builders", "row_test", "mask_data_window",
-               "mask_padding_merge", "kv_cache", "logit_chain") and spelling == "jnn":
+               "mask_padding_merge", "mask_region_padding", "kv_cache", "logit_chain") \
+            and spelling == "jnn":
         spelling = "einsum"   # the -inf fill is a hand-written where-mask
     if cls in ("dtype_f64", "dtype_fp16") and spelling == "jnn":
         # jax.nn.dot_product_attention's softmax is float32 even for f64, and its float16
@@ -322,11 +337,11 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         and choose("causal", (False, True)))
     if cls in ("masked_rows", "row_test"):
         causal = True
-    if mask == "padding_merge":
+    if mask in ("padding_merge", "region_padding"):
         causal = True
     window = choose("window", (1, 3, 5, 8, 17)) \
         if mask in ("window", "two_sided", "builder", "row_test", "data_window",
-                    "padding_merge") \
+                    "padding_merge", "region_padding") \
         else choose("chunk", (3, 4, 8, 16)) if mask == "chunked" else 0
     fill = choose("fill", ("neg_inf", "finfo_min_added") if cls == "masked_rows" else FILLS)
     variants = {
@@ -346,6 +361,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "mask_builders": MASK_BUILDERS,
         "mask_padding_merge": tuple(f"{merge}_{window}" for merge in PADDING_MERGES
                                     for window in ("causal", "window")),
+        "mask_region_padding": tuple(f"{merge}_{window}" for merge in REGION_PADDINGS
+                                     for window in ("causal", "window")),
         "mask_chunked": CHUNKED_SPELLINGS,
         "mask_data_window": DATA_WINDOWS,
         "merge_tokens": ("rows", "rows_heads", "rows_bf16"),
@@ -651,6 +668,27 @@ def _padding_merged(case: FuzzCase, q, k, v, inputs):
     return jnp.einsum("bhqk,bkhd->bqhd", p, v)
 
 
+def _region_padded(case: FuzzCase, q, k, v, inputs):
+    """Attention under int padding data merged with the causal mask (and a window) the
+    drawn way (:data:`REGION_PADDINGS`): the key test on the band differs from the one off
+    it, and a negative entry makes its key visible past the band."""
+    n = case.seq
+    merge, band = case.variant.rsplit("_", 1)
+    a, b = inputs["key_data"], inputs["key_other"]
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    causal = ((j <= i) & ((i - j < case.window) if band == "window" else True))[None]
+    ints = causal.astype("int32")
+    built = {
+        "keras_min_ne": lambda: jnp.minimum(a[:, None, :], ints) != 0,
+        "keras_min_float": lambda: jnp.minimum(a[:, None, :], ints).astype("float32") != 0.0,
+        "max_int": lambda: jnp.maximum(a[:, None, :], ints) > 0,
+        "max_bool": lambda: jnp.maximum((a > 0)[:, None, :].astype("int32"), ints) > 0.5,
+        "where_two_int": lambda: jnp.where(causal, a[:, None, :], b[:, None, :]) != 0,
+        "where_two_bool": lambda: jnp.where(causal, (a != 0)[:, None, :], (b < 0)[:, None, :]),
+    }
+    return _masked_attention(case, q, k, v, built[merge]()[:, None], False)
+
+
 def _row_tested(case: FuzzCase, q, k, v, inputs):
     """keras-hub Gemma's attention (``row_test``): causal and left padding merged into an int
     mask by ``minimum``, ``where(mask > .5, s, fill)``, then the output rows the drawn row
@@ -683,6 +721,8 @@ def attend(case: FuzzCase, q, k, v, params, inputs):
         return _row_tested(case, q, k, v, inputs)
     if case.mask == "padding_merge":
         return _padding_merged(case, q, k, v, inputs)
+    if case.mask == "region_padding":
+        return _region_padded(case, q, k, v, inputs)
     h, kh = q.shape[2], k.shape[2]
     bias = _bias(case, params)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -837,6 +877,13 @@ def make_data(case: FuzzCase):
         pads = rng.integers(1, s // 2, (b,))
         left = np.arange(s)[None, :] >= pads[:, None]
         inp["key_valid"] = left if rng.random() < 0.5 else left[:, ::-1].copy()
+    if case.mask == "region_padding":
+        # int data: left padding (zeros), entries beyond 0/1 and a few negative ones (keys
+        # visible past the band); a second vector for the where-merges
+        pads = rng.integers(1, s // 2, (b,))
+        data = rng.integers(1, 4, (b, s)) * (np.arange(s)[None, :] >= pads[:, None])
+        inp["key_data"] = np.where(rng.random((b, s)) < 0.1, -1, data).astype(np.int32)
+        inp["key_other"] = rng.integers(-1, 2, (b, s)).astype(np.int32)
     if case.mask == "data_window":
         valid = np.ones((b, s), bool)
         for r in range(b):

@@ -18,7 +18,8 @@ def test_every_field_has_a_role_and_every_operand_a_field():
     assert sorted(ROLES) == sorted(f.name for f in dataclasses.fields(Block))
     bthd = Layout.parse("BTHD")
     every = MaskSpec(causal=True, segments=True, dense=True, bias=True, topk=True, chunk=4,
-                     coordinate_band=(-2, 2), q_padding=True, kv_padding=True)
+                     coordinate_band=(-2, 2), q_padding=True, kv_padding=True,
+                     region_padding=(None, 0))
     spec = AttentionSpec(bthd, bthd, bthd, scale=1.0, mask=every, positions=True, sinks=True)
     # Every operand an attention with every term and feature has is some field's operand.
     assert set(spec.operand_names()) - {"q", "k", "v", "dropout_seed"} \
@@ -27,7 +28,7 @@ def test_every_field_has_a_role_and_every_operand_a_field():
     for term in every.terms():
         assert {r.operand for r in term.roles.values()} \
             == set(term.operands) - {"q_positions", "kv_positions"}
-    assert KEY_FIELDS == ("k", "v", "kv_pos", "kv_seg", "kv_valid")
+    assert KEY_FIELDS == ("k", "v", "kv_pos", "kv_seg", "kv_valid", "kv_inside", "kv_outside")
 
 
 def _random_block(rng, tq=6, tkv=10):

@@ -153,4 +153,4 @@ def test_segments_count_by_their_band_and_say_so():
         np.testing.assert_array_equal(b.rank_flops,
                                       ring_rank_flops(b.layout, 64, 4, [(None, 0)]))
     assert ("note: segment ids / coordinate bands / dense masks / top-k indices / query "
-            "padding / key padding are data") in f.explain(q, k, v, segments, verbose=True)
+            "padding / key padding / region padding are data") in f.explain(q, k, v, segments, verbose=True)

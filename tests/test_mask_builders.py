@@ -186,11 +186,33 @@ def test_matched_mask_is_analytic(rng, name):
         assert spec.mask.kv_padding == segments and spec.mask.empty_rows == rows, spec.mask
 
 
-def test_maximum_of_masks_is_kept_as_data(rng):
-    """``max(padding, causal)`` is a union of data and a band: exact, as a dense mask."""
+def test_maximum_of_masks_is_a_region_padding_term(rng):
+    """``max(padding, causal)`` is the padding's test off the causal band and every key on
+    it: a region padding term, exact, no dense part."""
     fn = lambda q, k, v, valid: keras_attention(q, k, v, jnp.maximum, valid)  # noqa: E731
     (spec,) = specs(check(fn, *inputs(rng, "keras_maximum"), rtol=1e-5))
-    assert spec.mask.dense
+    assert spec.mask.region_padding == (1, None) and not spec.mask.dense, spec.mask
+
+
+def test_keras_minimum_of_an_int_padding_mask_is_a_region_padding_term(rng):
+    """keras-hub's ``minimum`` given the int ``padding_mask`` a user passes (entries beyond
+    0/1, negative ones included), then Keras' ``Softmax`` (``> 0.5``) and the
+    ``dot_product_attention`` path's ``!= 0``: the first is a conjunction with causal (key
+    padding), the second ``mask != 0`` on the causal band and ``mask < 0`` above it."""
+    q, k, v, valid = inputs(rng, "keras_minimum")
+    data = jnp.asarray(np.where(np.asarray(valid), rng.integers(-1, 3, valid.shape), 0),
+                       jnp.int32)
+
+    def tested_nonzero(q, k, v, data):
+        mask = jnp.minimum(data[:, None, :], keras_causal(q.shape[0], T).astype("int32"))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * D ** -0.5
+        scores = jnp.where(mask[:, None] != 0, scores, -1e9)
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, axis=-1), v)
+
+    (spec,) = specs(check(keras_minimum, q, k, v, data, rtol=1e-5))
+    assert spec.mask.kv_padding and spec.mask.causal and not spec.mask.dense, spec.mask
+    (spec,) = specs(check(tested_nonzero, q, k, v, data, rtol=1e-5))
+    assert spec.mask.region_padding == (None, 0) and not spec.mask.dense, spec.mask
 
 
 def test_zeroing_by_another_mask_is_refused(rng):

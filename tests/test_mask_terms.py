@@ -66,6 +66,94 @@ def test_segment_term_is_conservative(rng):
         assert not bool(np.all(full)) or seen.all()
 
 
+@pytest.mark.parametrize("region", [(None, 0), (-4, 0), (1, None)])
+def test_region_padding_is_conservative_and_skips_outside_blocks(rng, region):
+    """Per block from position and test ranges: never skipped with a visible pair, never
+    full with a hidden one; a block wholly outside the region whose outside test is all
+    False is skipped (the upper triangle of an int padding mask without negative
+    entries), and the band hull stays open."""
+    term = mask_terms.RegionPadding(*region)
+    assert term.band() == (None, None) and term.key_hull is None
+    skipped = 0
+    for _ in range(200):
+        q_lo, k_lo = rng.integers(0, 30, 2)
+        q, k = np.arange(q_lo, q_lo + 6), np.arange(k_lo, k_lo + 6)
+        inside, outside = rng.random((2, 6)) < rng.random((2, 1))
+        def r(x):
+            return mask_terms.Ranges(x.min(keepdims=True)[None], x.max(keepdims=True)[None])
+        blocks = mask_terms.Blocks(r(q), r(k), kv_inside=r(inside), kv_outside=r(outside))
+        may, full = (bool(np.all(x)) for x in term.block_kind(blocks))
+        seen = np.broadcast_to(term.visible(mask_terms.Tile(
+            q_pos=q[:, None], kv_pos=k[None, :], kv_inside=inside[None, :],
+            kv_outside=outside[None, :])), (6, 6))
+        assert may or not seen.any()
+        assert not full or seen.all()
+        d = k[None, :] - q[:, None]
+        lo, hi = region
+        wholly_outside = not np.any((lo is None or d >= lo) & (hi is None or d <= hi))
+        if wholly_outside and not outside.any():
+            assert not may
+            skipped += 1
+    assert skipped
+
+
+def test_chunked_kernel_skips_the_upper_triangle_of_a_region_padding_at_run_time(rng):
+    """The chunked kernel's chunk table under keras-hub's ``minimum(x, causal) != 0``:
+    without negative entries every chunk above the diagonal is skipped, as under causal; a
+    negative entry in a key chunk keeps that chunk's column above the diagonal."""
+    from cptransform.lowering.block import Block
+    from cptransform.lowering.kernels.chunked import chunk_kinds
+
+    n, chunk = 64, 16
+    x = rng.integers(1, 3, (1, n))
+    pos = jnp.arange(n)[None]
+    qkv = jnp.zeros((1, n, 1, 8))
+    case = make_case(rng, "none", "mha", seq=n)
+    spec = case.spec.replace(mask=MaskSpec(region_padding=(None, 0)))
+
+    def kinds(x):
+        block = Block(q=qkv, k=qkv, v=qkv, q_pos=pos, kv_pos=pos,
+                      kv_inside=jnp.asarray(x != 0), kv_outside=jnp.asarray(x < 0))
+        return np.asarray(chunk_kinds(block, spec, chunk))
+
+    upper = np.triu(np.ones((n // chunk, n // chunk), bool), 1)
+    assert np.all(kinds(x)[upper] == mask_terms.BlockKind.SKIP)
+    x[0, 40] = -1  # key chunk 2
+    got = kinds(x)
+    assert np.all(got[:2, 2] != mask_terms.BlockKind.SKIP)
+    assert np.all(got[upper & (np.arange(n // chunk) != 2)[None, :]] == mask_terms.BlockKind.SKIP)
+
+
+def test_region_padding_is_priced_without_the_causal_halving(rng):
+    """The planner counts a region padding's blocks as data-decided: no position term, so
+    no causal halving of its work (its causal region bounds nothing)."""
+    case = make_case(rng, "none", "gqa", seq=32)
+    region = case.spec.replace(mask=MaskSpec(region_padding=(None, 0)))
+    causal = case.spec.replace(mask=MaskSpec(causal=True))
+    def shape(spec):
+        return attention_shape(spec, *case.operands[:3], cp=4, layout="zigzag")
+    assert shape(region).position_terms == ()
+    assert shape(causal).position_terms == (mask_terms.Band(None, 0),)
+
+
+def test_region_padding_is_refused_by_name_by_the_kernels_that_do_not_read_it():
+    """Pallas (whose tiles carry no per-key test but segment ids) and cuDNN's delegation
+    refuse the region padding by name; the chunked XLA kernel reads every term, so
+    ``auto`` picks it."""
+    from cptransform.lowering.kernels.capabilities import Capabilities
+    from cptransform.lowering.kernels.cudnn import CudnnKernel
+    from cptransform.lowering.kernels.pallas import PallasKernel
+    from cptransform.op.attention_spec import AttentionSpec, Layout
+
+    canonical = Layout((0,), 1, 2, 3)
+    spec = AttentionSpec(q=canonical, k=canonical, v=canonical, scale=1.0,
+                         mask=MaskSpec(region_padding=(None, 0)))
+    for kernel, backend in ((PallasKernel, "tpu"), (CudnnKernel, "gpu")):
+        reason = kernel.capabilities.refusal(spec, jnp.bfloat16, (64, 64), backend)
+        assert reason and "region_padding[None, 0]" in reason, reason
+    assert Capabilities().refusal(spec, jnp.float32, (8, 8), "cpu") is None
+
+
 def chunked_case(rng, chunk: int, causal: bool = True, heads: str = "gqa", seq: int = 32):
     case = make_case(rng, "causal" if causal else "none", heads, seq=seq)
     return case.__class__(case.operands, case.spec.replace(

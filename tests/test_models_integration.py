@@ -43,9 +43,9 @@ CI_SAMPLE = {"llama": "ring_zigzag", "mistral": "auto", "gpt_neo": "allgather",
 #: until its entry goes). Attentions whose mask keeps a dense part: none (DeepMind gemma's
 #: window over ``cumsum(input_mask) - 1`` is a coordinate band; its int padding mask
 #: multiplied into the causal one is the key padding term). keras-hub given an int
-#: ``padding_mask`` merges it by ``minimum`` and some layers then test ``!= 0``, which stays
-#: dense (``docs/contract.md``; ``bench/padding_memory.py`` measures it, and
-#: ``tests/test_padding_masks.py`` holds the rule).
+#: ``padding_mask`` merges it by ``minimum`` and some layers then test ``!= 0``: the region
+#: padding term (``docs/contract.md``; ``tests/test_padding_masks.py`` holds the rule,
+#: ``bench/padding_memory.py`` measures the family).
 DENSE_MASKS: dict[str, int] = {}
 #: Full-sequence all-gathers outside attention, per family: none left (keras-hub's Gemma
 #: zeroes the output rows that see no key with ``all(mask == 0, axis=-1)`` on the ``S×S``

@@ -41,7 +41,8 @@ from cptransform.analysis.mask_data import (MAX_REGIONS, NEGATED, compared,
 from cptransform.analysis.mask_values import (AbsAffine, Affine, And, Band, Cases, Const,
                                               Data, Dense, DimMap, FloorDiv, IndexRange,
                                               Indicator, Opaque, Pred, Scalar, Segments, Shifted,
-                                              conjuncts, is_known, p_and, p_not, p_or)
+                                              conjuncts, is_known, p_and, p_not, p_or,
+                                              region_test)
 from cptransform.analysis.mask_predicates import (FLIP, MAX_CONSTANT_MASK, NP_COMPARE,
                                                   abs_band, chunk_of, constant_band,
                                                   difference_band, index_against_data,
@@ -437,7 +438,10 @@ class MaskAnalyzer:
         elif isinstance(f, Const) and f.value:
             out = p_or(p_not(p, here), t, here)
         else:
-            return self._opaque(atom, here)
+            # ``where(causal, valid_a, valid_b)``: one per-key test on a band, another off it.
+            out = region_test(p, t, f, here)
+            if out is None:
+                return self._opaque(atom, here)
         return out if is_bool else Indicator(out, 1, 0)
 
 

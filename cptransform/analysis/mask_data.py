@@ -13,9 +13,12 @@ compare gives each region either a constant — where the outcome is the same fo
 integer (``minimum(mask, 0) > 0`` never holds) — or a test of the data alone, a
 :class:`~cptransform.analysis.mask_values.Dense` part whose ``test`` replays the steps on
 the per-token value. When one test remains, the visible pairs are the conjunction of the
-regions it holds on and that per-token test, so the padding stays ``[B, S]``. Anything
-else stays data (exact, ``S×S``): ``minimum(mask, causal) != 0`` keeps a key whose entry
-is negative visible past the causal mask, which no conjunction says.
+regions it holds on and that per-token test, so the padding stays ``[B, S]``. When two
+remain, one on a band and the other off it, they are a
+:class:`~cptransform.analysis.mask_values.RegionTest` (a ``RegionPadding`` term, two
+``[B, S]`` operands): ``minimum(mask, causal) != 0`` keeps a key whose entry is negative
+visible past the causal mask, which no conjunction says. Anything else stays data (exact,
+``S×S``).
 
 Only integer data is read so: its steps replay exactly and no NaN or Inf can make a
 constant outcome wrong.
@@ -28,7 +31,7 @@ import numpy as np
 
 from cptransform.analysis.mask_predicates import NP_COMPARE, integer_data, is_int
 from cptransform.analysis.mask_values import (Cases, Const, Data, Dense, Opaque, Pred,
-                                              is_known, p_and, p_or)
+                                              is_known, p_and, p_or, region_test)
 from cptransform.ir import compat
 
 #: Each binary op on two constants, as the program computes it elementwise.
@@ -100,26 +103,42 @@ def converted(value: Any, dtype: Any) -> Any:
 
 def compared(op: str, value: Cases, c: Any, origin: Opaque) -> Pred:
     """The predicate ``value op c``: per region a constant or a test of the data; the
-    conjunction of the regions' union and the one test that remains, or the compare's
-    result as data (``origin``) when the tests differ."""
+    conjunction of the regions' union and the one test that remains, a
+    :class:`~cptransform.analysis.mask_values.RegionTest` where two tests remain on a band
+    and off it (:func:`_two_tests`), or the compare's result as data (``origin``)."""
     c = np.asarray(c).item()
-    kept = []
+    tests: dict = {}
     for region, v in value.cases:
         outcome = _outcome(v, op, c)
         if outcome is False:
             continue
         test = Const(value=True) if outcome else \
             Dense(source=v.source, test=v.steps + ((op, c),), origin=origin)
-        kept.append((region, test))
-    if not kept:
+        tests.setdefault(test, []).append(region)
+    if not tests:
         return Const(value=False, origin=origin)
-    if len({t for _, t in kept}) != 1:
+    if len(tests) > 2:
         return Dense(source=origin, origin=origin)
-    where = kept[0][0]
-    for region, _ in kept[1:]:
-        where = p_or(where, region, origin)
-    out = p_and(where, kept[0][1], origin)
+    unions = [(test, _union(regions, origin)) for test, regions in tests.items()]
+    where = unions[0][1] if len(unions) == 1 else p_or(unions[0][1], unions[1][1], origin)
+    out = p_and(where, unions[0][0] if len(unions) == 1 else _two_tests(unions, origin), origin)
     return out if is_known(out) else Dense(source=origin, origin=origin)
+
+
+def _union(regions: list, origin: Opaque) -> Pred:
+    out = regions[0]
+    for region in regions[1:]:
+        out = p_or(out, region, origin)
+    return out
+
+
+def _two_tests(unions: list, origin: Opaque) -> Pred:
+    """Which of two tests holds where, each given with the union of its regions: a
+    :class:`RegionTest` when one union is a band (the other test holds off it; the caller
+    ands the union of both), else data."""
+    (inside, region), (outside, _) = unions
+    out = region_test(region, inside, outside, origin)
+    return Dense(source=origin, origin=origin) if out is None else out
 
 
 def _outcome(value: Any, op: str, c: Any) -> bool | None:

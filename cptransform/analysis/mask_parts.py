@@ -4,7 +4,8 @@ A band on ``kv - q`` becomes causal/window bounds, a bound on one index that the
 the mask implies (``kv < prompt_len`` beside causal over a longer KV cache) is dropped, one band of ``kv`` around integer data
 indexed by the query (``kv - coordinate[q]``) a coordinate band, one
 ``q_ids[q] == kv_ids[kv]`` comparison becomes segment ids, one top-k scatter along the key
-dim becomes top-k indices, and everything else stays dense (data to be and-ed).
+dim becomes top-k indices, a key test that differs on a band and off it region padding
+(:class:`RegionTest`), and everything else stays dense (data to be and-ed).
 """
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from typing import Callable, Sequence
 
 from cptransform.analysis.intervals import intersect, normalize
 from cptransform.analysis.mask_values import (TOPK_DIM, Band, Chunk, CoordinateBand,
-                                              Dense, IndexRange, Opaque, Pred, Segments, TopK,
-                                              as_dense, conjuncts)
+                                              Const, Dense, IndexRange, Opaque, Pred,
+                                              RegionTest, Segments, TopK, as_dense, conjuncts)
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,10 @@ class MaskParts:
     :class:`Dense`, to be and-ed); ``topk``: the :class:`TopK` whose indices select the
     keys (or None); ``chunk``: the chunk size of a Llama-4 chunk predicate (or None);
     ``coordinates``: the query coordinates (an :class:`Opaque`) of a coordinate band and
-    its bounds ``(lo, hi)`` on ``kv - coordinate`` (or None); ``kinds``: names of the parts
-    found, for reports.
+    its bounds ``(lo, hi)`` on ``kv - coordinate`` (or None); ``region``: a key test that
+    depends on the pair's region, ``((lo, hi), inside, outside)`` with bounds on ``kv - q``
+    and each test a key-only :class:`Dense` or a true :class:`Const` (or None); ``kinds``:
+    names of the parts found, for reports.
     """
 
     band: tuple | None
@@ -39,6 +42,7 @@ class MaskParts:
     topk: TopK | None = None
     chunk: int | None = None
     coordinates: tuple | None = None
+    region: tuple | None = None
 
 
 @dataclass
@@ -56,6 +60,7 @@ class _Reading:
     chunks: list = field(default_factory=list)
     coords: list = field(default_factory=list)
     ranges: list = field(default_factory=list)
+    regions: list = field(default_factory=list)
 
     def on_query_dim(self, qd) -> bool:
         """Whether ``qd`` can be the query dim (the parts read so far agree), taking it."""
@@ -116,11 +121,28 @@ def _read_segments(r: _Reading, term: Segments) -> bool:
     return True
 
 
+def _read_region(r: _Reading, term: RegionTest) -> bool:
+    band = term.region
+    pair = (band.a, band.b)
+    qd = pair[0] if pair[1] == r.kv_dim else pair[1]
+    keys = set(r.batch_dims) | {r.kv_dim}
+    per_key = all((isinstance(t, Const) and t.value) or (
+        isinstance(t, Dense) and {d for d in t.source.dims if d is not None} <= keys)
+        for t in (term.inside, term.outside))
+    if r.kv_dim not in pair or r.regions or not per_key or not r.on_query_dim(qd):
+        return False
+    (lo, hi), = band.intervals if band.b == r.kv_dim else \
+        ((None if band.intervals[0][1] is None else -band.intervals[0][1],
+          None if band.intervals[0][0] is None else -band.intervals[0][0]),)
+    r.regions.append(((lo, hi), term.inside, term.outside))
+    return True
+
+
 #: How each kind of term becomes an analytic part; a term a reader declines (or of a kind
 #: without one, such as a constant) stays dense.
 _READERS: dict[type, Callable[[_Reading, Pred], bool]] = {
     Band: _read_band, IndexRange: _read_range, Chunk: _read_chunk, TopK: _read_topk,
-    CoordinateBand: _read_coordinates, Segments: _read_segments}
+    CoordinateBand: _read_coordinates, Segments: _read_segments, RegionTest: _read_region}
 
 
 def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[[int], int],
@@ -146,11 +168,13 @@ def classify(pred: Pred, q_dims: Sequence[int], kv_dim: int, q_len_of: Callable[
                  if not _implied(t, band, q_len, r.kv_dim, q_len_of, kv_len))
     kinds = _band_kinds(band) + [f"chunk({c.size})" for c in r.chunks] \
         + ["coordinate_band({},{})".format(*c.intervals[0]) for c in r.coords] \
-        + ["segments"] * bool(r.segs) + ["topk"] * bool(r.topks) + ["dense"] * bool(dense)
+        + ["segments"] * bool(r.segs) + ["topk"] * bool(r.topks) \
+        + ["region_padding"] * bool(r.regions) + ["dense"] * bool(dense)
     return MaskParts(band, r.q_dim, (r.segs[0].x, r.segs[0].y) if r.segs else None,
                      tuple(dense), tuple(kinds), r.topks[0] if r.topks else None,
                      r.chunks[0].size if r.chunks else None,
-                     (r.coords[0].coordinate, r.coords[0].intervals[0]) if r.coords else None)
+                     (r.coords[0].coordinate, r.coords[0].intervals[0]) if r.coords else None,
+                     r.regions[0] if r.regions else None)
 
 
 def _merged_band(r: _Reading, q_len_of: Callable[[int], int], kv_len: int) -> tuple | None:

@@ -181,6 +181,36 @@ class Dense(Pred):
 
 
 @dataclass(frozen=True)
+class RegionTest(Pred):
+    """``inside`` where ``region`` holds and ``outside`` elsewhere: ``region`` an interval
+    predicate (a :class:`Band` of one interval), ``inside`` and ``outside`` each a
+    :class:`Dense` test of integer data or a :class:`Const`. An integer padding mask merged
+    with a causal mask by arithmetic and tested: ``minimum(mask, causal) != 0`` is
+    ``mask != 0`` on the causal band and ``mask < 0`` off it."""
+
+    region: Pred | None = None
+    inside: Pred | None = None
+    outside: Pred | None = None
+
+
+def region_test(region: Pred, inside: Pred, outside: Pred, origin: Opaque | None):
+    """``inside`` where ``region`` holds and ``outside`` elsewhere as a :class:`RegionTest`
+    (``region`` or its complement a band of one interval; each test a :class:`Dense` of
+    a source or a :class:`Const`), or None. Only with an ``origin``: read as data where
+    no term can take it, it is that value."""
+    tests = origin is not None and all(
+        isinstance(t, Const) or (isinstance(t, Dense) and t.source is not None)
+        for t in (inside, outside))
+    if not tests or not isinstance(region, Band) or inside == outside:
+        return None
+    if len(region.intervals) != 1:
+        region, inside, outside = p_not(region, origin), outside, inside
+    if len(region.intervals) != 1:
+        return None
+    return RegionTest(region=region, inside=inside, outside=outside, origin=origin)
+
+
+@dataclass(frozen=True)
 class Data:
     """An integer number per element read from data: ``steps`` (``(op, constant)`` pairs,
     op one of ``min max mul add and or``, or ``("convert", dtype name)``) applied in order
@@ -296,6 +326,11 @@ def p_or(a: Pred, b: Pred, origin: Opaque) -> Pred:
     if same_line(a, b):
         return dataclasses.replace(a, intervals=union(a.intervals, b.intervals),
                                    origin=origin)
+    # A band or a per-token test (``max(padding, causal)``): the test off the band.
+    for region, test in ((a, b), (b, a)):
+        either = region_test(region, Const(value=True), test, origin)
+        if either is not None:
+            return either
     return Dense(source=origin, origin=origin)
 
 
@@ -307,4 +342,12 @@ def p_not(a: Pred, origin: Opaque) -> Pred:
         return dataclasses.replace(a, intervals=complement(a.intervals), origin=origin)
     if isinstance(a, Dense):
         return Dense(source=a.source, negated=not a.negated, test=a.test, origin=origin)
+    terms = conjuncts(a)
+    if isinstance(a, And) and len(terms) == 2:
+        # ``not (band and test)`` (``max(padding, causal)`` read through its zeros): the
+        # negated test on the band, true off it.
+        for band, test in (terms, terms[::-1]):
+            either = region_test(band, p_not(test, origin), Const(value=True), origin)
+            if either is not None and isinstance(test, Dense):
+                return either
     return Dense(source=origin, origin=origin)

@@ -149,6 +149,7 @@ class MaskSpec:
     q_padding: bool = False
     kv_padding: bool = False
     fill: float | None = None
+    region_padding: tuple[int | None, int | None] | None = None
 
     def __post_init__(self):
         if self.fill is not None and not (isinstance(self.fill, float) and math.isfinite(self.fill)
@@ -176,6 +177,13 @@ class MaskSpec:
                     or (lo is not None and hi is not None and lo > hi):
                 raise ValueError("coordinate_band must be (lo, hi) ints or None with lo <= hi, "
                                  f"got {self.coordinate_band!r}")
+        if self.region_padding is not None:
+            lo, hi = self.region_padding
+            if any(x is not None and not isinstance(x, int) for x in (lo, hi)) \
+                    or (lo is None and hi is None) or (lo is not None and hi is not None
+                                                       and lo > hi):
+                raise ValueError("region_padding must be (lo, hi) ints or None, not both None, "
+                                 f"with lo <= hi, got {self.region_padding!r}")
 
     def terms(self) -> tuple:
         """The predicate as a tuple of :mod:`~cptransform.op.mask_terms` terms (their
@@ -200,6 +208,8 @@ class MaskSpec:
             out.append(mask_terms.QueryPadding())
         if self.kv_padding:
             out.append(mask_terms.KeyPadding())
+        if self.region_padding is not None:
+            out.append(mask_terms.RegionPadding(*self.region_padding))
         if self.dense:
             out.append(mask_terms.Dense())
         if self.topk:
@@ -222,7 +232,8 @@ class MaskSpec:
         """True when every pair is visible and nothing is added to the logits."""
         return mask_terms.band_of(self.terms()) == (None, None) and not (
             self.segments or self.dense or self.bias or self.topk or self.q_padding
-            or self.kv_padding or self.coordinate_band is not None)
+            or self.kv_padding or self.region_padding is not None
+            or self.coordinate_band is not None)
 
     def describe(self) -> str:
         parts = []
@@ -244,6 +255,10 @@ class MaskSpec:
             parts.append("query_padding")
         if self.kv_padding:
             parts.append("key_padding")
+        if self.region_padding is not None:
+            lo, hi = self.region_padding
+            parts.append(f"region_padding=({'-inf' if lo is None else lo},"
+                         f"{'inf' if hi is None else hi})")
         if self.dense:
             parts.append("dense")
         if self.topk:
@@ -266,15 +281,16 @@ class AttentionSpec:
 
     Operands, in order: ``q, k, v``, then ``q_positions, kv_positions`` if ``positions``,
     ``q_segment_ids, kv_segment_ids`` if ``mask.segments``, ``q_valid`` if
-    ``mask.q_padding``, ``kv_valid`` if ``mask.kv_padding``, ``mask`` if ``mask.dense``,
+    ``mask.q_padding``, ``kv_valid`` if ``mask.kv_padding``, ``kv_inside, kv_outside`` if
+    ``mask.region_padding``, ``mask`` if ``mask.dense``,
     ``bias`` if ``mask.bias``, ``sinks`` if ``sinks``, ``topk_indices`` if ``mask.topk``,
     ``q_coordinates`` if ``mask.coordinate_band``, ``dropout_seed`` if ``dropout``. The
     output has q's layout with v's feature size.
 
     Shapes of the optional operands, with ``nb = len(q.batch)`` leading batch dims that
     follow q's batch dims in order and may be 1 (broadcast):
-    positions, segment ids and query coordinates ``(*batch, T)`` (int), ``q_valid`` and
-    ``kv_valid`` ``(*batch, T)`` (bool); mask and bias
+    positions, segment ids and query coordinates ``(*batch, T)`` (int), ``q_valid``,
+    ``kv_valid``, ``kv_inside`` and ``kv_outside`` ``(*batch, T)`` (bool); mask and bias
     ``(*batch, heads|1, Tq, Tkv)``; sinks ``(*batch, heads)`` (float; ``heads`` is 1 for q
     without a heads dim); top-k indices ``(*batch, heads|1, Tq, k)`` (int32, key
     positions); the dropout seed ``(*batch, heads, 4)`` (uint32, see
@@ -339,6 +355,8 @@ class AttentionSpec:
             names.append("q_valid")
         if self.mask.kv_padding:
             names.append("kv_valid")
+        if self.mask.region_padding is not None:
+            names += ["kv_inside", "kv_outside"]
         if self.mask.dense:
             names.append("mask")
         if self.mask.bias:

@@ -96,6 +96,8 @@ class Blocks:
     q_coord: Ranges | None = None
     q_valid: Ranges | None = None
     kv_valid: Ranges | None = None
+    kv_inside: Ranges | None = None
+    kv_outside: Ranges | None = None
 
     @classmethod
     def cut(cls, q_pos, kv_pos, bq: int, bk: int, *, mask=None, topk=None,
@@ -149,6 +151,8 @@ class Tile:
     q_coord: object = None
     q_valid: object = None
     kv_valid: object = None
+    kv_inside: object = None
+    kv_outside: object = None
 
     @classmethod
     def of(cls, operands, query, key, *, dense=None, picked=None) -> "Tile":
@@ -395,6 +399,58 @@ class KeyPadding(_Padding):
 
 
 @dataclass(frozen=True)
+class RegionPadding:
+    """``kv_inside[kv]`` where ``lo ≤ kv_pos - q_pos ≤ hi`` (the region), ``kv_outside[kv]``
+    elsewhere: a key test that depends on where the pair lies (``None``: that side open).
+
+    What an integer padding mask merged with a causal or window mask by arithmetic and
+    then tested means: keras-hub's ``minimum(mask[:, None, :], causal) != 0`` is
+    ``mask != 0`` on the causal region and ``mask < 0`` above it (a negative entry keeps
+    its key visible past the diagonal, as on one device). Both operands are boolean
+    ``[B|1, Tkv]`` and travel with the keys like :class:`KeyPadding`'s.
+
+    The outside test may hold anywhere, so the band hull is open (no ring step is skipped
+    by position alone) and the cost model counts its blocks as data-decided; per block, a
+    block wholly outside the region whose ``kv_outside`` is all False is skipped from the
+    operands' ranges (the upper triangle of typical data, with no negative entry)."""
+
+    lo: int | None
+    hi: int | None
+    label = "region padding"
+    operands = ("q_positions", "kv_positions", "kv_inside", "kv_outside")
+    roles = {"kv_inside": Role(Side.KEY, "kv_inside", boolean=True, mask=True),
+             "kv_outside": Role(Side.KEY, "kv_outside", boolean=True, mask=True)}
+    key_hull = None
+
+    def visible(self, t: Tile):
+        region = _inside(t.kv_pos - t.q_pos, self.lo, self.hi)
+        return (region & t.kv_inside) | (~region & t.kv_outside)
+
+    def block_kind(self, b: Blocks):
+        # A block may hold a visible pair inside the region (some pair there, some key's
+        # inside test True) or outside it; it is full when every pair passes its side's
+        # test: all inside (or all outside) with that test True for every key, or both
+        # tests True for every key.
+        some_in, all_in = _spans_kind(b.kv_pos, b.q_pos, self.lo, self.hi)
+        inside, outside = _key_side(b.kv_inside.hi), _key_side(b.kv_outside.hi)
+        may = (some_in & inside) | (~all_in & outside)
+        every_in, every_out = _key_side(b.kv_inside.lo), _key_side(b.kv_outside.lo)
+        full = (all_in & every_in) | (~some_in & every_out) | (every_in & every_out)
+        return may, full
+
+    def band(self):
+        return None, None
+
+    def padding(self, first) -> dict:
+        # Key operands only: a padded query is aimed at a key whose inside test holds,
+        # placed inside the region (``lowering/padding.py``).
+        return {}
+
+    def describe(self) -> str:
+        return f"region_padding[{self.lo}, {self.hi}]"
+
+
+@dataclass(frozen=True)
 class CoordinateBand:
     """``lo ≤ kv_pos - q_coordinates[q] ≤ hi`` (``None``: that side open): a window around a
     per-query data coordinate rather than the query's position, e.g. DeepMind gemma's local
@@ -510,7 +566,8 @@ def _topk_hits(topk, kv_pos: Ranges):
 
 
 #: Every mask term class (``label``: what its operands are called in messages).
-TERMS = (Band, Chunks, Segments, CoordinateBand, Dense, TopK, QueryPadding, KeyPadding)
+TERMS = (Band, Chunks, Segments, CoordinateBand, Dense, TopK, QueryPadding, KeyPadding,
+         RegionPadding)
 #: The roles of the operands the terms bring, by canonical field name.
 TERM_ROLES: dict[str, Role] = {name: role for term in TERMS for name, role in term.roles.items()}
 #: The per-token operands the terms read (positions and the terms' own), by field name:

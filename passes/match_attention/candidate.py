@@ -15,7 +15,7 @@ import numpy as np
 
 from cptransform.analysis.dim_rules import unit_reshape_dims
 from cptransform.analysis.mask_parts import MaskParts, classify
-from cptransform.analysis.mask_values import And, Pred, as_dense, conjuncts
+from cptransform.analysis.mask_values import And, Dense, Pred, as_dense, conjuncts
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
@@ -65,6 +65,8 @@ class Candidate:
     ``factors``: ``(operand, exponent)`` of the data factors on the logits (a temperature
     per head or per query), folded into q (the operand's labels are tuples, as the sink's);
     ``fill``: the finite logit masked pairs keep (``MaskSpec.fill``) or None.
+    ``region``: a key test that depends on the pair's region (``MaskParts.region``:
+    ``((lo, hi), inside, outside)``, the region padding term's bounds and tests) or None.
     """
 
     root: Any
@@ -101,6 +103,7 @@ class Candidate:
     after: tuple = ()
     factors: tuple = ()
     fill: float | None = None
+    region: tuple | None = None
 
     @property
     def heads(self) -> tuple:
@@ -136,7 +139,8 @@ class Candidate:
             dense=bool(self.dense), bias=bool(self.biases), empty_rows=self.empty_rows,
             added_fill=self.added_fill,
             topk=self.topk is not None, chunk=self.chunk,
-            coordinate_band=self.coordinate_band, fill=self.fill)
+            coordinate_band=self.coordinate_band, fill=self.fill,
+            region_padding=None if self.region is None else self.region[0])
         return AttentionSpec(q=canonical, k=k_layout, v=k_layout, scale=float(self.scale),
                              softcap=self.softcap, groups=self.groups, mask=mask,
                              sinks=self.sink is not None,
@@ -172,7 +176,8 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     parts = _mask_parts(qk, preds, batch, stats)
     sides = [d.source for d in parts.dense] + [b for b, _ in biases] \
         + list(parts.segments or ()) + ([parts.topk.indices] if parts.topk else []) \
-        + ([parts.coordinates[0]] if parts.coordinates else [])
+        + ([parts.coordinates[0]] if parts.coordinates else []) \
+        + [t.source for t in (parts.region or ())[1:] if isinstance(t, Dense)]
     if any(set(side.dims) & set(qk.merged) for side in sides):
         raise NotAttention("a mask or bias varies along dims merged by a reshape of the logits")
     q_seq = parts.q_dim
@@ -226,7 +231,7 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
         topk=None if topk is None else topk.indices, chunk=parts.chunk, visible=tuple(preds),
         coordinates=parts.coordinates[0] if parts.coordinates else None,
         coordinate_band=parts.coordinates[1] if parts.coordinates else None, dropout=drop,
-        after=pv.after, factors=factor_operands, fill=fill)
+        after=pv.after, factors=factor_operands, fill=fill, region=parts.region)
 
 
 def _kv_heads_and_batch(graph: Graph, qk: QKProduct, shared: list) -> tuple:
@@ -258,7 +263,8 @@ def _rows_may_be_empty(parts: MaskParts, q_len: int, kv_len: int) -> bool:
     """Whether a query row may see no key: unless the mask is a band around the diagonal
     (causal, windows, chunks) of as many queries as keys, data decides."""
     lo, hi = parts.band or (None, None)
-    return bool(parts.dense or parts.segments or parts.topk or parts.coordinates) \
+    return bool(parts.dense or parts.segments or parts.topk or parts.coordinates
+                or parts.region) \
         or q_len != kv_len or (lo is not None and lo > 0) or (hi is not None and hi < 0)
 
 

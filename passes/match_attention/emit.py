@@ -17,7 +17,7 @@ from jax import lax
 from cptransform.ir import compat
 from cptransform.ir.rewrite import Replacement
 from cptransform.op.attention import attention_p
-from cptransform.analysis.mask_values import TOPK_DIM
+from cptransform.analysis.mask_values import TOPK_DIM, Dense
 from cptransform.op.attention_spec import AttentionSpec
 from cptransform.op.dropout import offsets
 from cptransform.passes.match_attention.candidate import (K_FEATURE, Q_FEATURE, V_FEATURE,
@@ -27,7 +27,8 @@ from cptransform.passes.match_attention.candidate import (K_FEATURE, Q_FEATURE, 
 def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     """The rewrite of ``c.root``: one ``attention_p`` with ``spec`` and the arranging around
     it. Its inputs are q, k, v, then the segment ids, the query and key padding parts (each
-    and-ed into one boolean ``[*batch, T]`` operand), the dense mask parts, the
+    and-ed into one boolean ``[*batch, T]`` operand), the region padding's tested data
+    (its inside and outside tests, each ``[*batch, T]``), the dense mask parts, the
     biases, the sink source, the top-k indices, the query coordinates, the dropout key and
     the data factors, in that order."""
     sizes, nbl = c.sizes, len(c.batch)
@@ -43,6 +44,9 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
     out_dtype = compat.aval_of(c.out).dtype
     n_seg, n_dense = len(c.segments), len(c.dense)
     n_qpad, n_kvpad = len(c.q_pads), len(c.kv_pads)
+    region_data = () if c.region is None else tuple(t for t in c.region[1:]
+                                                        if isinstance(t, Dense))
+    n_region = len(region_data)
 
     def build(q, k, v, *side_values):
         operands = [arrange(q, c.q.labels, q_target, sizes),
@@ -60,6 +64,10 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
             operands.append(_all_of(c.kv_pads, vals[n_qpad:n_qpad + n_kvpad], kv_seq_target,
                                     sizes, (c.kv_seq,)))
         vals = vals[n_qpad + n_kvpad:]
+        if c.region is not None:
+            operands += _region_tests(c.region[1:], vals[:n_region], kv_seq_target, sizes,
+                                      c.kv_seq, len(batch))
+            vals = vals[n_region:]
         if n_dense:
             operands.append(_all_of(c.dense, vals[:n_dense], pair_target, sizes, full))
         vals = vals[n_dense:]
@@ -94,7 +102,7 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
         return [out if out.dtype == out_dtype else lax.convert_element_type(out, out_dtype)]
 
     sides = [s.var for s in c.segments]
-    sides += [d.source.var for d in c.q_pads + c.kv_pads + c.dense]
+    sides += [d.source.var for d in c.q_pads + c.kv_pads + region_data + c.dense]
     sides += [b.var for b, _ in c.biases]
     sides += [] if c.sink is None else [c.sink.atom]
     sides += [c.topk.var] if c.topk is not None else []
@@ -165,6 +173,20 @@ def _tested(val, test):
     for kind, arg in steps:
         val = _STEPS[kind](val, arg if kind == "convert" else jnp.asarray(arg, val.dtype))
     return _COMPARE[op](val, jnp.asarray(value, val.dtype))
+
+
+def _region_tests(tests, values, target, sizes, kv_seq, n_batch: int) -> list:
+    """The region padding's ``kv_inside`` and ``kv_outside`` operands (boolean
+    ``[*batch, T]``): each test a key-only dense part put through its test (its value the
+    next of ``values``), or a test that always holds, all True."""
+    out, values = [], list(values)
+    for test in tests:
+        if not isinstance(test, Dense):
+            out.append(jnp.ones((1,) * n_batch + (sizes[kv_seq],), jnp.bool_))
+        else:
+            out.append(_all_of((test,), values[:1], target, sizes, (kv_seq,)))
+            values = values[1:]
+    return out
 
 
 def _all_of(parts, values, target, sizes, full):
