@@ -214,8 +214,10 @@ DROPOUTS = ("select", "multiply", "broadcast", "heads_after", "uniform", "folded
 #: Q, S]``, the sum moved to ``[B, Q, K, G, 1]`` and reshaped to ``[B, Q, K·G, 1]``, the
 #: output reshaped to ``[B, Q, H, Dv]`` before the division); the heads merged with the
 #: features (``[B, Q, H·Dv]``, the sum broadcast along Dv and merged the same way); the sum
-#: in float32 divided into a float32 cast of the output.
-DEFERRED = ("transposed", "maxtext", "merged_features", "cast")
+#: in float32 divided into a float32 cast of the output; MaxText's own (the softmax over
+#: the merged heads ``[B, K·G, Q, S]``, its exponentials viewed as ``[B, K, G, Q, S]`` for
+#: the product, the sum transposed to ``[B, Q, K·G, 1]``).
+DEFERRED = ("transposed", "maxtext", "merged_features", "cast", "maxtext_merged_heads")
 #: How ``kv_cache`` attends over a cache: the prompt's K/V written at position 0 of a cache
 #: twice as long by ``dynamic_update_slice`` (a cache of zeros made inside, or one passed
 #: in) or by ``.at[:, :S].set``, the queries over the whole cache (``key < S`` and the drawn
@@ -1114,8 +1116,14 @@ def deferred_attention(case: FuzzCase, q, k, v, inputs):
     s = s / math.sqrt(q.shape[-1])
     if allowed is not None:
         s = _masked(case, s, allowed[:, :, None], fill)
+    if case.variant == "maxtext_merged_heads":
+        s = s.reshape(b, h, sq, s.shape[-1])
     e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
     total = jnp.sum(e, axis=-1, keepdims=True)                  # [B, K, G, Q, 1]
+    if case.variant == "maxtext_merged_heads":
+        e = e.reshape(b, kh, h // kh, sq, e.shape[-1])
+        o = jnp.einsum("bkgts,bskd->btkgd", e.astype(v.dtype), v).reshape(b, sq, h, dv)
+        return o / jnp.transpose(total, (0, 2, 1, 3)).astype(o.dtype)
     o = jnp.einsum("bkgts,bskd->btkgd", e.astype(v.dtype), v)  # [B, Q, K, G, Dv]
     if case.variant == "maxtext":
         total = jnp.moveaxis(total, -2, 1).reshape(b, sq, h, 1)

@@ -33,6 +33,16 @@ SOFTMAX_EXP = one_of(
 
 
 @dataclass(frozen=True)
+class Split:
+    """Part ``index`` of softmax-input dim ``dim`` split into dims of ``sizes`` (some may
+    be size-1 dims added next to it)."""
+
+    dim: int
+    index: int
+    sizes: tuple
+
+
+@dataclass(frozen=True)
 class Softmax:
     """A matched softmax core: ``e = exp(logits - c)`` summed over ``axis`` into ``sum``.
 
