@@ -186,3 +186,17 @@ def test_fuzz_deferred_norm_maxtext_merged_heads(schedule):
     assert case.heads > case.kv_heads > 1
     outcome = run_case(case)
     assert outcome.status == "passed", f"{outcome}\nreproduce: {case.repro()}"
+
+
+@pytest.mark.parametrize("variant", ["named", "placed"])
+def test_fuzz_checkpoint_labels_pinned_case(variant):
+    """``checkpoint``'s pinned case with the block's input labelled by
+    ``checkpoint_name`` (saved by name) or placed by ``device_put`` on a 1-device mesh:
+    both carry the sequence like an identity (without their rows in the primitive table no
+    input reaches the attention's sequence axis), and the placement is re-expressed on the
+    CP mesh."""
+    from canonical_corpus import FUZZ_SEEDS
+    (text,) = [t for t in FUZZ_SEEDS if "cls='checkpoint'" in t]
+    case = dataclasses.replace(eval(text, {"FuzzCase": FuzzCase}), variant=variant)
+    outcome = run_case(case)
+    assert outcome.status == "passed", f"{outcome}\nreproduce: {case.repro()}"

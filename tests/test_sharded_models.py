@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import assert_rewritten, assert_tree_close, make_mesh
@@ -259,3 +260,37 @@ def test_shard_map_on_another_mesh_is_refused():
     f = context_parallel(loss, mesh=make_mesh(*MESHES["expert_cp"]), axis="cp")
     with pytest.raises(ContextParallelError, match="runs on mesh .* but the program's mesh is"):
         f(params, _tokens())
+
+
+def _labelled(place):
+    """EasyDeL's labels on a single-device model: the block's input named for remat
+    (``checkpoint_name``) and placed by ``device_put`` on ``place``."""
+    def loss(p, x):
+        h = jax.device_put(checkpoint_name(x, "block_in"), place)
+        q, k, v = (jnp.einsum("bse,ehd->bshd", h, p[n]) for n in ("wq", "wk", "wv"))
+        return jnp.mean(_causal(q, k, v) ** 2)
+    return loss
+
+
+def test_checkpoint_name_and_device_put_carry_the_sequence():
+    """``checkpoint_name`` and a ``device_put`` onto a 1-device mesh of the model's axes
+    carry the sequence like an identity (without their rows in the primitive table no input
+    reaches the attention's sequence axis) and the placement is re-expressed on the CP
+    mesh."""
+    one = make_mesh((1, 1), ("data", "tensor"))
+    loss = _labelled(NamedSharding(one, P("data")))
+    params, x = _weights(), _tokens()
+    expected = jax.value_and_grad(loss)(params, x)
+    f = context_parallel(loss, mesh=make_mesh(*MESHES["data_cp"]), axis="cp",
+                         schedule="ring", load_balance="zigzag")
+    assert_tree_close(jax.device_get(jax.value_and_grad(f)(params, x)),
+                      jax.device_get(expected), rtol=2e-5)
+    assert_rewritten(f, params, x, count=1)
+
+
+def test_device_put_on_a_device_is_refused():
+    loss = _labelled(jax.devices()[0])
+    f = context_parallel(loss, mesh=make_mesh(*MESHES["data_cp"]), axis="cp")
+    with pytest.raises(ContextParallelError, match="places a value on .*, not on a mesh's "
+                       "device memory"):
+        f(_weights(), _tokens())
