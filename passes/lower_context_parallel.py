@@ -180,9 +180,9 @@ class _Lowerer(Rewriter):
             return self._model_placement(eqn, invals)
         elif eqn.primitive.name == compat.SHARD_MAP:
             where = f"the shard_map at {compat.source_line(eqn)}"
-            mesh = shard_map_mesh(compat.shard_map_annotation(eqn), self.program, where)
-            outs = compat.bind_eqn(eqn, invals, None if mesh is None
-                                   else compat.shard_map_on(eqn, mesh))
+            annotation = compat.shard_map_annotation(eqn)
+            mesh = shard_map_mesh(annotation, self.program, where)
+            outs = self._model_shard_map(eqn, invals, mesh, annotation, where)
         else:
             self._refuse_raw_window(eqn)
             outs = super().eval_eqn(eqn, invals)
@@ -228,6 +228,25 @@ class _Lowerer(Rewriter):
             with compat.eqn_context(eqn):
                 outs.append(jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec)))
         return outs
+
+    def _model_shard_map(self, eqn, invals, mesh, annotation, where: str) -> list:
+        """The model's ``shard_map`` bound on ``mesh`` (None: its own), its body as it is.
+        A body on a 1-device mesh moved onto the program's mesh with axes added keeps the
+        old mesh in the types of values it made while traced (a reshape's sharding, a
+        custom_vjp's forward), which JAX rejects there: refused, naming the JAX error."""
+        if mesh is None:
+            return compat.bind_eqn(eqn, invals)
+        try:
+            return compat.bind_eqn(eqn, invals, compat.shard_map_on(eqn, mesh))
+        except ValueError as error:
+            if annotation.axes == self.program.axes:
+                raise
+            raise NotImplementedError(
+                f"{where} runs on the 1-device mesh {annotation.axes}; moved onto the "
+                f"program's mesh {self.program.describe()} its body is rejected by JAX "
+                f"({str(error).splitlines()[0]}). Run the layer without shard_map (its dense "
+                "or sorted path), or build the shard_map on the mesh passed as "
+                "mesh=") from error
 
     def _inherits_sharding(self, eqn) -> bool:
         """An elementwise result whose sequence dims an operand holds in the same place:

@@ -294,3 +294,32 @@ def test_device_put_on_a_device_is_refused():
     with pytest.raises(ContextParallelError, match="places a value on .*, not on a mesh's "
                        "device memory"):
         f(_weights(), _tokens())
+
+
+@jax.custom_vjp
+def _gathered(x, idx):
+    return x[idx]
+
+
+_gathered.defvjp(lambda x, idx: (x[idx], (idx, x.shape)),
+                 lambda res, g: (jnp.zeros(res[1], g.dtype).at[res[0]].add(g), None))
+
+
+def test_one_device_shard_map_the_program_mesh_rejects_is_refused():
+    """A shard_map on a 1-device mesh whose body sorts tokens through a custom_vjp gather
+    (EasyDeL's fused MoE): moved onto the program's mesh, its body keeps the 1-device
+    mesh in its types and JAX rejects it; refused, naming the shard_map and the fix."""
+    mesh = make_mesh(*MESHES["expert_cp"])
+
+    @partial(jax.shard_map, mesh=_single(mesh), in_specs=(P(), P()), out_specs=P(),
+             check_vma=False)
+    def mix(t, w):
+        return _gathered(t, jnp.argsort(t[:, 0])) @ w[0]
+
+    def loss(p, x):
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, p[n]) for n in ("wq", "wk", "wv"))
+        return jnp.mean(mix(_causal(q, k, v).reshape(B * S, E), p["experts"]) ** 2)
+    f = context_parallel(loss, mesh=mesh, axis="cp")
+    with pytest.raises(NotImplementedError, match="runs on the 1-device mesh .*; moved onto "
+                       "the program's mesh .* its body is rejected by JAX"):
+        jax.value_and_grad(f)(_weights(), _tokens())
