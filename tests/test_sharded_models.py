@@ -25,7 +25,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import assert_rewritten, assert_tree_close, make_mesh
-from cptransform import context_parallel
+from cptransform import PartlyShardedWarning, UnshardedError, context_parallel
 from cptransform.ir.errors import ContextParallelError
 
 B, S, H, D, F = 2, 64, 4, 8, 32
@@ -323,3 +323,40 @@ def test_one_device_shard_map_the_program_mesh_rejects_is_refused():
     with pytest.raises(NotImplementedError, match="runs on the 1-device mesh .*; moved onto "
                        "the program's mesh .* its body is rejected by JAX"):
         jax.value_and_grad(f)(_weights(), _tokens())
+
+
+def _attention_in_shard_map(also_outside: bool):
+    mesh = make_mesh(*MESHES["data_cp"])
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=P("data"),
+             check_vma=False)
+    def inner(q, k, v):
+        return _causal(q, k, v)
+
+    def loss(p, x):
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, p[n]) for n in ("wq", "wk", "wv"))
+        out = jnp.mean(inner(q, k, v) ** 2)
+        return out + jnp.mean(_causal(q, k, v) ** 2) if also_outside else out
+    return loss, mesh
+
+
+def test_attention_inside_a_shard_map_is_reported_never_silent():
+    """The rewrite never enters a model's shard_map body: an attention there runs whole on
+    each device of the model's mesh. Alone it is refused (UnshardedError naming it);
+    beside a sharded attention it is a PartlyShardedWarning, and the numbers still match
+    one device."""
+    where = "a softmax inside the shard_map at .*never rewritten"
+    loss, mesh = _attention_in_shard_map(also_outside=False)
+    with pytest.raises(UnshardedError, match=where):
+        context_parallel(loss, mesh=mesh, axis="cp")(_weights(), _tokens())
+    loss, mesh = _attention_in_shard_map(also_outside=True)
+    params, x = _weights(), _tokens()
+    f = context_parallel(loss, mesh=mesh, axis="cp", schedule="ring", load_balance="zigzag")
+    with pytest.warns(PartlyShardedWarning, match=where):
+        got = jax.value_and_grad(f)(params, x)
+    ref_loss, _ = _attention_in_shard_map(also_outside=True)
+    assert_tree_close(jax.device_get(got), jax.device_get(jax.value_and_grad(ref_loss)(params, x)),
+                      rtol=2e-5)
+    matches = f.module(params, x).facts.matches
+    assert sum(m.rewritten for m in matches) == 1
+    assert [m.runs_unsharded for m in matches if not m.rewritten] == [True]
