@@ -32,6 +32,10 @@ if not any(HAVE.values()):
 
 pytestmark = [pytest.mark.stock_models, pytest.mark.slow]
 B, S, V = 2, 64, 256
+#: Of each leaf's largest magnitude: float32 reassociation over 8 devices. Gemma-2's
+#: embedding gradient (scaled by sqrt(width), through soft-capped logits) differs by 9.5e-7
+#: at a largest value of 1.4e-2 under ring/zigzag (6.7e-5); the other leaves by under 2e-5.
+RTOL = 1e-4
 SCHEDULES = {"auto": {"schedule": "auto"},
              "ring_zigzag": {"schedule": "ring", "load_balance": "zigzag"}}
 
@@ -155,4 +159,4 @@ def test_stock_model_exact_and_sharded(build, name, count, schedule):
                              **SCHEDULES[schedule])
         got = jax.value_and_grad(f)(params, *args)
         assert_rewritten(f, params, *args, count=count)
-    assert_tree_close(jax.device_get(got), jax.device_get(expected), rtol=2e-5)
+    assert_tree_close(jax.device_get(got), jax.device_get(expected), rtol=RTOL)
