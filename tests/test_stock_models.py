@@ -36,6 +36,11 @@ B, S, V = 2, 64, 256
 #: embedding gradient (scaled by sqrt(width), through soft-capped logits) differs by 9.5e-7
 #: at a largest value of 1.4e-2 under ring/zigzag (6.7e-5); the other leaves by under 2e-5.
 RTOL = 1e-4
+#: EasyDeL's DeepSeek-V3 routes by sigmoid scores through top-k: its gradients are
+#: ill-conditioned in float32. The undecorated model jitted and run eagerly on one device
+#: differ by 3.6e-3 (relative, the router's kernel); under CP the experts' up projection
+#: by 7e-4.
+LOOSER = {("easydel", "deepseek3"): 5e-3}
 SCHEDULES = {"auto": {"schedule": "auto"},
              "ring_zigzag": {"schedule": "ring", "load_balance": "zigzag"}}
 
@@ -142,7 +147,8 @@ def easydel_model(name: str):
 
 
 def _cases():
-    return [pytest.param(build, name, count, schedule, id=f"{pkg}-{name}-{schedule}",
+    return [pytest.param(build, name, count, schedule, LOOSER.get((pkg, name), RTOL),
+                         id=f"{pkg}-{name}-{schedule}",
                          marks=pytest.mark.skipif(not HAVE[pkg], reason=f"{pkg} not installed"))
             for pkg, build, table in (("maxtext", maxtext_model, MAXTEXT),
                                       ("easydel", easydel_model, EASYDEL))
@@ -150,8 +156,8 @@ def _cases():
             for schedule in SCHEDULES]
 
 
-@pytest.mark.parametrize("build,name,count,schedule", _cases())
-def test_stock_model_exact_and_sharded(build, name, count, schedule):
+@pytest.mark.parametrize("build,name,count,schedule,rtol", _cases())
+def test_stock_model_exact_and_sharded(build, name, count, schedule, rtol):
     loss, params, args, context = build(name)
     with context():
         expected = jax.jit(jax.value_and_grad(loss))(params, *args)
@@ -159,4 +165,4 @@ def test_stock_model_exact_and_sharded(build, name, count, schedule):
                              **SCHEDULES[schedule])
         got = jax.value_and_grad(f)(params, *args)
         assert_rewritten(f, params, *args, count=count)
-    assert_tree_close(jax.device_get(got), jax.device_get(expected), rtol=RTOL)
+    assert_tree_close(jax.device_get(got), jax.device_get(expected), rtol=rtol)
