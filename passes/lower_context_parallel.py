@@ -176,11 +176,13 @@ class _Lowerer(Rewriter):
         elif eqn.primitive.name == compat.SHARDING_CONSTRAINT \
                 and compat.constraint_annotation(eqn) is not None:
             return [self._model_constraint(eqn, invals[0])]
+        elif eqn.primitive.name == compat.DEVICE_PUT:
+            return self._model_placement(eqn, invals)
         elif eqn.primitive.name == compat.SHARD_MAP:
             where = f"the shard_map at {compat.source_line(eqn)}"
-            mesh = shard_map_mesh(compat.shard_map_annotation(eqn), self.program, where)
-            outs = compat.bind_eqn(eqn, invals, None if mesh is None
-                                   else compat.shard_map_on(eqn, mesh))
+            annotation = compat.shard_map_annotation(eqn)
+            mesh = shard_map_mesh(annotation, self.program, where)
+            outs = self._model_shard_map(eqn, invals, mesh, annotation, where)
         else:
             self._refuse_raw_window(eqn)
             outs = super().eval_eqn(eqn, invals)
@@ -193,13 +195,58 @@ class _Lowerer(Rewriter):
         sharded over the CP axes (:func:`constraint_spec`): one dim, the sharded
         sequence's where a value holds several (frames and patches); the others are left to
         the partitioner."""
-        atom = eqn.invars[0]
-        full = tuple(d for d in self.sharded_dims(atom)[:1] if d in self.axes.full_dims(atom))
-        merged = tuple(d for d in self.axes.dims(atom) if d not in full)
-        spec = constraint_spec(compat.constraint_annotation(eqn), self.program, full, merged,
-                               f"the sharding constraint at {compat.source_line(eqn)}")
+        spec = self._program_spec(eqn.invars[0], compat.constraint_annotation(eqn),
+                                  f"the sharding constraint at {compat.source_line(eqn)}")
         with compat.eqn_context(eqn):
             return jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec))
+
+    def _program_spec(self, atom, annotation, where: str) -> P:
+        """``annotation`` (a model's, for ``atom``) as a spec of the CP mesh."""
+        full = tuple(d for d in self.sharded_dims(atom)[:1] if d in self.axes.full_dims(atom))
+        merged = tuple(d for d in self.axes.dims(atom) if d not in full)
+        return constraint_spec(annotation, self.program, full, merged, where)
+
+    def _model_placement(self, eqn, invals) -> list:
+        """A ``device_put`` inside the model (EasyDeL places its RoPE tables on its mesh):
+        a placement on a mesh is re-expressed on the CP mesh as a constraint is; no
+        destination leaves the value as it is; a device, a sharding that names no mesh axes
+        or a memory kind of its own is refused."""
+        where = f"the device_put at {compat.source_line(eqn)}"
+        outs = []
+        for atom, value, dest in zip(eqn.invars, invals, compat.device_put_annotations(eqn)):
+            if dest is None:
+                outs.append(value)
+                continue
+            if not isinstance(dest, tuple) or dest[1] not in (None, "device"):
+                raise ContextParallelError(
+                    f"{where} places a value on {dest}, not on a mesh's device memory: a "
+                    "context-parallel program runs on one mesh. Place it with a "
+                    "NamedSharding of the mesh passed as mesh= (or of a 1-device mesh of "
+                    "the model's axes), or leave the placement out of the transformed "
+                    "function")
+            spec = self._program_spec(atom, dest[0], where)
+            with compat.eqn_context(eqn):
+                outs.append(jax.lax.with_sharding_constraint(value, NamedSharding(self.mesh, spec)))
+        return outs
+
+    def _model_shard_map(self, eqn, invals, mesh, annotation, where: str) -> list:
+        """The model's ``shard_map`` bound on ``mesh`` (None: its own), its body as it is.
+        A body on a 1-device mesh moved onto the program's mesh with axes added keeps the
+        old mesh in the types of values it made while traced (a reshape's sharding, a
+        custom_vjp's forward), which JAX rejects there: refused, naming the JAX error."""
+        if mesh is None:
+            return compat.bind_eqn(eqn, invals)
+        try:
+            return compat.bind_eqn(eqn, invals, compat.shard_map_on(eqn, mesh))
+        except ValueError as error:
+            if annotation.axes == self.program.axes:
+                raise
+            raise NotImplementedError(
+                f"{where} runs on the 1-device mesh {annotation.axes}; moved onto the "
+                f"program's mesh {self.program.describe()} its body is rejected by JAX "
+                f"({str(error).splitlines()[0]}). Run the layer without shard_map (its dense "
+                "or sorted path), or build the shard_map on the mesh passed as "
+                "mesh=") from error
 
     def _inherits_sharding(self, eqn) -> bool:
         """An elementwise result whose sequence dims an operand holds in the same place:

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 import fuzz_equal_dims
 from cptransform import context_parallel
@@ -66,7 +67,9 @@ PROGRAM_CLASSES = (
     "custom_vjp_clip",  # custom_vjp gradient clipping (global norm over the sequence) on o
     "straight_through",  # custom_vjp straight-through rounding of the normed activations
     "scan_layers",      # lax.scan over stacked layers
-    "checkpoint",       # jax.checkpoint around the block
+    "checkpoint",       # jax.checkpoint around the block; the block's input labelled by
+                        # checkpoint_name (saved by name) or placed by device_put on a
+                        # 1-device mesh, as MaxText and EasyDeL do (CHECKPOINT_LABELS)
     "vmap_batch",       # a per-example block under jax.vmap over the batch
     "nan_weight",       # a NaN in the output projection: the loss must be NaN too
     "masked_rows",      # fully masked query rows (left padding + causal), -inf or added fill
@@ -227,8 +230,15 @@ DROPOUTS = ("select", "multiply", "broadcast", "heads_after", "uniform", "folded
 #: Q, S]``, the sum moved to ``[B, Q, K, G, 1]`` and reshaped to ``[B, Q, K·G, 1]``, the
 #: output reshaped to ``[B, Q, H, Dv]`` before the division); the heads merged with the
 #: features (``[B, Q, H·Dv]``, the sum broadcast along Dv and merged the same way); the sum
-#: in float32 divided into a float32 cast of the output.
-DEFERRED = ("transposed", "maxtext", "merged_features", "cast")
+#: in float32 divided into a float32 cast of the output; MaxText's own (the softmax over
+#: the merged heads ``[B, K·G, Q, S]``, its exponentials viewed as ``[B, K, G, Q, S]`` for
+#: the product, the sum transposed to ``[B, Q, K·G, 1]``).
+DEFERRED = ("transposed", "maxtext", "merged_features", "cast", "maxtext_merged_heads")
+#: What ``checkpoint`` puts on the block's (normed) input inside the remat block: nothing,
+#: ``checkpoint_name`` under a ``save_only_these_names`` policy (MaxText's remat), a
+#: ``device_put`` onto a ``NamedSharding`` of a 1-device mesh (EasyDeL places its RoPE
+#: tables so).
+CHECKPOINT_LABELS = ("", "named", "placed")
 #: How ``kv_cache`` attends over a cache: the prompt's K/V written at position 0 of a cache
 #: twice as long by ``dynamic_update_slice`` (a cache of zeros made inside, or one passed
 #: in) or by ``.at[:, :S].set``, the queries over the whole cache (``key < S`` and the drawn
@@ -383,6 +393,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "kv_cache": KV_CACHES,
         "logit_chain": LOGIT_CHAINS,
         "llama_block": POSITION_DTYPES,
+        "checkpoint": CHECKPOINT_LABELS,
     }.get(cls, ("",))
     variant = choose("variant", variants)
     if cls == "equal_dims":
@@ -1063,6 +1074,11 @@ def block(case: FuzzCase, p: dict, x, inputs: dict):
     hx = rmsnorm(x, p["g"]) if case.norm else x
     if case.cls == "straight_through":
         hx = ste_round(hx)
+    if case.cls == "checkpoint" and case.variant == "named":
+        hx = checkpoint_name(hx, "block_in")
+    if case.cls == "checkpoint" and case.variant == "placed":
+        one = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+        hx = jax.device_put(hx, jax.sharding.NamedSharding(one, jax.sharding.PartitionSpec()))
     if case.cls == "fused_qkv":
         qkv = hx @ p["wqkv"]
         q, k, v = jnp.split(qkv, 3, axis=-1)
@@ -1162,8 +1178,14 @@ def deferred_attention(case: FuzzCase, q, k, v, inputs):
     s = s / math.sqrt(q.shape[-1])
     if allowed is not None:
         s = _masked(case, s, allowed[:, :, None], fill)
+    if case.variant == "maxtext_merged_heads":
+        s = s.reshape(b, h, sq, s.shape[-1])
     e = jnp.exp(s - jax.lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True)))
     total = jnp.sum(e, axis=-1, keepdims=True)                  # [B, K, G, Q, 1]
+    if case.variant == "maxtext_merged_heads":
+        e = e.reshape(b, kh, h // kh, sq, e.shape[-1])
+        o = jnp.einsum("bkgts,bskd->btkgd", e.astype(v.dtype), v).reshape(b, sq, h, dv)
+        return o / jnp.transpose(total, (0, 2, 1, 3)).astype(o.dtype)
     o = jnp.einsum("bkgts,bskd->btkgd", e.astype(v.dtype), v)  # [B, Q, K, G, Dv]
     if case.variant == "maxtext":
         total = jnp.moveaxis(total, -2, 1).reshape(b, sq, h, 1)
@@ -1513,7 +1535,9 @@ def build(case: FuzzCase):
                 body = jax.checkpoint(body)
             y, _ = lax.scan(body, x, stacked)
         elif case.cls == "checkpoint":
-            y = jax.checkpoint(lambda pp, xx: block(case, pp, xx, inp))(p, x)
+            policy = jax.checkpoint_policies.save_only_these_names("block_in") \
+                if case.variant == "named" else None
+            y = jax.checkpoint(lambda pp, xx: block(case, pp, xx, inp), policy=policy)(p, x)
         elif case.cls == "vmap_batch":
             def one(xx, ii):
                 yy = block(dataclasses.replace(case, batch=1), p, xx[None],

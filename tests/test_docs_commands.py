@@ -39,6 +39,8 @@ SKIP = [
     (r"\.venv/bin/python bench/", "a benchmark: minutes to hours; its results are in "
                                   "bench/results/"),
     (r"python train\.py ", "a user's training script, one process per host"),
+    (r"\s*(python3\.1[12] -m venv \.venv-stock-|\.venv-stock-\w+/bin/)",
+     "the stock-model environments (MaxText, EasyDeL): installed by hand, not in CI"),
 ]
 
 #: Substrings of the ```python blocks cheap enough for the fast tier (the rest are slow).

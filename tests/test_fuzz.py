@@ -8,6 +8,7 @@ The generator is ``tests/fuzz_programs.py``; classes in ``KNOWN_BROKEN`` (a sile
 answer or an unclear crash today) are skipped here and still run by ``bench/fuzz.py``.
 A failure prints the drawn ``FuzzCase`` and the command that reproduces it.
 """
+import dataclasses
 import os
 import warnings
 
@@ -168,3 +169,33 @@ def test_float32_noise_allowance_still_sees_a_real_error():
     assert beyond_float32_noise(case, ref, ref, "diff") is None
     off = jax.tree_util.tree_map(lambda x: x * (1 + 1e-3), ref)
     assert beyond_float32_noise(case, off, ref, "diff").startswith("diff; against float64")
+
+
+@pytest.mark.parametrize("schedule", ["ulysses", "ring"])
+def test_fuzz_deferred_norm_maxtext_merged_heads(schedule):
+    """MaxText's own normalisation (``deferred_norm``'s ``maxtext_merged_heads``): the
+    softmax over the merged heads ``[B, K·G, Q, S]``, its exponentials viewed as ``[B, K,
+    G, Q, S]`` for the value product, the division after it by the sum transposed to ``[B,
+    Q, K·G, 1]``, with grouped heads (8 over 4): matched and exact. Without the split heads
+    merged back when the numerator is compared with the row sum, it runs unmatched."""
+    from canonical_corpus import FUZZ_SEEDS
+    (text,) = [t for t in FUZZ_SEEDS if "cls='deferred_norm'" in t]
+    case = dataclasses.replace(eval(text, {"FuzzCase": FuzzCase}),
+                               variant="maxtext_merged_heads", schedule=schedule)
+    assert case.heads > case.kv_heads > 1
+    outcome = run_case(case)
+    assert outcome.status == "passed", f"{outcome}\nreproduce: {case.repro()}"
+
+
+@pytest.mark.parametrize("variant", ["named", "placed"])
+def test_fuzz_checkpoint_labels_pinned_case(variant):
+    """``checkpoint``'s pinned case with the block's input labelled by
+    ``checkpoint_name`` (saved by name) or placed by ``device_put`` on a 1-device mesh:
+    both carry the sequence like an identity (without their rows in the primitive table no
+    input reaches the attention's sequence axis), and the placement is re-expressed on the
+    CP mesh."""
+    from canonical_corpus import FUZZ_SEEDS
+    (text,) = [t for t in FUZZ_SEEDS if "cls='checkpoint'" in t]
+    case = dataclasses.replace(eval(text, {"FuzzCase": FuzzCase}), variant=variant)
+    outcome = run_case(case)
+    assert outcome.status == "passed", f"{outcome}\nreproduce: {case.repro()}"

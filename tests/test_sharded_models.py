@@ -21,10 +21,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import assert_rewritten, assert_tree_close, make_mesh
-from cptransform import context_parallel
+from cptransform import PartlyShardedWarning, UnshardedError, context_parallel
 from cptransform.ir.errors import ContextParallelError
 
 B, S, H, D, F = 2, 64, 4, 8, 32
@@ -259,3 +260,103 @@ def test_shard_map_on_another_mesh_is_refused():
     f = context_parallel(loss, mesh=make_mesh(*MESHES["expert_cp"]), axis="cp")
     with pytest.raises(ContextParallelError, match="runs on mesh .* but the program's mesh is"):
         f(params, _tokens())
+
+
+def _labelled(place):
+    """EasyDeL's labels on a single-device model: the block's input named for remat
+    (``checkpoint_name``) and placed by ``device_put`` on ``place``."""
+    def loss(p, x):
+        h = jax.device_put(checkpoint_name(x, "block_in"), place)
+        q, k, v = (jnp.einsum("bse,ehd->bshd", h, p[n]) for n in ("wq", "wk", "wv"))
+        return jnp.mean(_causal(q, k, v) ** 2)
+    return loss
+
+
+def test_checkpoint_name_and_device_put_carry_the_sequence():
+    """``checkpoint_name`` and a ``device_put`` onto a 1-device mesh of the model's axes
+    carry the sequence like an identity (without their rows in the primitive table no input
+    reaches the attention's sequence axis) and the placement is re-expressed on the CP
+    mesh."""
+    one = make_mesh((1, 1), ("data", "tensor"))
+    loss = _labelled(NamedSharding(one, P("data")))
+    params, x = _weights(), _tokens()
+    expected = jax.value_and_grad(loss)(params, x)
+    f = context_parallel(loss, mesh=make_mesh(*MESHES["data_cp"]), axis="cp",
+                         schedule="ring", load_balance="zigzag")
+    assert_tree_close(jax.device_get(jax.value_and_grad(f)(params, x)),
+                      jax.device_get(expected), rtol=2e-5)
+    assert_rewritten(f, params, x, count=1)
+
+
+def test_device_put_on_a_device_is_refused():
+    loss = _labelled(jax.devices()[0])
+    f = context_parallel(loss, mesh=make_mesh(*MESHES["data_cp"]), axis="cp")
+    with pytest.raises(ContextParallelError, match="places a value on .*, not on a mesh's "
+                       "device memory"):
+        f(_weights(), _tokens())
+
+
+@jax.custom_vjp
+def _gathered(x, idx):
+    return x[idx]
+
+
+_gathered.defvjp(lambda x, idx: (x[idx], (idx, x.shape)),
+                 lambda res, g: (jnp.zeros(res[1], g.dtype).at[res[0]].add(g), None))
+
+
+def test_one_device_shard_map_the_program_mesh_rejects_is_refused():
+    """A shard_map on a 1-device mesh whose body sorts tokens through a custom_vjp gather
+    (EasyDeL's fused MoE): moved onto the program's mesh, its body keeps the 1-device
+    mesh in its types and JAX rejects it; refused, naming the shard_map and the fix."""
+    mesh = make_mesh(*MESHES["expert_cp"])
+
+    @partial(jax.shard_map, mesh=_single(mesh), in_specs=(P(), P()), out_specs=P(),
+             check_vma=False)
+    def mix(t, w):
+        return _gathered(t, jnp.argsort(t[:, 0])) @ w[0]
+
+    def loss(p, x):
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, p[n]) for n in ("wq", "wk", "wv"))
+        return jnp.mean(mix(_causal(q, k, v).reshape(B * S, E), p["experts"]) ** 2)
+    f = context_parallel(loss, mesh=mesh, axis="cp")
+    with pytest.raises(NotImplementedError, match="runs on the 1-device mesh .*; moved onto "
+                       "the program's mesh .* its body is rejected by JAX"):
+        jax.value_and_grad(f)(_weights(), _tokens())
+
+
+def _attention_in_shard_map(also_outside: bool):
+    mesh = make_mesh(*MESHES["data_cp"])
+
+    @partial(jax.shard_map, mesh=mesh, in_specs=(P("data"),) * 3, out_specs=P("data"),
+             check_vma=False)
+    def inner(q, k, v):
+        return _causal(q, k, v)
+
+    def loss(p, x):
+        q, k, v = (jnp.einsum("bse,ehd->bshd", x, p[n]) for n in ("wq", "wk", "wv"))
+        out = jnp.mean(inner(q, k, v) ** 2)
+        return out + jnp.mean(_causal(q, k, v) ** 2) if also_outside else out
+    return loss, mesh
+
+
+def test_attention_inside_a_shard_map_is_reported_never_silent():
+    """The rewrite never enters a model's shard_map body: an attention there runs whole on
+    each device of the model's mesh. Alone it is refused (UnshardedError naming it);
+    beside a sharded attention it is a PartlyShardedWarning, and the numbers still match
+    one device."""
+    where = "a softmax inside the shard_map at .*never rewritten"
+    loss, mesh = _attention_in_shard_map(also_outside=False)
+    with pytest.raises(UnshardedError, match=where):
+        context_parallel(loss, mesh=mesh, axis="cp")(_weights(), _tokens())
+    loss, mesh = _attention_in_shard_map(also_outside=True)
+    params, x = _weights(), _tokens()
+    f = context_parallel(loss, mesh=mesh, axis="cp", schedule="ring", load_balance="zigzag")
+    with pytest.warns(PartlyShardedWarning, match=where):
+        got = jax.value_and_grad(f)(params, x)
+    ref_loss, _ = _attention_in_shard_map(also_outside=True)
+    assert_tree_close(jax.device_get(got), jax.device_get(jax.value_and_grad(ref_loss)(params, x)),
+                      rtol=2e-5)
+    matches = f.module(params, x).facts.matches
+    assert sum(m.rewritten for m in matches) == 1
+    assert [m.runs_unsharded for m in matches if not m.rewritten] == [True]

@@ -394,6 +394,32 @@ def test_sinks_carry_no_sequence_axis(rng):
     assert [axes.dims(x) for x in ins] == [(1,), (1,), (1,), ()]
 
 
+def ejkernel_sinks(q, k, v, sinks):
+    """ejkernel's XLA path (EasyDeL's gpt-oss): logits concatenated with the sink column,
+    shifted by their row maximum (no stop_gradient), then ``jax.nn.softmax`` and the
+    sink's probability sliced away."""
+    b, t, h, d = q.shape
+    aw = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(d)
+    aw = jnp.where(visible(t), aw, jnp.finfo(aw.dtype).min)
+    column = jnp.broadcast_to(sinks.reshape(1, h, 1, 1), (b, h, t, 1))
+    combined = jnp.concatenate([aw, column], -1)
+    combined = combined - jnp.max(combined, axis=-1, keepdims=True)
+    w = jax.nn.softmax(combined, axis=-1)[..., :t]
+    return jnp.einsum("bhqk,bkhd->bqhd", w, v)
+
+
+def test_match_ejkernel_shifted_logits(rng):
+    """Logits shifted by their row maximum before ``jax.nn.softmax`` (a row constant: the
+    softmax of the unshifted logits; unmatched without it): matched with sinks, sharded
+    (ring/zigzag), the same numbers and gradients as one device."""
+    args = bthd_args(rng, hkv=4)
+    f = context_parallel(ejkernel_sinks, cp=8, schedule="ring", load_balance="zigzag")
+    assert [r.spec.sinks for r in f.module(*args).facts.matches if r.rewritten] == [True]
+    assert_close(jax.jit(f)(*args), ejkernel_sinks(*args), 1e-5)
+    for g, w in zip(grads(f, args), grads(ejkernel_sinks, args)):
+        assert_close(g, w, 1e-5)
+
+
 # -- the transform -------------------------------------------------------------------------------
 
 @pytest.mark.slow

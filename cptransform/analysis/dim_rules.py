@@ -53,6 +53,12 @@ def link_same_dims(eqn) -> list[Link]:
     return links
 
 
+def link_pairwise(eqn) -> list[Link]:
+    """Operand ``i`` is result ``i``, dim for dim (``device_put`` of several arrays)."""
+    return [(x, d, out, d) for x, out in zip(eqn.invars, eqn.outvars)
+            if not compat.is_literal(x) for d in range(out.aval.ndim)]
+
+
 def link_broadcast_in_dim(eqn) -> list[Link]:
     """Each operand dim to its ``broadcast_dimensions`` slot, unless it is broadcast."""
     x, out = eqn.invars[0], eqn.outvars[0]

@@ -27,6 +27,7 @@ from cptransform.analysis.dim_rules import (ActsOn, GroupRule, Link, LinkRule,
                                             groups_reshape, link_attention,
                                             link_broadcast_in_dim, link_concatenate,
                                             link_dot_general, link_dropping, link_gather,
+                                            link_pairwise,
                                             link_recurrence, link_reshape, link_same_dims,
                                             link_seq_window,
                                             link_slice_like,
@@ -121,7 +122,7 @@ tanh logistic log2 one_minus_square sin cos tan asin acos atan atan2 sinh cosh a
 abs integer_pow square erf erfc erf_inv lgamma digamma not and or xor eq ne lt le gt ge
 select_n convert_element_type clamp nextafter shift_left shift_right_logical
 shift_right_arithmetic population_count copy copy_p reduce_precision imag real conj complex
-stop_gradient optimization_barrier sharding_constraint
+stop_gradient optimization_barrier sharding_constraint name
 """.split()
 
 #: Order-free reductions and their identity elements.
@@ -139,9 +140,15 @@ for _name, _moves in {"stop_gradient": Moves.IDENTITY, "copy": Moves.IDENTITY,
                         "convert_element_type": Moves.CAST,
                         # A model's own sharding annotation: the same value; lowering
                         # re-expresses it on the CP mesh (lower-context-parallel).
-                        "sharding_constraint": Moves.IDENTITY}.items():
+                        "sharding_constraint": Moves.IDENTITY,
+                        # checkpoint_name: a label remat policies read, the same value.
+                        "name": Moves.IDENTITY}.items():
     PRIMS[_name] = PrimFacts(Family.ELEMENTWISE, link_same_dims, acts_on_nothing,
                              order_safe=True, shiftable=True, moves=_moves)
+# A device_put inside a traced function places each operand as its sharding says: the same
+# values; lowering re-expresses a NamedSharding on the CP mesh, as for a constraint.
+PRIMS["device_put"] = PrimFacts(Family.ELEMENTWISE, link_pairwise, acts_on_nothing,
+                                order_safe=True)
 for _name, _identity in REDUCTION_IDENTITIES.items():
     PRIMS[_name] = PrimFacts(Family.REDUCTION, link_dropping("axes"), acts_on_params("axes"),
                              order_safe=True, shiftable=True, identity=_identity)

@@ -50,9 +50,12 @@ from cptransform.analysis.seq_axes import linked_dims
 from cptransform.ir import compat
 from cptransform.ir.errors import MatchAttentionError
 from cptransform.ir.facts import Fact
-from cptransform.ir.module import Module
+from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import Rewriter
+from cptransform.ir.graph import Graph
+from cptransform.passes.match_attention.anchor import find_softmax
+from cptransform.passes.match_attention.stats import NotAttention
 from cptransform.passes.match_attention.bound_constants import BoundGraph, bound_inputs
 from cptransform.passes.match_attention.distribute import distribute_value_products
 from cptransform.passes.match_attention.matcher import Matcher
@@ -109,6 +112,7 @@ class MatchAttention(Pass):
             return reps
 
         new = Rewriter(plan=plan, inlinable=INLINABLE).run(closed)
+        reports.extend(_in_shard_maps(closed))
         if self.strict:
             bad = [r for r, attention_like in refusals if attention_like]
             if bad:
@@ -125,6 +129,43 @@ class MatchAttention(Pass):
         return PassResult(module.with_jaxpr(new if hits else module.jaxpr,
                                             matches=tuple(reports), match_stats=stats.table),
                           bool(hits), log)
+
+
+def _in_shard_maps(closed: Any) -> list[MatchReport]:
+    """Reports for the softmaxes inside a model's ``shard_map`` bodies (nested bodies
+    included), which the rewrite never enters: the body runs as written on the model's
+    mesh. Each is reported as possibly an attention left whole (so the transform warns, or
+    refuses when nothing else shards), never silently run unsharded."""
+    out = []
+    for eqn in iter_eqns(closed):
+        if eqn.primitive.name != compat.SHARD_MAP:
+            continue
+        where = f"inside the shard_map at {compat.source_line(eqn)}"
+        for body in _bodies(eqn.params["jaxpr"]):
+            graph = Graph(body)
+            for sum_eqn in graph.jaxpr.eqns:
+                if sum_eqn.primitive.name != "reduce_sum":
+                    continue
+                try:
+                    softmax = find_softmax(graph, sum_eqn)
+                except NotAttention:
+                    continue
+                source = compat.source_line(softmax.exp_eqn)
+                out.append(MatchReport(
+                    compat.source_line(eqn) if source == "?" else source, "refused",
+                    over_keys=True,
+                    reason=f"a softmax {where}, whose body runs as written on each device "
+                    "of its mesh (never rewritten): an attention there runs whole. Call it "
+                    "outside the shard_map to shard it over the CP axis"))
+    return out
+
+
+def _bodies(jaxpr: Any):
+    """``jaxpr`` and every body nested in it."""
+    yield jaxpr
+    for eqn in compat.open_jaxpr(jaxpr).eqns:
+        for _, sub in compat.eqn_subjaxprs(eqn):
+            yield from _bodies(sub)
 
 
 def _mark_over_keys(closed, reports: list, refused: list, sequence_dims: list) -> list:

@@ -33,6 +33,16 @@ SOFTMAX_EXP = one_of(
 
 
 @dataclass(frozen=True)
+class Split:
+    """Part ``index`` of softmax-input dim ``dim`` split into dims of ``sizes`` (some may
+    be size-1 dims added next to it)."""
+
+    dim: int
+    index: int
+    sizes: tuple
+
+
+@dataclass(frozen=True)
 class Softmax:
     """A matched softmax core: ``e = exp(logits - c)`` summed over ``axis`` into ``sum``.
 
@@ -57,24 +67,38 @@ def find_softmax(graph: Graph, sum_eqn: Any) -> Softmax:
     if caps is None:
         raise NotAttention("not a sum of exponentials")
     x = caps["logits"]
-    if "row_max" in caps:
-        # Any stabiliser constant along the softmax axis leaves softmax unchanged.
-        sub = graph.producer(caps["exp.eqn"].invars[0])
-        nd = len(compat.aval_of(x).shape)
-        through = WRAPPERS | _PERMUTES | {"max"}
-        dims = tuple(range(nd))
-        if "guard" in caps:
-            # The guard is elementwise: its operand has the dims of its result.
-            dims = follow_back(graph, sub.invars[1], dims, caps["guard"], through)
-            src = caps["guarded"]
-        else:
-            src = sub.invars[1]
-        if dims is not None:
-            dims = follow_back(graph, src, dims, caps["row_max"], through)
-        if dims is None or axes[0] in dims:
-            raise NotAttention("the subtracted row maximum is not constant along the "
-                               "softmax axis")
+    if "row_max" in caps and not _row_constant(graph, graph.producer(caps["exp.eqn"].invars[0]),
+                                               caps, axes[0]):
+        raise NotAttention("the subtracted row maximum is not constant along the softmax "
+                           "axis")
+    while (shifted := _SHIFTED.match(graph, x)) is not None and \
+            _row_constant(graph, graph.producer(x), shifted, axes[0]):
+        # Logits already shifted by their row maximum (ejkernel's sinks path subtracts it
+        # before jax.nn.softmax): a row constant, so the softmax of the unshifted logits.
+        x = shifted["logits"]
     return Softmax(caps["exp.eqn"], x, e, axes[0], sum_eqn.outvars[0], sum_eqn)
+
+
+#: ``x - c`` with ``c`` a (stop-gradient, broadcast, guarded) row max.
+_SHIFTED = Pat("sub", (Pat.any("logits"), one_of(_ROW_MAX, _GUARDED_MAX)
+                       .through(WRAPPERS | _PERMUTES)))
+
+
+def _row_constant(graph: Graph, sub: Any, caps: dict, axis: int) -> bool:
+    """Whether the row maximum ``sub`` subtracts (captured in ``caps``) is constant along
+    the softmax ``axis``: any such stabiliser leaves the softmax unchanged."""
+    nd = len(compat.aval_of(sub.outvars[0]).shape)
+    through = WRAPPERS | _PERMUTES | {"max"}
+    dims = tuple(range(nd))
+    if "guard" in caps:
+        # The guard is elementwise: its operand has the dims of its result.
+        dims = follow_back(graph, sub.invars[1], dims, caps["guard"], through)
+        src = caps["guarded"]
+    else:
+        src = sub.invars[1]
+    if dims is not None:
+        dims = follow_back(graph, src, dims, caps["row_max"], through)
+    return dims is not None and axis not in dims
 
 
 def exponentials(graph: Graph, sum_eqn: Any) -> Any | None:

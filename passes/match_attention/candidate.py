@@ -20,11 +20,12 @@ from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.passes.match_attention import dropout
+from cptransform.passes.match_attention.anchor import Split
 from cptransform.passes.match_attention.logits import empty_rows, fill_added, visible_form
 from cptransform.passes.match_attention.qk_product import QKProduct
 from cptransform.passes.match_attention.sink import SinkColumn, sink_source
 from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
-from cptransform.passes.match_attention.value_product import Split, ValueProduct
+from cptransform.passes.match_attention.value_product import ValueProduct
 from cptransform.passes.match_attention.walk import UNIT_RESHAPES, strip_scale, unrepeat
 
 #: Labels of the feature dims of q, k and v (the q·k dims are labelled by integers).

@@ -20,7 +20,7 @@ from cptransform.analysis.dim_rules import reshape_groups
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
-from cptransform.passes.match_attention.anchor import Softmax
+from cptransform.passes.match_attention.anchor import Softmax, Split
 from cptransform.passes.match_attention.stats import NotAttention
 from cptransform.passes.match_attention.walk import single_user
 
@@ -76,7 +76,29 @@ def divides_by_row_sum(graph: Graph, div: Any, softmax: Softmax, labels: tuple) 
         return False
     shape = compat.aval_of(div.outvars[0]).shape
     return len(got) == len(labels) and all(
-        n == 1 or _same_rows(a, b) for a, b, n in zip(got, labels, shape))
+        n == 1 or _same_rows(a, _whole(b)) for a, b, n in zip(got, labels, shape))
+
+
+def _whole(atoms: tuple) -> tuple:
+    """``atoms`` with each complete, ordered run of the parts of a split softmax-input dim
+    merged back into that dim: MaxText takes the softmax over ``[B, K·G, T, S]`` and views
+    the exponentials as ``[B, K, G, T, S]`` for the product, whose heads it merges again."""
+    out: list = []
+    i = 0
+    while i < len(atoms):
+        atom = atoms[i]
+        if isinstance(atom, Split):
+            parts = [j for j, n in enumerate(atom.sizes) if n != 1]
+            run = atoms[i:i + len(parts)]
+            if [getattr(a, "index", None) for a in run] == parts and all(
+                    isinstance(a, Split) and a.dim == atom.dim and a.sizes == atom.sizes
+                    for a in run):
+                out.append(atom.dim)
+                i += len(parts)
+                continue
+        out.append(atom)
+        i += 1
+    return tuple(out)
 
 
 def _same_rows(divisor: tuple | None, numerator: tuple) -> bool:

@@ -22,7 +22,7 @@ from cptransform.analysis.dim_rules import reshape_groups
 from cptransform.analysis.primitives import Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
-from cptransform.passes.match_attention.anchor import Softmax
+from cptransform.passes.match_attention.anchor import Softmax, Split
 from cptransform.passes.match_attention.deferred import divides_by_row_sum, numerator
 from cptransform.passes.match_attention.dropout import DropoutReader, Drawn
 from cptransform.passes.match_attention.stats import NotAttention
@@ -30,16 +30,6 @@ from cptransform.passes.match_attention.walk import UNIT_RESHAPES, scalar_value
 
 _CASTS = moving(Moves.CAST)
 _PERMUTES = moving(Moves.PERMUTE)
-
-
-@dataclass(frozen=True)
-class Split:
-    """Part ``index`` of softmax-input dim ``dim`` split into dims of ``sizes`` (some may
-    be size-1 dims added next to it)."""
-
-    dim: int
-    index: int
-    sizes: tuple
 
 
 @dataclass(frozen=True)

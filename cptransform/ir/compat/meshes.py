@@ -13,6 +13,7 @@ from typing import Any
 
 SHARD_MAP = "shard_map"
 SHARDING_CONSTRAINT = "sharding_constraint"
+DEVICE_PUT = "device_put"
 
 
 def runs_on_own_mesh(eqn: Any) -> bool:
@@ -67,6 +68,23 @@ def constraint_annotation(eqn: Any) -> MeshAnnotation | None:
     ndim = eqn.invars[0].aval.ndim
     unconstrained = frozenset(eqn.params.get("unconstrained_dims") or ())
     return MeshAnnotation(axes, ids, (_entries(sharding.spec, ndim, unconstrained),))
+
+
+def device_put_annotations(eqn: Any) -> tuple:
+    """Per operand of a ``device_put`` inside a traced function: ``(annotation, memory
+    kind)`` when it names a ``NamedSharding`` (a placement on a mesh, like a constraint),
+    ``None`` when it names no destination, or the destination itself (a device, another
+    sharding) for the caller to refuse."""
+    from jax.sharding import NamedSharding
+    out = []
+    for dest, atom in zip(eqn.params["devices"], eqn.invars):
+        if isinstance(dest, NamedSharding):
+            axes, ids = _mesh_facts(dest.mesh)
+            out.append((MeshAnnotation(axes, ids, (_entries(dest.spec, atom.aval.ndim),)),
+                        dest.memory_kind))
+        else:
+            out.append(dest)
+    return tuple(out)
 
 
 def shard_map_annotation(eqn: Any) -> MeshAnnotation:
