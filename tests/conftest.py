@@ -16,6 +16,15 @@ if os.environ.get("JAX_PLATFORMS", "cpu") in ("", "cpu"):
             "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 
+import sys  # noqa: E402
+
+# The examples import their shared `_check` from their own folder (a script's folder is on
+# sys.path); tests that import an example as `examples.<name>` need that folder too. Last
+# on the path, so `examples/gemma.py` never shadows DeepMind's `gemma` package.
+_EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+if _EXAMPLES not in sys.path:
+    sys.path.append(_EXAMPLES)
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
