@@ -55,13 +55,11 @@ def int_minimum_layer():
     return loss, (params, h, mask)
 
 
-#: The padded families of ``model_families.FAMILIES``, and keras-hub's Gemma given an int
-#: ``padding_mask`` (its sliding layer merges it by ``minimum`` tested ``!= 0``: the region
-#: padding term, ``docs/contract.md``).
-BUILDERS = {**{name: mf.FAMILIES[name] for name in (
-    "gemma_padded", "gemma_padded_int", "keras_llama_padded", "keras_gemma_padded",
-    "keras_gpt2_padded", "keras_mistral_padded")},
-    "keras_gemma_padded_int": lambda: mf.keras_gemma(padded=True, mask_dtype=np.int32),
+#: The padded families of ``model_families.FAMILIES``, boolean and int padding masks
+#: (keras-hub merges an int ``padding_mask`` by ``minimum``, some layers test it ``!= 0``:
+#: the region padding term, ``docs/contract.md``).
+BUILDERS = {**{name: mf.FAMILIES[name] for name in mf.FAMILIES if name.endswith(
+    ("_padded", "_padded_int")) and name.startswith(("gemma", "keras"))},
     "int_minimum_layer": int_minimum_layer}
 #: DeepMind gemma's params do not depend on the length: built short, the inputs tiled.
 _SHORT = ("gemma_padded", "gemma_padded_int")

@@ -362,6 +362,11 @@ FAMILIES = {
     "keras_mistral_padded": lambda: keras_mistral(padded=True),
     # the padding mask an int input, as a tokenizer's attention_mask
     "gemma_padded_int": lambda: gemma_padded(np.int32),
+    "keras_llama_padded_int": lambda: _keras_causal_lm("Llama", padded=True,
+                                                       mask_dtype=np.int32),
+    "keras_gemma_padded_int": lambda: keras_gemma(padded=True, mask_dtype=np.int32),
+    "keras_gpt2_padded_int": lambda: keras_gpt2(padded=True, mask_dtype=np.int32),
+    "keras_mistral_padded_int": lambda: keras_mistral(padded=True, mask_dtype=np.int32),
 }
 
 #: The schedules each family is checked under: (schedule, load_balance).

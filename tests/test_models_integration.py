@@ -37,7 +37,9 @@ CI_SAMPLE = {"llama": "ring_zigzag", "mistral": "auto", "gpt_neo": "allgather",
              "mistral_window_padded": "auto", "gemma_padded": "ring_zigzag",
              "keras_llama_padded": "ring_zigzag", "keras_gemma_padded": "ring_zigzag",
              "keras_gpt2_padded": "ulysses", "keras_mistral_padded": "auto",
-             "gemma_padded_int": "ring_zigzag"}
+             "gemma_padded_int": "ring_zigzag", "keras_llama_padded_int": "auto",
+             "keras_gemma_padded_int": "ring_zigzag", "keras_gpt2_padded_int": "ring_zigzag",
+             "keras_mistral_padded_int": "ulysses"}
 
 #: What a family does not reach yet, asserted exactly as it stands (a fix fails the test
 #: until its entry goes). Attentions whose mask keeps a dense part: none (DeepMind gemma's
