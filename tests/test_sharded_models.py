@@ -201,7 +201,8 @@ def test_sharded_model_exact_and_keeps_its_shardings(spelling, mesh_name):
         f = context_parallel(loss, mesh=mesh, axis="cp", schedule="ring", load_balance="zigzag")
         got = jax.value_and_grad(f)(params, x)
         assert_rewritten(f, params, x, count=1)
-        text = jax.jit(jax.value_and_grad(f)).lower(params, x).as_text()
+        lowered = jax.jit(jax.value_and_grad(f)).lower(params, x)
+        text, compiled = lowered.as_text(), lowered.compile().as_text()
     assert_tree_close(jax.device_get(got), jax.device_get(expected), rtol=2e-5)
     r = _roles(mesh)
     if spelling == "moe":
@@ -215,6 +216,13 @@ def test_sharded_model_exact_and_keeps_its_shardings(spelling, mesh_name):
     if spelling == "nnx":  # NNX constrains its parameters: q's kernel [embed, heads, kv]
         want = f'<@mesh, [{kept(r["batch"])}, {kept(r["heads"])}, {{}}]> : tensor<{E}x{H}x{D}xf32>'
     assert want in text, f"no constraint {want} in the lowered program"
+    # The compiled (partitioned) program holds each device's part: q split over the batch
+    # (or, for NNX, q's kernel over the embedding) and heads axes as well as over cp.
+    size = dict(zip(mesh.axis_names, mesh.devices.shape))
+    part = lambda a: 1 if a is None or spelling == "one_device" else size[a]  # noqa: E731
+    local = f"f32[{E // part(r['batch'])},{H // part(r['heads'])},{D}]" if spelling == "nnx" \
+        else f"f32[{B // part(r['batch'])},{S // size['cp']},{H // part(r['heads'])},{D}]"
+    assert local in compiled, f"no per-device {local} in the compiled program"
 
 
 def test_auto_schedule_keeps_the_model_axes():
