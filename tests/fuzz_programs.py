@@ -43,6 +43,9 @@ import fuzz_equal_dims
 from cptransform import context_parallel
 from cptransform.api.context_parallel import UnshardedWarning
 from cptransform.ir.errors import CPTransformError
+from cptransform.ir.module import iter_eqns, trace
+from cptransform.ir.pipeline import Pipeline
+from cptransform.passes import get_all_passes
 from cptransform.op.recurrence import Method
 
 # ----------------------------------------------------------------------------------------
@@ -127,8 +130,13 @@ EQUAL_DIMS_CLASSES = ("equal_dims",)
 #: window) by arithmetic whose test differs on the band and off it (REGION_PADDINGS);
 #: last for the same reason.
 REGION_PADDING_CLASSES = ("mask_region_padding",)
+#: Reductions of a mask along its keys that cannot be folded into an attention: int
+#: padding data (negative entries included) merged with a causal band, reduced per row by
+#: the drawn spelling (ROW_REDUCTIONS); last for the same reason.
+ROW_REDUCTION_CLASSES = ("row_reduction",)
 ALL_CLASSES = (MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES + PADDING_MERGE_CLASSES
-               + RECURRENCE_CLASSES + EQUAL_DIMS_CLASSES + REGION_PADDING_CLASSES)
+               + RECURRENCE_CLASSES + EQUAL_DIMS_CLASSES + REGION_PADDING_CLASSES
+               + ROW_REDUCTION_CLASSES)
 
 #: Classes that currently find bugs (wrong numbers or unclear crashes), with the reason.
 #: ``tests/test_fuzz.py`` skips them; ``bench/fuzz.py`` runs them. Fix the bug, delete the
@@ -173,6 +181,16 @@ REGION_PADDINGS = ("keras_min_ne", "keras_min_float", "max_int", "max_bool", "wh
 #: over a different mask (strictly causal: one more empty row) or along the query axis.
 ROW_TESTS = ("same_all_eq", "same_not_any", "same_all_not", "window_zeroed", "different",
              "other_axis")
+#: The ``row_reduction`` class's reductions along the keys of an int mask built from
+#: padding data with negative entries (keras-hub's ``minimum(data, band)``), none of which
+#: an attention's empty rows say: keras-hub Gemma's ``all(mask == 0)`` zeroing the output
+#: after the attention (``keras_all_eq``), ``~any(mask != 0)`` (``keras_not_any``), the row
+#: test over the strictly causal mask (``strict``), ``any`` over the keys at or after the
+#: query (``after``) weighting the output, ``any`` of the data's boolean test on the band
+#: counted per row (``count_weight``), and over a window (``window``: two-sided, left as
+#: it is).
+ROW_REDUCTIONS = ("keras_all_eq", "keras_not_any", "strict", "after", "count_weight",
+                  "window")
 #: Llama-4 chunked attention's public spellings (the ``mask_chunked`` class draws one; the
 #: chunk is ``FuzzCase.window``): ``(qi // C == ki // C) & (ki <= qi)``; transformers' Llama-4
 #: ``_create_chunked_attention_mask`` (``|ki // C - qi // C| == 0`` and ``ki - qi <= 0``);
@@ -318,7 +336,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
             "mask_bias": "bias", "mask_builders": "builder", "mask_chunked": "chunked",
             "mask_data_window": "data_window",
             "mask_padding_merge": "padding_merge",
-            "mask_region_padding": "region_padding"}.get(cls)
+            "mask_region_padding": "region_padding",
+            "row_reduction": "row_reduction"}.get(cls)
     if cls == "masked_rows":
         mask = "key_padding"
     elif cls == "row_test":
@@ -329,7 +348,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         mask = choose("mask", ("none", "causal", "causal", "window"))
     spelling = choose("spelling", SPELLINGS)
     if cls in ("masked_rows", "mask_builders", "row_test", "mask_data_window",
-               "mask_padding_merge", "mask_region_padding", "kv_cache", "logit_chain") \
+               "mask_padding_merge", "mask_region_padding", "kv_cache", "logit_chain",
+               "row_reduction") \
             and spelling == "jnn":
         spelling = "einsum"   # the -inf fill is a hand-written where-mask
     if cls in ("dtype_f64", "dtype_fp16") and spelling == "jnn":
@@ -347,11 +367,11 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         and choose("causal", (False, True)))
     if cls in ("masked_rows", "row_test"):
         causal = True
-    if mask in ("padding_merge", "region_padding"):
+    if mask in ("padding_merge", "region_padding", "row_reduction"):
         causal = True
     window = choose("window", (1, 3, 5, 8, 17)) \
         if mask in ("window", "two_sided", "builder", "row_test", "data_window",
-                    "padding_merge", "region_padding") \
+                    "padding_merge", "region_padding", "row_reduction") \
         else choose("chunk", (3, 4, 8, 16)) if mask == "chunked" else 0
     fill = choose("fill", ("neg_inf", "finfo_min_added") if cls == "masked_rows" else FILLS)
     variants = {
@@ -374,6 +394,7 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         "mask_region_padding": tuple(f"{merge}_{window}" for merge in REGION_PADDINGS
                                      for window in ("causal", "window")),
         "mask_chunked": CHUNKED_SPELLINGS,
+        "row_reduction": ROW_REDUCTIONS,
         "mask_data_window": DATA_WINDOWS,
         "merge_tokens": ("rows", "rows_heads", "rows_bf16"),
         "chunk_tokens": ("2", "4", "8"),
@@ -724,6 +745,33 @@ def _row_tested(case: FuzzCase, q, k, v, inputs):
     return jnp.where(empty[:, :, None, None], jnp.zeros_like(o), o)
 
 
+def _row_reduced(case: FuzzCase, q, k, v, inputs):
+    """Attention under int padding data merged with the causal mask by ``minimum`` and
+    tested ``> .5``, then its output rows zeroed or weighted by the drawn reduction of that
+    int mask along the keys (:data:`ROW_REDUCTIONS`)."""
+    n, data = case.seq, inputs["key_data"][:, None, :]
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    mask = jnp.minimum(data, (j <= i)[None].astype("int32"))
+    o = _masked_attention(case, q, k, v, (mask > 0.5)[:, None], False)
+    zero = jnp.zeros_like(o)
+    if case.variant == "keras_all_eq":
+        return jnp.where(jnp.all(mask == 0, axis=-1)[:, :, None, None], zero, o)
+    if case.variant == "keras_not_any":
+        return jnp.where(~jnp.any(mask != 0, axis=-1, keepdims=True)[..., None], zero, o)
+    if case.variant == "strict":
+        strict = jnp.minimum(data, (j < i)[None].astype("int32"))
+        return jnp.where(jnp.all(strict == 0, axis=-1)[:, :, None, None], zero, o)
+    if case.variant == "after":
+        after = jnp.minimum(data, (j >= i)[None].astype("int32"))
+        return o * jnp.any(after != 0, axis=-1)[:, :, None, None].astype(o.dtype)
+    if case.variant == "count_weight":
+        seen = jnp.any(jnp.logical_and(data > 1, j <= i), axis=2)
+        return o * (1.0 + seen.astype(o.dtype))[:, :, None, None]
+    window = (i - j < case.window) & (j <= i)
+    near = jnp.minimum(data, window[None].astype("int32"))
+    return jnp.where(jnp.all(near == 0, axis=-1)[:, :, None, None], zero, o)
+
+
 def attend(case: FuzzCase, q, k, v, params, inputs):
     """q [B,S,H,D], k [B,S,K,D], v [B,S,K,Dv] -> [B,S,H,Dv] in the drawn spelling."""
     if case.mask == "builder":
@@ -734,6 +782,8 @@ def attend(case: FuzzCase, q, k, v, params, inputs):
         return _padding_merged(case, q, k, v, inputs)
     if case.mask == "region_padding":
         return _region_padded(case, q, k, v, inputs)
+    if case.mask == "row_reduction":
+        return _row_reduced(case, q, k, v, inputs)
     h, kh = q.shape[2], k.shape[2]
     bias = _bias(case, params)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -888,7 +938,7 @@ def make_data(case: FuzzCase):
         pads = rng.integers(1, s // 2, (b,))
         left = np.arange(s)[None, :] >= pads[:, None]
         inp["key_valid"] = left if rng.random() < 0.5 else left[:, ::-1].copy()
-    if case.mask == "region_padding":
+    if case.mask in ("region_padding", "row_reduction"):
         # int data: left padding (zeros), entries beyond 0/1 and a few negative ones (keys
         # visible past the band); a second vector for the where-merges
         pads = rng.integers(1, s // 2, (b,))
@@ -1684,7 +1734,8 @@ def _run_program(case: FuzzCase) -> Outcome:
     try:
         # The recurrence classes pass state whatever it costs: the planner prices passing
         # against gathering, and these short sequences would often gather.
-        passing = {"recurrences": "pass"} if case.cls in RECURRENCE_CLASSES else {}
+        passing = {"recurrences": "pass"} \
+            if case.cls in RECURRENCE_CLASSES + ROW_REDUCTION_CLASSES else {}
         f = context_parallel(loss, cp=case.cp, schedule=case.schedule,
                              load_balance=case.load_balance, allow_unsharded=True, **passing)
         with warnings.catch_warnings(record=True) as caught:
@@ -1700,13 +1751,29 @@ def _run_program(case: FuzzCase) -> Outcome:
     unsharded = [w for w in caught if issubclass(w.category, UnshardedWarning)]
     if unsharded:
         return Outcome("unmatched", _refusals(str(unsharded[0].message)))
-    if case.cls in RECURRENCE_CLASSES:
-        gathered = [r.describe() for r in f.module(params, inputs).facts.recurrences
+    if case.cls in RECURRENCE_CLASSES + ROW_REDUCTION_CLASSES:
+        module = f.module(params, inputs)
+        gathered = [r.describe() for r in module.facts.recurrences
                     if r.method in (None, Method.GATHER)]
         if gathered:
             return Outcome("unmatched", "a recurrence not passing state: "
                            + "; ".join(gathered))
+        left = _row_reductions_left(case, loss, params, inputs)
+        if left:
+            return Outcome("unmatched", "a row reduction of the mask left whole: " + left)
     return Outcome("passed")
+
+
+def _row_reductions_left(case: FuzzCase, loss, params, inputs) -> str:
+    """For a ``row_reduction`` case whose reduction can be counts (every variant but the
+    two-sided ``window``), the reductions of a ``[.., S, S]`` mask match-attention left."""
+    if case.cls not in ROW_REDUCTION_CLASSES or case.variant == "window":
+        return ""
+    module = Pipeline.parse("canonicalize,match-attention", available=get_all_passes()) \
+        .run(trace(loss, params, inputs)).module
+    return ", ".join(str(e) for e in iter_eqns(module.jaxpr)
+                     if e.primitive.name in ("reduce_and", "reduce_or")
+                     and list(e.invars[0].aval.shape).count(case.seq) >= 2)
 
 
 def _exception_outcome(exc: Exception) -> Outcome:

@@ -49,15 +49,13 @@ CI_SAMPLE = {"llama": "ring_zigzag", "mistral": "auto", "gpt_neo": "allgather",
 #: padding term (``docs/contract.md``; ``tests/test_padding_masks.py`` holds the rule,
 #: ``bench/padding_memory.py`` measures the family).
 DENSE_MASKS: dict[str, int] = {}
-#: Full-sequence all-gathers outside attention, per family. keras-hub's Gemma zeroes the
-#: output rows that see no key with ``all(mask == 0, axis=-1)`` on the ``S×S`` mask after
-#: the attention; with a boolean mask the matcher folds that row test into the attention's
-#: ``empty_rows="zero"`` (``passes/match_attention/row_test.py``). With an int
-#: ``padding_mask`` its global layer's row test (``minimum(mask, causal) == 0``: a region
-#: test, a negative entry counting past the diagonal) differs from the attention's own mask
-#: (``> 0``) where an entry is negative, so it cannot be folded: computed as written, it
-#: all-gathers the ``[S]`` float mask (``docs/contract.md``).
-SEQUENCE_GATHERS: dict = {"keras_gemma_padded_int": 1}
+#: Full-sequence all-gathers outside attention, per family (none). keras-hub's Gemma
+#: zeroes the output rows that see no key with ``all(mask == 0, axis=-1)`` on the ``S×S``
+#: mask after the attention: with a boolean mask the matcher folds that row test into the
+#: attention's ``empty_rows="zero"`` (``passes/match_attention/row_test.py``); with an int
+#: ``padding_mask`` (whose negative entries make ``== 0`` no complement of the attention's
+#: ``> 0``) it becomes counts along the keys (``row_scan.py``), sharded as recurrences.
+SEQUENCE_GATHERS: dict = {}
 
 
 def _case(family: str, schedule: str):

@@ -2,9 +2,12 @@
 ``where(all(mask == 0, axis=-1), 0, attention)`` on the ``[B, T, S]`` int mask becomes the
 attention's ``empty_rows="zero"`` where the row test's mask is proven to be the attention's
 own (or implied by it, for an attention already zeroing its empty rows), and the row test
-and its ``S×S`` mask disappear: no all-gather of the sequence is left. A row test over
-another mask, along another axis, or on a mask whose ``== 0`` and ``> .5`` are not
-complements stays as it is, exact.
+and its ``S×S`` mask disappear: no all-gather of the sequence is left. A row test that
+cannot be folded (over another mask; after a ``-inf`` fill; on int data with negative
+entries, where ``== 0`` and ``> .5`` are no complements) but reads as key tests split at
+the causal diagonal becomes counts along the keys (``passes/match_attention/row_scan.py``):
+two ``cumsum``s, sharded as recurrences, and still nothing gathers the sequence. One along
+the query axis, or on a float mask of data values, stays as it is, exact.
 
 Left padding makes the first query rows of each sequence see no key under the causal mask.
 A negative case that would change the numbers if it were folded is checked to be exact.
@@ -81,6 +84,30 @@ def keras_gemma_local(q, k, v, valid):
     return jnp.where(empty, jnp.zeros_like(o), o)
 
 
+def keras_gemma_int(q, k, v, data, row_test="all_eq", *, fill=-1e9, strict=False):
+    """keras-hub Gemma given an int ``padding_mask`` holding any integers: ``minimum(mask,
+    causal)`` is ``mask != 0`` on the band and ``mask < 0`` off it for the row test,
+    ``mask > 0`` on the band for the attention, so the two differ where an entry is
+    negative (``strict``: the row test and the attention both strictly causal)."""
+    pos = jnp.arange(T, dtype="float32")
+    band = (pos[:, None] > pos[None, :]) if strict else (pos[:, None] >= pos[None, :])
+    mask = jnp.minimum(data[:, None, :], band[None].astype("int32"))
+    o = attention(q, k, v, mask[:, None] > 0.5, fill=fill)
+    empty = {"all_eq": lambda: jnp.all(mask == 0, axis=-1, keepdims=True)[..., None],
+             "not_any": lambda: ~jnp.any(mask != 0, axis=-1)[:, :, None, None]}[row_test]()
+    return jnp.where(empty, jnp.zeros_like(o), o)
+
+
+def weighted_by_later_keys(q, k, v, data):
+    """No row test: the output weighted by whether any key at or after the query holds a
+    nonzero entry of the int data (a reduction of ``minimum(data, j >= i)`` along the keys,
+    wherever it is read)."""
+    pos = jnp.arange(T)
+    later = jnp.minimum(data[:, None, :], (pos[None, :] >= pos[:, None])[None].astype("int32"))
+    o = attention(q, k, v, (data[:, None, :] > 0)[:, None] & (pos[None, :] <= pos[:, None]))
+    return o * jnp.any(later != 0, axis=-1)[:, :, None, None].astype(o.dtype)
+
+
 def keras_gemma_fractional(q, k, v, valid, weights):
     """A float mask with values between 0 and 1 (``minimum`` of the causal mask and data):
     ``mask == 0`` is not the complement of ``mask > .5``."""
@@ -90,17 +117,30 @@ def keras_gemma_fractional(q, k, v, valid, weights):
     return jnp.where(jnp.all(mask == 0, axis=-1)[:, :, None, None], jnp.zeros_like(o), o)
 
 
-#: name -> (function, whether the row test is folded into the attention)
+#: What becomes of a row test: folded into the attention, rewritten into counts along the
+#: keys, or left as it is.
+FOLDED, SCANNED, LEFT = "folded", "scanned", "left"
+#: name -> (function, its row test's outcome, whether its mask is int data with negative
+#: entries rather than the boolean padding)
 PROGRAMS = {
-    "all_eq": (keras_gemma, True),
-    "not_any": (lambda q, k, v, m: keras_gemma(q, k, v, m, "not_any"), True),
-    "all_not_bool": (lambda q, k, v, m: keras_gemma(q, k, v, m, "all_not_bool"), True),
-    "nonempty": (keras_gemma_nonempty, True),
-    "local_zeroed": (keras_gemma_local, True),
-    "different": (lambda q, k, v, m: keras_gemma(q, k, v, m, "different"), False),
-    "other_axis": (lambda q, k, v, m: keras_gemma(q, k, v, m, "other_axis"), False),
-    "neg_inf_fill": (lambda q, k, v, m: keras_gemma(q, k, v, m, fill=-jnp.inf), False),
-    "two_valued": (lambda q, k, v, m: keras_gemma(q, k, v, m, scale_mask=3), True),
+    "all_eq": (keras_gemma, FOLDED, False),
+    "not_any": (lambda q, k, v, m: keras_gemma(q, k, v, m, "not_any"), FOLDED, False),
+    "all_not_bool": (lambda q, k, v, m: keras_gemma(q, k, v, m, "all_not_bool"), FOLDED,
+                     False),
+    "nonempty": (keras_gemma_nonempty, FOLDED, False),
+    "local_zeroed": (keras_gemma_local, FOLDED, False),
+    "different": (lambda q, k, v, m: keras_gemma(q, k, v, m, "different"), SCANNED, False),
+    "other_axis": (lambda q, k, v, m: keras_gemma(q, k, v, m, "other_axis"), LEFT, False),
+    "neg_inf_fill": (lambda q, k, v, m: keras_gemma(q, k, v, m, fill=-jnp.inf), SCANNED,
+                     False),
+    "two_valued": (lambda q, k, v, m: keras_gemma(q, k, v, m, scale_mask=3), FOLDED, False),
+    "int_all_eq": (keras_gemma_int, SCANNED, True),
+    "int_not_any": (lambda q, k, v, d: keras_gemma_int(q, k, v, d, "not_any"), SCANNED, True),
+    "int_strict": (lambda q, k, v, d: keras_gemma_int(q, k, v, d, strict=True), SCANNED,
+                   True),
+    "int_neg_inf_fill": (lambda q, k, v, d: keras_gemma_int(q, k, v, d, fill=-jnp.inf),
+                         SCANNED, True),
+    "later_keys_weight": (weighted_by_later_keys, SCANNED, True),
 }
 
 SCHEDULES = {"ring_zigzag": dict(schedule="ring", load_balance="zigzag"),
@@ -109,10 +149,16 @@ SCHEDULES = {"ring_zigzag": dict(schedule="ring", load_balance="zigzag"),
              "auto": dict(schedule="auto", load_balance="auto")}
 
 
-def inputs(rng, *extra_shapes):
+def inputs(rng, *extra_shapes, int_data=False):
+    """q, k, v, the left-padded ``valid`` mask (``int_data``: int32 data, 0 where padded,
+    1 to 3 elsewhere and -1 at random places), then random float masks of
+    ``extra_shapes``."""
     q, k, v = (randn(rng, B, T, H, D) for _ in range(3))
     valid = np.arange(T)[None, :] >= np.asarray(PADS)[:, None]
     valid[0, HOLE] = False
+    if int_data:
+        valid = valid * rng.integers(1, 4, (B, T))
+        valid = np.where(rng.random((B, T)) < 0.15, -1, valid).astype(np.int32)
     return (q, k, v, jnp.asarray(valid)) + tuple(
         jnp.asarray(rng.choice([0.0, 0.3, 1.0], shape), jnp.float32) for shape in extra_shapes)
 
@@ -130,17 +176,18 @@ def check_schedule(fn, args, schedule):
     return sequence_all_gathers(compiled.as_text(), T)
 
 
-def assert_folded(fn, args, folded: bool):
-    """The matched attention's ``empty_rows`` and whether the row reduction is left."""
+def assert_outcome(fn, args, outcome: str):
+    """The matched attention's ``empty_rows``, and whether the row reduction is left, gone
+    (folded) or counts along the keys (scanned)."""
     module = rewrite(fn, *args)
     (spec,) = specs(module)
-    reductions = primitives(module) & {"reduce_and", "reduce_or"}
-    if folded:
-        assert spec.mask.empty_rows == "zero" and not reductions, (spec.mask, module)
-        assert any("row-test" in r.mask_kind for r in module.facts.matches)
-    else:
-        assert reductions, module
-        assert not any("row-test" in r.mask_kind for r in module.facts.matches)
+    ops = primitives(module)
+    reductions = ops & {"reduce_and", "reduce_or"}
+    folded = any("row-test" in r.mask_kind for r in module.facts.matches)
+    assert folded == (outcome == FOLDED), module.facts.matches
+    assert (spec.mask.empty_rows == "zero") == folded, spec.mask
+    assert bool(reductions) == (outcome == LEFT), module
+    assert ("cumsum" in ops) == (outcome == SCANNED), module
     return spec
 
 
@@ -148,34 +195,48 @@ def test_keras_row_test_becomes_zero_rows(rng):
     """The keras-hub spelling under ring + zigzag: the row test is the attention's
     ``empty_rows="zero"``, exact, and nothing gathers the sequence."""
     args = inputs(rng)
-    spec = assert_folded(keras_gemma, args, True)
+    spec = assert_outcome(keras_gemma, args, FOLDED)
     assert spec.mask.kv_padding and spec.mask.causal and not spec.mask.dense
     assert check_schedule(keras_gemma, args, "ring_zigzag") == []
 
 
+def test_keras_int_mask_row_test_becomes_counts(rng):
+    """keras-hub Gemma given an int ``padding_mask`` with negative entries: the row test is
+    no zero-rows attention (a key whose entry is negative is visible to it and hidden from
+    the attention), so it becomes counts along the keys, exact under ring + zigzag with
+    nothing gathered; the attention's own ``> .5`` is causal and key padding."""
+    args = inputs(rng, int_data=True)
+    assert (np.asarray(args[3]) < 0).any()
+    spec = assert_outcome(keras_gemma_int, args, SCANNED)
+    assert spec.mask.causal and spec.mask.kv_padding and not spec.mask.dense
+    assert check_schedule(keras_gemma_int, args, "ring_zigzag") == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("name", [n for n, (_, folded) in PROGRAMS.items() if folded])
-def test_folded_row_tests_are_exact_and_gather_nothing(rng, name, schedule):
-    fn, _ = PROGRAMS[name]
-    args = inputs(rng)
-    assert_folded(fn, args, True)
+@pytest.mark.parametrize("name", [n for n, (_, out, _) in PROGRAMS.items() if out != LEFT])
+def test_folded_and_scanned_row_tests_are_exact_and_gather_nothing(rng, name, schedule):
+    """Folded into the attention, or counts along the keys (a row test over another mask:
+    one more empty row; after a ``-inf`` fill: NaN rows whose gradient reaches every V; on
+    int data with negative entries): exact, and nothing gathers the sequence."""
+    fn, outcome, int_data = PROGRAMS[name]
+    args = inputs(rng, int_data=int_data)
+    assert_outcome(fn, args, outcome)
     assert check_schedule(fn, args, schedule) == []
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n, (_, folded) in PROGRAMS.items() if not folded])
+@pytest.mark.parametrize("name", [n for n, (_, out, _) in PROGRAMS.items() if out == LEFT])
 def test_other_row_tests_are_left_and_exact(rng, name):
-    """A row test over another mask (one more empty row), along the query axis, or after
-    a ``-inf`` fill (NaN rows whose gradient reaches every V) is no zero-rows attention."""
-    fn, _ = PROGRAMS[name]
-    args = inputs(rng)
-    assert_folded(fn, args, False)
+    """A row test along the query axis: its key tests vary with its rows."""
+    fn, _, int_data = PROGRAMS[name]
+    args = inputs(rng, int_data=int_data)
+    assert_outcome(fn, args, LEFT)
     check_schedule(fn, args, "ring_zigzag")
 
 
 @pytest.mark.slow
 def test_fractional_mask_row_test_is_left_and_exact(rng):
     args = inputs(rng, (B, 1, T))
-    assert_folded(keras_gemma_fractional, args, False)
+    assert_outcome(keras_gemma_fractional, args, LEFT)
     check_schedule(keras_gemma_fractional, args, "allgather")

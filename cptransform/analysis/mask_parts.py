@@ -44,6 +44,14 @@ class MaskParts:
     coordinates: tuple | None = None
     region: tuple | None = None
 
+    @property
+    def pairs_by_data(self) -> bool:
+        """Whether a part ties keys to queries by data or by blocks (segment ids, top-k
+        indices, chunks, a coordinate band): beyond the band, the region padding and the
+        dense parts."""
+        return any(p is not None for p in (self.segments, self.topk, self.chunk,
+                                           self.coordinates))
+
 
 @dataclass
 class _Reading:

@@ -33,7 +33,8 @@ The modules, in the order a match uses them: ``anchor`` (the softmax core), ``ch
 ``value_product``, ``log_normalized`` (the log-sum-exp spellings), ``logits`` (visible
 form and empty rows), ``candidate`` (the frozen record of a match and its spec),
 ``row_test`` (a select after the attention that zeroes its empty rows, folded into
-``empty_rows="zero"``), ``emit`` (the replacement), ``matcher`` (one jaxpr), ``stats``
+``empty_rows="zero"``), ``row_scan`` (any other reduction of a mask along its keys, as
+counts along the keys), ``emit`` (the replacement), ``matcher`` (one jaxpr), ``stats``
 (refusals and per-rule counts), ``walk`` (use-def helpers), and ``distribute``, run before
 the match: a value product of a linear combination of softmaxes (differential attention)
 distributed over it, so each softmax is an attention.

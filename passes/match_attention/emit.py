@@ -59,9 +59,9 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
                                  (c.kv_seq,))]
         vals = vals[n_seg:]
         if n_qpad:
-            operands.append(_all_of(c.q_pads, vals[:n_qpad], q_seq_target, sizes, (c.q_seq,)))
+            operands.append(all_of(c.q_pads, vals[:n_qpad], q_seq_target, sizes, (c.q_seq,)))
         if n_kvpad:
-            operands.append(_all_of(c.kv_pads, vals[n_qpad:n_qpad + n_kvpad], kv_seq_target,
+            operands.append(all_of(c.kv_pads, vals[n_qpad:n_qpad + n_kvpad], kv_seq_target,
                                     sizes, (c.kv_seq,)))
         vals = vals[n_qpad + n_kvpad:]
         if c.region is not None:
@@ -69,7 +69,7 @@ def replacement(c: Candidate, spec: AttentionSpec) -> Replacement:
                                       c.kv_seq, len(batch))
             vals = vals[n_region:]
         if n_dense:
-            operands.append(_all_of(c.dense, vals[:n_dense], pair_target, sizes, full))
+            operands.append(all_of(c.dense, vals[:n_dense], pair_target, sizes, full))
         vals = vals[n_dense:]
         if c.biases:
             operands.append(_bias_sum(c.biases, vals, pair_target, sizes, full))
@@ -184,12 +184,12 @@ def _region_tests(tests, values, target, sizes, kv_seq, n_batch: int) -> list:
         if not isinstance(test, Dense):
             out.append(jnp.ones((1,) * n_batch + (sizes[kv_seq],), jnp.bool_))
         else:
-            out.append(_all_of((test,), values[:1], target, sizes, (kv_seq,)))
+            out.append(all_of((test,), values[:1], target, sizes, (kv_seq,)))
             values = values[1:]
     return out
 
 
-def _all_of(parts, values, target, sizes, full):
+def all_of(parts, values, target, sizes, full):
     """The conjunction of dense mask parts, each arranged to ``target`` (boolean)."""
     mask = None
     for d, val in zip(parts, values):

@@ -14,6 +14,7 @@ from cptransform.passes.match_attention.chain import ChainReader, side_dims
 from cptransform.passes.match_attention.emit import replacement
 from cptransform.passes.match_attention.log_normalized import log_normalized
 from cptransform.passes.match_attention.qk_product import read_qk_product
+from cptransform.passes.match_attention.row_scan import find_row_scan
 from cptransform.passes.match_attention.row_test import find_row_test
 from cptransform.passes.match_attention.sink import split_sink
 from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
@@ -42,7 +43,7 @@ class Matcher:
 
     def run(self) -> tuple[list[Replacement], list[MatchReport]]:
         """The replacements to apply and a report per softmax core found."""
-        reps, reports = [], []
+        reps, reports, folded = [], [], set()
         for eqn in self.g.jaxpr.eqns:
             if eqn.primitive.name != "reduce_sum":
                 continue
@@ -80,12 +81,20 @@ class Matcher:
                 spec = spec.replace(mask=spec.mask.replace(empty_rows=EmptyRows.ZERO.value))
                 kinds += ("row-test",)
                 reps.append(row_test.replacement())
+                folded.add(id(row_test.reduction))
             reps.append(replacement(candidate, spec))
             self.sequence_dims += [(candidate.q.atom, candidate.q.labels.index(candidate.q_seq)),
                                    (candidate.k.atom, candidate.k.labels.index(candidate.kv_seq))]
             reports.append(MatchReport(src, "rewritten", "", spec, " ".join(kinds) or "full",
                                        rule.value, self.depth))
-        return reps, reports
+        return reps + self._row_scans(folded), reports
+
+    def _row_scans(self, folded: set) -> list[Replacement]:
+        """A row reduction of a mask that no row test folded, as counts along its keys
+        (:mod:`row_scan`): the ``S×S`` operand is never built."""
+        scans = (find_row_scan(self.chains.masks, eqn) for eqn in self.g.jaxpr.eqns
+                 if id(eqn) not in folded)
+        return [scan.replacement() for scan in scans if scan is not None]
 
     def _weights_values(self, exp_eqn) -> bool:
         """Whether the exponentials of ``exp_eqn`` reach a ``dot_general`` (the

@@ -52,10 +52,12 @@ _EMPTY_WHEN_TRUE = {"reduce_and": True, "reduce_or": False}
 @dataclass(frozen=True)
 class RowTest:
     """A select proven to zero exactly the attention's empty rows: ``select`` is the
-    ``select_n`` equation, ``kept`` its operand that carries the attention's output."""
+    ``select_n`` equation, ``kept`` its operand that carries the attention's output,
+    ``reduction`` the row reduction its predicate reads (dead once it is replaced)."""
 
     select: Any
     kept: Any
+    reduction: Any
 
     def replacement(self) -> Replacement:
         """The select replaced by the attention's output (zero in empty rows already)."""
@@ -81,7 +83,7 @@ def find_row_test(graph: Graph, masks: MaskAnalyzer, c: Candidate) -> RowTest | 
     row = _row_reduction(graph, masks, pred, labels, c)
     if row is None:
         return None
-    tested, empty_when_true = row
+    tested, empty_when_true, reduction = row
     if empty_when_true != (zero is on_true):
         return None
     visible = And(c.visible)
@@ -89,7 +91,7 @@ def find_row_test(graph: Graph, masks: MaskAnalyzer, c: Candidate) -> RowTest | 
         return None
     if c.empty_rows == EmptyRows.UNIFORM.value and not implies(tested, visible):
         return None
-    return RowTest(select, kept)
+    return RowTest(select, kept, reduction)
 
 
 def _select_after(graph: Graph, atom: Any, labels: tuple) -> tuple | None:
@@ -135,11 +137,12 @@ def _forward_labels(eqn: Any, labels: tuple) -> tuple:
 
 
 def _row_reduction(graph: Graph, masks: MaskAnalyzer, atom: Any, labels: tuple,
-                   c: Candidate) -> tuple[Pred, bool] | None:
-    """``(visible, empty_when_true)`` when the boolean ``atom`` (dims ``labels``) is,
+                   c: Candidate) -> tuple[Pred, bool, Any] | None:
+    """``(visible, empty_when_true, reduction)`` when the boolean ``atom`` (dims ``labels``) is,
     through wrappers and ``not``, ``all(hidden)`` or ``any(visible)`` along the key axis:
     ``visible`` is the key-wise visible predicate read over the attention's labels,
-    ``empty_when_true`` whether ``atom`` holds for the rows that see no visible key."""
+    ``empty_when_true`` whether ``atom`` holds for the rows that see no visible key,
+    ``reduction`` the reducing equation."""
     negated = False
     while True:
         eqn = graph.producer(atom)
@@ -166,5 +169,5 @@ def _row_reduction(graph: Graph, masks: MaskAnalyzer, atom: Any, labels: tuple,
            for d, n in zip(dims, shape)) or dims.count(c.kv_seq) != 1:
         return None
     if name == "reduce_and":
-        return masks.complement(operand, dims), not negated
-    return masks.predicate(operand, dims), negated
+        return masks.complement(operand, dims), not negated, eqn
+    return masks.predicate(operand, dims), negated, eqn
