@@ -55,8 +55,7 @@ from cptransform.ir.module import Module, iter_eqns
 from cptransform.ir.pipeline import Pass, PassResult
 from cptransform.ir.rewrite import Rewriter
 from cptransform.ir.graph import Graph
-from cptransform.passes.match_attention.anchor import find_softmax
-from cptransform.passes.match_attention.stats import NotAttention
+from cptransform.passes.match_attention.anchor import softmaxes
 from cptransform.passes.match_attention.bound_constants import BoundGraph, bound_inputs
 from cptransform.passes.match_attention.distribute import distribute_value_products
 from cptransform.passes.match_attention.matcher import Matcher
@@ -143,14 +142,7 @@ def _in_shard_maps(closed: Any) -> list[MatchReport]:
             continue
         where = f"inside the shard_map at {compat.source_line(eqn)}"
         for body in _bodies(eqn.params["jaxpr"]):
-            graph = Graph(body)
-            for sum_eqn in graph.jaxpr.eqns:
-                if sum_eqn.primitive.name != "reduce_sum":
-                    continue
-                try:
-                    softmax = find_softmax(graph, sum_eqn)
-                except NotAttention:
-                    continue
+            for softmax in softmaxes(Graph(body)):
                 source = compat.source_line(softmax.exp_eqn)
                 out.append(MatchReport(
                     compat.source_line(eqn) if source == "?" else source, "refused",

@@ -3,7 +3,7 @@ check that a divisor is that row sum."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -55,6 +55,18 @@ class Softmax:
     axis: int
     sum: Any
     sum_eqn: Any
+
+
+def softmaxes(graph: Graph) -> Iterator[Softmax]:
+    """Every softmax core of ``graph`` (its equations, not its sub-jaxprs'), in program
+    order; a row sum that is no softmax core is skipped (:class:`Matcher` reports those)."""
+    for eqn in graph.jaxpr.eqns:
+        if eqn.primitive.name != "reduce_sum":
+            continue
+        try:
+            yield find_softmax(graph, eqn)
+        except NotAttention:
+            continue
 
 
 def find_softmax(graph: Graph, sum_eqn: Any) -> Softmax:

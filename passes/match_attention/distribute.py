@@ -39,7 +39,7 @@ from cptransform.analysis.primitives import INLINABLE, Moves, moving
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.ir.rewrite import Replacement, Rewriter
-from cptransform.passes.match_attention.anchor import find_softmax, is_normalizer
+from cptransform.passes.match_attention.anchor import is_normalizer, softmaxes
 from cptransform.passes.match_attention.log_normalized import log_normalized
 from cptransform.passes.match_attention.stats import NotAttention
 
@@ -77,13 +77,7 @@ def _probabilities(graph: Graph) -> set:
     """The softmax probabilities of ``graph`` over its last dim (``e / sum`` or
     ``exp(x - logsumexp)``)."""
     found = set()
-    for eqn in graph.eqns:
-        if eqn.primitive.name != "reduce_sum":
-            continue
-        try:
-            softmax = find_softmax(graph, eqn)
-        except NotAttention:
-            continue
+    for softmax in softmaxes(graph):
         if softmax.axis != len(compat.aval_of(softmax.e).shape) - 1:
             continue
         ident = tuple(range(len(compat.aval_of(softmax.e).shape)))
