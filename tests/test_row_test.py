@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from cptransform import context_parallel
+from cptransform.ir import compat
 from cptransform.lowering.sharding_leaks import sequence_all_gathers
 from test_match_support import primitives, randn, rewrite, specs
 from test_nan_inf import assert_same
@@ -240,3 +241,48 @@ def test_fractional_mask_row_test_is_left_and_exact(rng):
     args = inputs(rng, (B, 1, T))
     assert_outcome(keras_gemma_fractional, args, LEFT)
     check_schedule(keras_gemma_fractional, args, "allgather")
+
+
+def _pairs():
+    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+    return i, j
+
+
+#: Reductions of a mask along its keys on their own (no attention), each with whether it
+#: becomes counts: key tests split at one causal diagonal, the keys on either axis, do; a
+#: window (two-sided) or a test of data indexed by the row does not.
+STANDALONE = {
+    "prefix_any": (lambda d: jnp.any((_pairs()[1] <= _pairs()[0]) & (d[:, None, :] != 0),
+                                     axis=-1), True),
+    "strict_all_not": (lambda d: jnp.all(~((_pairs()[1] < _pairs()[0]) & (d[:, None, :] > 1)),
+                                         axis=2), True),
+    "keys_first_after": (lambda d: jnp.any((_pairs()[0] >= _pairs()[1]) & (d[:, :, None] < 0),
+                                           axis=1), True),
+    "region_max": (lambda d: jnp.any(jnp.maximum(d[:, None, :], (_pairs()[1] <= _pairs()[0])
+                                                 .astype("int32")) > 0, axis=-1), True),
+    "window": (lambda d: jnp.any((_pairs()[0] - _pairs()[1] < 3) & (_pairs()[1] <= _pairs()[0])
+                                 & (d[:, None, :] != 0), axis=-1), False),
+    "row_data": (lambda d: jnp.any((_pairs()[1] <= _pairs()[0]) & (d[:, :, None] > 0),
+                                   axis=-1), False),
+}
+
+
+@pytest.mark.parametrize("name", STANDALONE)
+def test_a_reduction_of_a_mask_along_its_keys_becomes_counts(rng, name):
+    """A reduction of a mask along its keys anywhere in the program (here beside a causal
+    attention, not after it) is the same booleans as counts along the keys, or left
+    whole."""
+    reduce, scanned = STANDALONE[name]
+    i, j = _pairs()
+
+    def fn(q, k, v, data):
+        return attention(q, k, v, (j <= i)[None, None]), reduce(data)
+
+    args = inputs(rng)[:3] + (jnp.asarray(rng.integers(-1, 3, (B, T)), jnp.int32),)
+    module = rewrite(fn, *args)
+    ops = primitives(module)
+    assert len(specs(module)) == 1
+    assert ("cumsum" in ops) == scanned and bool(ops & {"reduce_or", "reduce_and"}) != scanned
+    got, want = compat.eval_jaxpr(module.jaxpr, *args), fn(*args)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
