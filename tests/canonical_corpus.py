@@ -82,6 +82,7 @@ FUZZ_SEEDS = (
     "FuzzCase(cls='equal_dims', seed=40, cp=4, schedule='ring', load_balance='zigzag', batch=2, seq=16, heads=4, kv_heads=4, head_dim=8, v_head_dim=8, model_dim=32, mask='causal', causal=True, window=0, spelling='jnn', gqa_style='reshape', fill='neg_big_added', variant='2|a1,a1,a0,a1|batched|around', norm=False, rope=True, residual=False, bf16=False)",
     "FuzzCase(cls='mask_region_padding', seed=52, cp=8, schedule='allgather', load_balance='striped', batch=1, seq=48, heads=4, kv_heads=2, head_dim=8, v_head_dim=8, model_dim=16, mask='region_padding', causal=True, window=3, spelling='matmul', gqa_style='repeat', fill='finfo_min_added', variant='where_two_bool_causal', norm=False, rope=False, residual=False, bf16=False)",
     "FuzzCase(cls='row_reduction', seed=53, cp=8, schedule='allgather', load_balance='none', batch=2, seq=16, heads=4, kv_heads=1, head_dim=4, v_head_dim=8, model_dim=32, mask='row_reduction', causal=True, window=1, spelling='einsum', gqa_style='repeat', fill='neg_big_added', variant='count_weight', norm=True, rope=True, residual=True, bf16=False)",
+    "FuzzCase(cls='mask_bias_summed', seed=53, cp=8, schedule='allgather', load_balance='zigzag', batch=2, seq=64, heads=4, kv_heads=1, head_dim=8, v_head_dim=8, model_dim=16, mask='bias_summed', causal=False, window=0, spelling='jnn', gqa_style='reshape', fill='finfo_min_added', variant='param_causal+padding', norm=True, rope=True, residual=True, bf16=False)",
 )
 
 

@@ -134,9 +134,12 @@ REGION_PADDING_CLASSES = ("mask_region_padding",)
 #: padding data (negative entries included) merged with a causal band, reduced per row by
 #: the drawn spelling (ROW_REDUCTIONS); last for the same reason.
 ROW_REDUCTION_CLASSES = ("row_reduction",)
+#: A bias with an additive mask summed into it before the logits take it (BIAS_SUMMED,
+#: transformers' T5); last for the same reason.
+BIAS_SUMMED_CLASSES = ("mask_bias_summed",)
 ALL_CLASSES = (MASK_CLASSES + PROGRAM_CLASSES + CALL_CLASSES + PADDING_MERGE_CLASSES
                + RECURRENCE_CLASSES + EQUAL_DIMS_CLASSES + REGION_PADDING_CLASSES
-               + ROW_REDUCTION_CLASSES)
+               + ROW_REDUCTION_CLASSES + BIAS_SUMMED_CLASSES)
 
 #: Classes that currently find bugs (wrong numbers or unclear crashes), with the reason.
 #: ``tests/test_fuzz.py`` skips them; ``bench/fuzz.py`` runs them. Fix the bug, delete the
@@ -174,6 +177,12 @@ PADDING_MERGES = ("gemma_mul_int", "gemma_mul_bool", "keras_min_gt_int", "keras_
 #: of two boolean tests.
 REGION_PADDINGS = ("keras_min_ne", "keras_min_float", "max_int", "max_bool", "where_two_int",
                    "where_two_bool")
+#: ``mask_bias_summed``'s variants, ``<bias>_<mask>``: a learned bias (``param``) or ALiBi's
+#: (from iotas) with the mask's fill summed into it, ``s + (bias + where(visible, 0,
+#: fill))`` (transformers' Flax T5 adds its mask into its relative-position bias so):
+#: causal (every row sees a key), left key padding (data: a row may see no key) or both.
+BIAS_SUMMED = tuple(f"{bias}_{mask}" for bias in ("param", "alibi")
+                    for mask in ("causal", "padding", "causal+padding"))
 #: The ``row_test`` class's row tests (keras-hub Gemma zeroes the attention's output rows
 #: that see no key): over the attention's own int mask, spelled ``all(mask == 0)``,
 #: ``~any(mask != 0)`` or ``all(~(mask > .5))``; over it while the attention also applies a
@@ -337,7 +346,8 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
             "mask_data_window": "data_window",
             "mask_padding_merge": "padding_merge",
             "mask_region_padding": "region_padding",
-            "row_reduction": "row_reduction"}.get(cls)
+            "row_reduction": "row_reduction",
+            "mask_bias_summed": "bias_summed"}.get(cls)
     if cls == "masked_rows":
         mask = "key_padding"
     elif cls == "row_test":
@@ -373,10 +383,13 @@ def draw_case(choose: Callable[[str, tuple], Any], cls: str, seed: int) -> FuzzC
         if mask in ("window", "two_sided", "builder", "row_test", "data_window",
                     "padding_merge", "region_padding", "row_reduction") \
         else choose("chunk", (3, 4, 8, 16)) if mask == "chunked" else 0
-    fill = choose("fill", ("neg_inf", "finfo_min_added") if cls == "masked_rows" else FILLS)
+    fill = choose("fill", ("neg_inf", "finfo_min_added") if cls == "masked_rows"
+                  else ("neg_big_added", "finfo_min_added") if cls == "mask_bias_summed"
+                  else FILLS)
     variants = {
         "mask_key_padding": KEY_PADDINGS,
         "mask_bias": ("param", "alibi"),
+        "mask_bias_summed": BIAS_SUMMED,
         "mask_dense": ("batch", "shared"),
         "concat_nonseq": ("concat_features", "slice_heads"),
         "custom_vjp_clip": ("global_norm", "elementwise"),
@@ -591,9 +604,9 @@ def _key_valid_data(case: FuzzCase, valid: np.ndarray, rng) -> np.ndarray:
 
 
 def _bias(case, params):
-    if case.mask != "bias":
+    if case.mask not in ("bias", "bias_summed"):
         return None
-    if case.variant == "alibi":
+    if case.variant.startswith("alibi"):
         i = jnp.arange(case.seq)[:, None]
         j = jnp.arange(case.seq)[None, :]
         slopes = params["alibi_slopes"]   # [H]
@@ -772,6 +785,27 @@ def _row_reduced(case: FuzzCase, q, k, v, inputs):
     return jnp.where(jnp.all(near == 0, axis=-1)[:, :, None, None], zero, o)
 
 
+def _bias_summed(case: FuzzCase, q, k, v, params, inputs):
+    """The drawn mask's fill summed into the bias, the sum added to the logits once
+    (:data:`BIAS_SUMMED`)."""
+    n = case.seq
+    mask = case.variant.split("_", 1)[1].split("+")
+    i, j = jnp.arange(n)[:, None], jnp.arange(n)[None, :]
+    visible = (j <= i)[None, None] if "causal" in mask else jnp.ones((1, 1, n, n), bool)
+    if "padding" in mask:
+        visible = visible & inputs["key_valid"][:, None, None, :]
+    fill = _fill_value(case.fill, softmax_dtype(q.dtype))
+    bias = _bias(case, params) + jnp.where(visible, 0.0, fill)
+    if case.spelling == "jnn":
+        return jax.nn.dot_product_attention(q, k, v, bias=bias.astype(q.dtype))
+    groups = q.shape[2] // k.shape[2]
+    k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(softmax_dtype(q.dtype)) \
+        / math.sqrt(q.shape[-1])
+    p = jax.nn.softmax(s + bias, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
 def attend(case: FuzzCase, q, k, v, params, inputs):
     """q [B,S,H,D], k [B,S,K,D], v [B,S,K,Dv] -> [B,S,H,Dv] in the drawn spelling."""
     if case.mask == "builder":
@@ -784,6 +818,8 @@ def attend(case: FuzzCase, q, k, v, params, inputs):
         return _region_padded(case, q, k, v, inputs)
     if case.mask == "row_reduction":
         return _row_reduced(case, q, k, v, inputs)
+    if case.mask == "bias_summed":
+        return _bias_summed(case, q, k, v, params, inputs)
     h, kh = q.shape[2], k.shape[2]
     bias = _bias(case, params)
     scale = 1.0 / math.sqrt(q.shape[-1])
@@ -900,8 +936,8 @@ def make_data(case: FuzzCase):
     if case.cls == "concat_nonseq":
         hh = max(1, h // 2) if case.variant == "slice_heads" else h
         w("wo2", (hh * dv + e, e), hh * dv + e)
-    if case.mask == "bias":
-        if case.variant == "alibi":
+    if case.mask in ("bias", "bias_summed"):
+        if case.variant.startswith("alibi"):
             p["alibi_slopes"] = (0.1 + rng.random(h)).astype(np.float32)
         else:
             shape = (1, h, s, s) if rng.random() < 0.5 else (b, 1, s, s)
@@ -926,6 +962,10 @@ def make_data(case: FuzzCase):
             else:
                 inp["key_valid"] = _key_valid_data(
                     case, np.arange(s)[None, :] < lengths[:, None], rng)
+    if case.mask == "bias_summed" and "padding" in case.variant:
+        # left padding: under causal, the first rows see no key
+        pads = rng.integers(1, s // 2, (b,))
+        inp["key_valid"] = np.arange(s)[None, :] >= pads[:, None]
     if case.mask == "row_test":
         # left padding: under causal, the first rows see no key
         pads = rng.integers(1, s // 2, (b,))

@@ -21,7 +21,8 @@ from cptransform.ir.graph import Graph
 from cptransform.op.attention_spec import AttentionSpec, Layout, MaskSpec
 from cptransform.passes.match_attention import dropout
 from cptransform.passes.match_attention.anchor import Split
-from cptransform.passes.match_attention.logits import empty_rows, fill_added, visible_form
+from cptransform.passes.match_attention.logits import (empty_rows, fill_added, fills_in_biases,
+                                                      visible_form)
 from cptransform.passes.match_attention.qk_product import QKProduct
 from cptransform.passes.match_attention.sink import SinkColumn, sink_source
 from cptransform.passes.match_attention.stats import NotAttention, Rule, RuleStats
@@ -170,10 +171,6 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     if zeroing:
         rows = _zeroed_rows(preds, zeroing, column)
     added = rows == "uniform" and fill_added(qk.steps, preds)
-    if added and (softcap is not None or biases):
-        raise NotAttention("a finite fill added to the scores after a soft-cap or beside a "
-                           "bias: a fully masked row's score gradient is not reproduced for "
-                           "those (select the fill with where(mask, x, fill) instead)")
     parts = _mask_parts(qk, preds, batch, stats)
     sides = [d.source for d in parts.dense] + [b for b, _ in biases] \
         + list(parts.segments or ()) + ([parts.topk.indices] if parts.topk else []) \
@@ -190,6 +187,22 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     if q_seq is None:
         same = [lab for lab in qk.q_free if qk.sizes[lab] == qk.sizes[qk.kv]]
         q_seq = (same or qk.q_free)[0]
+    if added and (softcap is not None or biases):
+        if _rows_may_be_empty(parts, qk.sizes[q_seq], qk.sizes[qk.kv]):
+            raise NotAttention("a finite fill added to the scores after a soft-cap or beside "
+                               "a bias, and a row may see no key: that row's score gradient "
+                               "is not reproduced for those (select the fill with "
+                               "where(mask, x, fill) instead)")
+        # Every row sees a key: an added fill hides its keys as a selected one does.
+        added = False
+    hidden = fills_in_biases(qk.steps)
+    if hidden and _rows_may_be_empty(_mask_parts(qk, preds + hidden, batch, stats),
+                                     qk.sizes[q_seq], qk.sizes[qk.kv]):
+        raise NotAttention("a bias carries a mask's fill (summed into it before a reshape, "
+                           "transpose or cast brings it to the logits) and a row may see no "
+                           "key: such a row's scores are all near the fill, which the "
+                           "kernels' log-sum-exp cannot tell apart; add the fill to the "
+                           "logits directly, s + bias + where(mask, 0, fill)")
     group = tuple(lab for lab in qk.q_free if lab != q_seq)
     heads = ((kv_head,) if kv_head is not None else ()) + group
     sink = None if column is None else _sink_operand(graph, column, qk, batch, q_seq, heads)

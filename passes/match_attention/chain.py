@@ -18,12 +18,15 @@ import numpy as np
 
 from cptransform.analysis.dim_rules import reshape_groups
 from cptransform.analysis.mask_analysis import MaskAnalyzer
-from cptransform.analysis.mask_values import Indicator, Opaque, Pred, Scalar, p_not
+from cptransform.analysis.mask_values import Const, Indicator, Opaque, Pred, Scalar, p_not
 from cptransform.analysis.primitives import Family, names_of
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.passes.match_attention.stats import NotAttention, RuleStats
 from cptransform.passes.match_attention.walk import scalar_value
+
+#: The finite fill at or below which a masked logit counts as masked (``logits.py``).
+FINITE_FILL_LIMIT = -1e4
 
 
 class StepKind(enum.Enum):
@@ -47,7 +50,9 @@ class Step:
 
     ``value``: scale factor, shift, fill, bias sign or a factor's exponent (1: multiplied
     in, -1: divided by); ``pred``: the visibility predicate of a mask step; ``side``: the
-    bias or factor operand; ``labels``: the labels after a layout step.
+    bias or factor operand; ``labels``: the labels after a layout step; ``hidden``: the
+    visibility predicates of mask fills summed into a bias operand that a layout op or a
+    cast then brings to the logits (the operand carries them; they are no mask step).
     """
 
     kind: StepKind
@@ -55,6 +60,7 @@ class Step:
     pred: Pred | None = None
     side: Opaque | None = None
     labels: tuple | None = None
+    hidden: tuple = ()
 
 
 class ChainReader:
@@ -264,9 +270,13 @@ def _read_arith(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step
             if f == 0:
                 return [Step(StepKind.MASK_BIAS, t, _negate(value.pred, side, labels))]
             raise NotAttention("an additive 0/1-style term with no zero side")
-        if isinstance(value, Opaque) and value.var is side:
-            return [Step(StepKind.BIAS, sign, side=value)]
-        return [Step(StepKind.BIAS, sign, side=Opaque.of(side, side_dims(side, labels)))]
+        summed = _summed_fills(r, side, labels, sign)
+        if summed is not None:
+            return summed
+        if not (isinstance(value, Opaque) and value.var is side):
+            value = Opaque.of(side, side_dims(side, labels))
+        return [Step(StepKind.BIAS, sign, side=value,
+                     hidden=_fills_behind_layout(r, side, side_dims(side, labels)))]
     if name == "mul" or name == "div" and main == 0:
         # A temperature (per head, per query, learned or computed): the candidate folds
         # it into the queries when it is constant along the keys.
@@ -277,6 +287,109 @@ def _read_arith(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step
                      side=Opaque.of(side, side_dims(side, labels)))]
     raise NotAttention(f"logits divide a non-constant value ({name} with the logits as "
                        "its divisor)")
+
+
+def _summed_fills(r: ChainReader, side: Any, labels: tuple, sign: float) -> list[Step] | None:
+    """A bias that sums an additive mask into it before the logits take it
+    (``x + (bias + where(mask, 0, fill))``, transformers' T5 and its relative-position bias),
+    read as the bias and the mask: ``(x + bias) + where(mask, 0, fill)``, the same logits
+    (a visible pair adds 0; a fill that hides its key swallows the bias as it swallows the
+    score), a constant addend read as a shift. ``None`` when every addend is a bias: a sum
+    of biases stays one bias.
+
+    Read as one bias, the fill would be data to the schedules: a row it hides wholly has
+    every logit near the fill, where a float32 log-sum-exp loses the row's ``log n``.
+    """
+    addends = _addends(r, side, sign)
+    steps = [_addend_step(r, atom, side_dims(atom, labels), s) for atom, s in addends]
+    if all(st.kind is StepKind.BIAS for st in steps):
+        return None
+    return sorted(steps, key=lambda st: st.kind is StepKind.MASK_BIAS)
+
+
+def _addends(r: ChainReader, atom: Any, sign: float) -> list[tuple[Any, float]]:
+    """The terms of ``atom`` as a sum of ``add``/``sub`` equations, each with its sign."""
+    eqn = None if compat.is_literal(atom) else r.g.producer(atom)
+    if eqn is None or eqn.primitive.name not in ("add", "sub"):
+        return [(atom, sign)]
+    second = -sign if eqn.primitive.name == "sub" else sign
+    return _addends(r, eqn.invars[0], sign) + _addends(r, eqn.invars[1], second)
+
+
+def _addend_step(r: ChainReader, atom: Any, dims: tuple, sign: float) -> Step:
+    """One addend of a bias (its dims indexing top dims ``dims``): a shift, an additive
+    mask (a zero on one side and a fill that hides on the other), or a bias."""
+    if compat.is_literal(atom):
+        return Step(StepKind.SHIFT, sign * float(compat.literal_value(atom)))
+    value = r.masks.analyze(atom, dims)
+    if isinstance(value, Indicator) and isinstance(value.pred, Const):
+        value = Scalar(value.on_true if value.pred.value else value.on_false)
+    if isinstance(value, Scalar):
+        return Step(StepKind.SHIFT, sign * float(value.value))
+    if isinstance(value, Indicator):
+        t, f = float(value.on_true) * sign, float(value.on_false) * sign
+        if t == 0 and f <= FINITE_FILL_LIMIT:
+            return Step(StepKind.MASK_BIAS, f, value.pred)
+        if f == 0 and t <= FINITE_FILL_LIMIT:
+            return Step(StepKind.MASK_BIAS, t, p_not(value.pred, Opaque.of(atom, dims)))
+    return Step(StepKind.BIAS, sign, side=Opaque.of(atom, dims))
+
+
+def _fills_behind_layout(r: ChainReader, side: Any, dims: tuple) -> tuple:
+    """The predicates of the mask fills summed into a bias ``side`` (whose dims index top
+    dims ``dims``) before transposes, reshapes, broadcasts or casts bring the sum to the
+    logits (``jax.nn.dot_product_attention(bias=bias + where(mask, 0, fill))`` views the
+    bias per KV head): the sum cannot be split into the bias and the mask there, but the
+    candidate must know a row may be hidden wholly by data the kernels see as a bias."""
+    atom, moved = side, False
+    while (eqn := None if compat.is_literal(atom) else r.g.producer(atom)) is not None \
+            and eqn.primitive.name in _LAYOUT_DIMS:
+        dims = _LAYOUT_DIMS[eqn.primitive.name](eqn, dims)
+        atom, moved = eqn.invars[0], True
+    if not moved or eqn is None or eqn.primitive.name not in ("add", "sub"):
+        return ()
+    steps = [_addend_step(r, a, tuple(dims), s) for a, s in _addends(r, atom, 1.0)]
+    return tuple(st.pred for st in steps if st.kind is StepKind.MASK_BIAS)
+
+
+def _transpose_dims(eqn: Any, dims: tuple) -> tuple:
+    before: list = [None] * len(dims)
+    for out, src in enumerate(eqn.params["permutation"]):
+        before[src] = dims[out]
+    return tuple(before)
+
+
+def _broadcast_dims(eqn: Any, dims: tuple) -> tuple:
+    src = compat.aval_of(eqn.invars[0]).shape
+    out = compat.aval_of(eqn.outvars[0]).shape
+    return tuple(dims[o] if src[i] == out[o] else None
+                 for i, o in enumerate(eqn.params["broadcast_dimensions"]))
+
+
+def _reshape_dims(eqn: Any, dims: tuple) -> tuple:
+    """A dim kept whole by the reshape keeps its top dim; split or merged ones get none."""
+    src = compat.aval_of(eqn.invars[0]).shape
+    out = compat.aval_of(eqn.outvars[0]).shape
+    before: list = [None] * len(src)
+    for ins, outs in reshape_groups(src, out) or ():
+        kept_in = [i for i in ins if src[i] != 1]
+        kept_out = [o for o in outs if out[o] != 1]
+        if len(kept_in) == 1 and len(kept_out) == 1:
+            before[kept_in[0]] = dims[kept_out[0]]
+    return tuple(before)
+
+
+#: Ops that only move or cast a bias on its way to the logits: each maps the top dims of
+#: its output's dims back to its operand's.
+_LAYOUT_DIMS: dict[str, Callable[[Any, tuple], tuple]] = {
+    "convert_element_type": lambda eqn, dims: dims,
+    "copy": lambda eqn, dims: dims,
+    "copy_p": lambda eqn, dims: dims,
+    "transpose": _transpose_dims,
+    "broadcast_in_dim": _broadcast_dims,
+    "reshape": _reshape_dims,
+    "squeeze": _reshape_dims,
+}
 
 
 #: The primitives a logits chain may go through, and how each one is read.

@@ -14,11 +14,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from cptransform.analysis.mask_values import Pred
-from cptransform.passes.match_attention.chain import Step, StepKind
+from cptransform.passes.match_attention.chain import FINITE_FILL_LIMIT, Step, StepKind
 from cptransform.passes.match_attention.stats import NotAttention
-
-#: The finite fill at or below which a masked logit counts as masked.
-FINITE_FILL_LIMIT = -1e4
 
 
 def visible_form(steps: Sequence[Step], scale: float):
@@ -155,6 +152,13 @@ def _factor_after_mask(steps: Sequence[Step]) -> None:
                                "device the -inf fill times it makes its gradient NaN, and "
                                "a finite fill times it may no longer hide a key): apply "
                                "the factor before the mask")
+
+
+def fills_in_biases(steps: Sequence[Step]) -> list[Pred]:
+    """The visibility predicates of the mask fills bias operands carry (``Step.hidden``):
+    summed into a bias that a layout op then brings to the logits, they hide keys that no
+    mask step names."""
+    return [p for st in steps if st.kind is StepKind.BIAS for p in st.hidden]
 
 
 def fill_added(steps: Sequence[Step], preds: Sequence[Pred]) -> bool:
