@@ -158,20 +158,64 @@ def bart():
         dropout=0.0, attention_dropout=0.0), shift_tokens_right)
 
 
-def t5():
-    """transformers' ``FlaxT5ForConditionalGeneration`` (relative position bias) trained
-    from labels (its own ``shift_tokens_right`` builds the decoder inputs)."""
-    t = _transformers()
+class _NumpyClipKeywords:
+    """``jax.numpy`` whose ``clip`` also takes numpy's keyword names ``a_min``/``a_max``,
+    which JAX no longer accepts (transformers 4.x's Flax T5 computes its relative-position
+    buckets with ``jnp.clip(x, a_max=...)``): the same ``clip``, under the old names."""
+
+    def __getattr__(self, name):
+        return getattr(jnp, name)
+
+    @staticmethod
+    def clip(x, a_min=None, a_max=None, **bounds):
+        return jnp.clip(x, min=bounds.get("min", a_min), max=bounds.get("max", a_max))
+
+
+def _flax_t5():
+    """transformers' Flax T5 module, its ``jnp`` given :class:`_NumpyClipKeywords` where this
+    JAX refuses ``clip(a_max=...)`` (the model's code runs unchanged, every version)."""
+    _transformers()
+    from transformers.models.t5 import modeling_flax_t5
     try:
         jnp.clip(jnp.zeros(1), a_max=1)
     except TypeError:
-        pytest.skip("transformers 4.x's Flax T5 calls jnp.clip(a_max=...), which this JAX "
-                    "no longer accepts: it fails on one device, before any transform")
-    from transformers.models.t5.modeling_flax_t5 import shift_tokens_right
-    return _seq2seq(t.FlaxT5ForConditionalGeneration, t.T5Config(
+        modeling_flax_t5.jnp = _NumpyClipKeywords()
+    return modeling_flax_t5
+
+
+def _t5_config():
+    t = _transformers()
+    return t.T5Config(
         vocab_size=VOCAB, d_model=DIM, d_kv=DIM // HEADS, d_ff=64, num_layers=1,
         num_decoder_layers=1, num_heads=HEADS, relative_attention_num_buckets=8,
-        dropout_rate=0.0, decoder_start_token_id=0), shift_tokens_right)
+        dropout_rate=0.0, decoder_start_token_id=0)
+
+
+def t5():
+    """transformers' ``FlaxT5ForConditionalGeneration`` (relative position bias) trained
+    from labels (its own ``shift_tokens_right`` builds the decoder inputs)."""
+    t5_module = _flax_t5()
+    return _seq2seq(t5_module.FlaxT5ForConditionalGeneration, _t5_config(),
+                    t5_module.shift_tokens_right)
+
+
+def t5_decoder_inputs():
+    """transformers' Flax T5 called with ``decoder_input_ids`` given (teacher forcing from a
+    data pipeline) and padded batches: int ``attention_mask`` (encoder, right-padded) and
+    ``decoder_attention_mask`` (left-padded) inputs, as a tokenizer returns them. The model
+    adds each mask into its relative-position bias as ``where(mask > 0, 0, finfo.min)``."""
+    model = _flax_t5().FlaxT5ForConditionalGeneration(_t5_config(), seed=0)
+
+    def loss(params, input_ids, attention_mask, decoder_input_ids, decoder_attention_mask,
+             labels):
+        logits = model(input_ids, attention_mask=attention_mask,
+                       decoder_input_ids=decoder_input_ids,
+                       decoder_attention_mask=decoder_attention_mask, params=params).logits
+        return label_loss(logits, labels)
+
+    encoder_mask, decoder_mask = padding("right"), padding("left")
+    return loss, (model.params, tokens(2) * encoder_mask, encoder_mask,
+                  tokens(8) * decoder_mask, decoder_mask, tokens(3))
 
 
 # -- penzai ----------------------------------------------------------------------------------
@@ -351,6 +395,7 @@ def keras_mistral(**padded):
 
 FAMILIES = {
     "llama": llama, "mistral": mistral, "gpt_neo": gpt_neo, "bart": bart, "t5": t5,
+    "t5_decoder_inputs": t5_decoder_inputs,
     "penzai": lambda: penzai_llama(False), "penzai_stack": lambda: penzai_llama(True),
     "gemma": gemma, "keras_llama": keras_llama, "keras_gemma": keras_gemma,
     # padded batches, the padding mask an input as tokenizers and datasets give it
