@@ -57,10 +57,14 @@ def int_minimum_layer():
 
 #: The padded families of ``model_families.FAMILIES``, boolean and int padding masks
 #: (keras-hub merges an int ``padding_mask`` by ``minimum``, some layers test it ``!= 0``:
-#: the region padding term, ``docs/contract.md``).
+#: the region padding term, ``docs/contract.md``), and T5's (its relative-position bias is a
+#: dense bias operand: ``S/cp × S`` per head, no mask; given padding masks its
+#: self-attentions are left whole).
 BUILDERS = {**{name: mf.FAMILIES[name] for name in mf.FAMILIES if name.endswith(
     ("_padded", "_padded_int")) and name.startswith(("gemma", "keras"))},
-    "int_minimum_layer": int_minimum_layer}
+    "int_minimum_layer": int_minimum_layer,
+    # transformers' Flax T5: its padding fill summed into the relative-position bias
+    **{name: mf.FAMILIES[name] for name in ("t5", "t5_decoder_inputs")}}
 #: DeepMind gemma's params do not depend on the length: built short, the inputs tiled.
 _SHORT = ("gemma_padded", "gemma_padded_int")
 _ARRAY = re.compile(r"\b(pred|[su](?:8|16|32|64)|bf16|f(?:16|32|64))\[([0-9,]*)\]")
@@ -105,9 +109,11 @@ def measure(family: str, seq: int, cp: int) -> dict:
     start = time.perf_counter()
     compiled = jax.jit(jax.value_and_grad(f)).lower(*args).compile()
     hlo = compiled.as_text()
-    plans = f.module(*args).facts.plan
+    facts = f.module(*args).facts
+    plans = facts.plan
     return {"family": family, "seq": seq, "cp": cp,
             "dense_masks": sum(p.mask.dense for p in plans), "attentions": len(plans),
+            "left_whole": sum(m.runs_unsharded for m in facts.matches or ()),
             "largest": largest(hlo), "pair_arrays": pair_arrays(hlo, seq, cp),
             "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes),
             "compile_s": round(time.perf_counter() - start, 1)}
@@ -121,12 +127,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "bench/results/padding_memory.json"))
     a = parser.parse_args()
     rows = []
-    print(f"{'family':24} {'dense':>5} {'S/cp x S arrays':>16} {'temp MiB':>9}  largest")
+    print(f"{'family':24} {'dense':>5} {'whole':>5} {'S/cp x S arrays':>16} {'temp MiB':>9}  "
+          "largest")
     for family in a.families.split(","):
         row = measure(family, a.seq, a.cp)
         rows.append(row)
         print(f"{family:24} {row['dense_masks']:>2}/{row['attentions']:<2} "
-              f"{len(row['pair_arrays']):>16} {row['temp_bytes'] / 2**20:>9.1f}  "
+              f"{row['left_whole']:>5} {len(row['pair_arrays']):>16} {row['temp_bytes'] / 2**20:>9.1f}  "
               f"{row['largest'][0][0]}", flush=True)
     Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
 
