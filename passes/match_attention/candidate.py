@@ -187,22 +187,10 @@ def build_candidate(graph: Graph, qk: QKProduct, pv: ValueProduct,
     if q_seq is None:
         same = [lab for lab in qk.q_free if qk.sizes[lab] == qk.sizes[qk.kv]]
         q_seq = (same or qk.q_free)[0]
-    if added and (softcap is not None or biases):
-        if _rows_may_be_empty(parts, qk.sizes[q_seq], qk.sizes[qk.kv]):
-            raise NotAttention("a finite fill added to the scores after a soft-cap or beside "
-                               "a bias, and a row may see no key: that row's score gradient "
-                               "is not reproduced for those (select the fill with "
-                               "where(mask, x, fill) instead)")
-        # Every row sees a key: an added fill hides its keys as a selected one does.
-        added = False
-    hidden = fills_in_biases(qk.steps)
-    if hidden and _rows_may_be_empty(_mask_parts(qk, preds + hidden, batch, stats),
-                                     qk.sizes[q_seq], qk.sizes[qk.kv]):
-        raise NotAttention("a bias carries a mask's fill (summed into it before a reshape, "
-                           "transpose or cast brings it to the logits) and a row may see no "
-                           "key: such a row's scores are all near the fill, which the "
-                           "kernels' log-sum-exp cannot tell apart; add the fill to the "
-                           "logits directly, s + bias + where(mask, 0, fill)")
+    lengths = qk.sizes[q_seq], qk.sizes[qk.kv]
+    added = _added_fill(added, softcap is not None or bool(biases),
+                        _rows_may_be_empty(parts, *lengths))
+    _refuse_fills_in_biases(qk, preds, batch, stats, lengths)
     group = tuple(lab for lab in qk.q_free if lab != q_seq)
     heads = ((kv_head,) if kv_head is not None else ()) + group
     sink = None if column is None else _sink_operand(graph, column, qk, batch, q_seq, heads)
@@ -271,6 +259,36 @@ def _data_parts(parts: MaskParts, batch: list, q_seq, kv_seq) -> tuple:
         dense += (as_dense(topk, topk.origin),)
         topk, kinds = None, kinds if "dense" in kinds else kinds + ("dense",)
     return q_pads, kv_pads, dense, topk, kinds
+
+
+def _added_fill(added: bool, beside: bool, may_be_empty: bool) -> bool:
+    """``MaskSpec.added_fill`` for a finite fill added to the scores (``added``), ``beside``
+    a bias or after a soft-cap: refused where a row may see no key (one device's uniform
+    softmax sends that row's gradient to every bias entry, or through the cap, which the
+    schedules do not give); where every row sees a key it hides its keys as a selected
+    fill does, and nothing is added."""
+    if not (added and beside):
+        return added
+    if may_be_empty:
+        raise NotAttention("a finite fill added to the scores after a soft-cap or beside a "
+                           "bias, and a row may see no key: that row's score gradient is not "
+                           "reproduced for those (select the fill with where(mask, x, fill) "
+                           "instead)")
+    return False
+
+
+def _refuse_fills_in_biases(qk: QKProduct, preds: list, batch: list, stats: RuleStats,
+                            lengths: tuple[int, int]) -> None:
+    """Refuse a bias operand carrying a mask's fill (``Step.hidden``) where the masks, its
+    fill's included, may leave a row no key: that row's scores are all within rounding of
+    the fill, where the kernels' float32 log-sum-exp loses the row's ``log n``."""
+    hidden = fills_in_biases(qk.steps)
+    if hidden and _rows_may_be_empty(_mask_parts(qk, preds + hidden, batch, stats), *lengths):
+        raise NotAttention("a bias carries a mask's fill (summed into it before a reshape, "
+                           "transpose or cast brings it to the logits) and a row may see no "
+                           "key: such a row's scores are all near the fill, which the "
+                           "kernels' log-sum-exp cannot tell apart; add the fill to the "
+                           "logits directly, s + bias + where(mask, 0, fill)")
 
 
 def _rows_may_be_empty(parts: MaskParts, q_len: int, kv_len: int) -> bool:
