@@ -19,11 +19,11 @@ import numpy as np
 from cptransform.analysis.dim_rules import reshape_groups
 from cptransform.analysis.mask_analysis import MaskAnalyzer
 from cptransform.analysis.mask_values import Const, Indicator, Opaque, Pred, Scalar, p_not
-from cptransform.analysis.primitives import Family, names_of
+from cptransform.analysis.primitives import Family, Moves, moving, names_of
 from cptransform.ir import compat
 from cptransform.ir.graph import Graph
 from cptransform.passes.match_attention.stats import NotAttention, RuleStats
-from cptransform.passes.match_attention.walk import scalar_value
+from cptransform.passes.match_attention.walk import scalar_value, step_back
 
 #: The finite fill at or below which a masked logit counts as masked (``logits.py``).
 FINITE_FILL_LIMIT = -1e4
@@ -273,10 +273,10 @@ def _read_arith(r: ChainReader, eqn: Any, main: int, labels: tuple) -> list[Step
         summed = _summed_fills(r, side, labels, sign)
         if summed is not None:
             return summed
+        dims = side_dims(side, labels)
         if not (isinstance(value, Opaque) and value.var is side):
-            value = Opaque.of(side, side_dims(side, labels))
-        return [Step(StepKind.BIAS, sign, side=value,
-                     hidden=_fills_behind_layout(r, side, side_dims(side, labels)))]
+            value = Opaque.of(side, dims)
+        return [Step(StepKind.BIAS, sign, side=value, hidden=_fills_behind_layout(r, side, dims))]
     if name == "mul" or name == "div" and main == 0:
         # A temperature (per head, per query, learned or computed): the candidate folds
         # it into the queries when it is constant along the keys.
@@ -343,27 +343,16 @@ def _fills_behind_layout(r: ChainReader, side: Any, dims: tuple) -> tuple:
     candidate must know a row may be hidden wholly by data the kernels see as a bias."""
     atom, moved = side, False
     while (eqn := None if compat.is_literal(atom) else r.g.producer(atom)) is not None \
-            and eqn.primitive.name in _LAYOUT_DIMS:
-        dims = _LAYOUT_DIMS[eqn.primitive.name](eqn, dims)
-        atom, moved = eqn.invars[0], True
+            and eqn.primitive.name in _BIAS_MOVES:
+        back = (eqn.invars[0], _reshape_dims(eqn, dims)) \
+            if eqn.primitive.name in _RESHAPES else step_back(eqn, atom, dims)
+        if back is None:
+            break
+        (atom, dims), moved = back, True
     if not moved or eqn is None or eqn.primitive.name not in ("add", "sub"):
         return ()
     steps = [_addend_step(r, a, tuple(dims), s) for a, s in _addends(r, atom, 1.0)]
     return tuple(st.pred for st in steps if st.kind is StepKind.MASK_BIAS)
-
-
-def _transpose_dims(eqn: Any, dims: tuple) -> tuple:
-    before: list = [None] * len(dims)
-    for out, src in enumerate(eqn.params["permutation"]):
-        before[src] = dims[out]
-    return tuple(before)
-
-
-def _broadcast_dims(eqn: Any, dims: tuple) -> tuple:
-    src = compat.aval_of(eqn.invars[0]).shape
-    out = compat.aval_of(eqn.outvars[0]).shape
-    return tuple(dims[o] if src[i] == out[o] else None
-                 for i, o in enumerate(eqn.params["broadcast_dimensions"]))
 
 
 def _reshape_dims(eqn: Any, dims: tuple) -> tuple:
@@ -379,17 +368,12 @@ def _reshape_dims(eqn: Any, dims: tuple) -> tuple:
     return tuple(before)
 
 
-#: Ops that only move or cast a bias on its way to the logits: each maps the top dims of
-#: its output's dims back to its operand's.
-_LAYOUT_DIMS: dict[str, Callable[[Any, tuple], tuple]] = {
-    "convert_element_type": lambda eqn, dims: dims,
-    "copy": lambda eqn, dims: dims,
-    "copy_p": lambda eqn, dims: dims,
-    "transpose": _transpose_dims,
-    "broadcast_in_dim": _broadcast_dims,
-    "reshape": _reshape_dims,
-    "squeeze": _reshape_dims,
-}
+#: Ops that only move or cast a bias on its way to the logits (``copy``: the same value;
+#: ``walk.step_back`` maps their dims back, :func:`_reshape_dims` the reshapes'). A bias's
+#: reshape may split or merge dims (jax.nn's per-KV-head view), which ``step_back`` declines.
+_BIAS_MOVES = moving(Moves.CAST, Moves.PERMUTE, Moves.BROADCAST, Moves.RESHAPE,
+                     Moves.SQUEEZE) | {"copy", "copy_p"}
+_RESHAPES = moving(Moves.RESHAPE, Moves.SQUEEZE)
 
 
 #: The primitives a logits chain may go through, and how each one is read.

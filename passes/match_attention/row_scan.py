@@ -35,13 +35,14 @@ from jax import lax
 
 from cptransform.analysis.mask_analysis import MaskAnalyzer
 from cptransform.analysis.mask_parts import MaskParts, classify
-from cptransform.analysis.mask_values import Const, Dense, is_known
+from cptransform.analysis.mask_values import Const, Dense, Pred, is_known
 from cptransform.ir import compat
 from cptransform.ir.rewrite import Replacement
 from cptransform.passes.match_attention.emit import all_of
 
-#: The row reductions, and whether each is ``not any`` of its operand's complement.
-_NEGATED = {"reduce_or": False, "reduce_and": True}
+#: The boolean reductions along the keys, and whether each is ``all`` (of hidden pairs: it
+#: holds for a row that sees no key) rather than ``any`` (of visible ones).
+ROW_REDUCTIONS = {"reduce_and": True, "reduce_or": False}
 #: The diagonals a side of the split may end on: keys ``j <= i`` or ``j <= i - 1``.
 _SPLITS = (0, -1)
 
@@ -66,7 +67,7 @@ class RowScan:
         operand = self.reduction.invars[0]
         shape = compat.aval_of(operand).shape
         out_shape = compat.aval_of(self.reduction.outvars[0]).shape
-        negated = _NEGATED[self.reduction.primitive.name]
+        negated = ROW_REDUCTIONS[self.reduction.primitive.name]
         tests = [t for side in (self.inside, self.outside) for t in side or ()]
         target = list(range(len(shape)))
         sizes = dict(enumerate(shape))
@@ -106,8 +107,7 @@ class RowScan:
 def find_row_scan(masks: MaskAnalyzer, eqn: Any) -> RowScan | None:
     """The :class:`RowScan` of a row reduction ``eqn`` when its operand reads as a
     predicate of that form (module docstring), else None (it stays as it is)."""
-    negated = _NEGATED.get(eqn.primitive.name)
-    if negated is None or len(eqn.params["axes"]) != 1:
+    if eqn.primitive.name not in ROW_REDUCTIONS or len(eqn.params["axes"]) != 1:
         return None
     operand, = eqn.invars
     aval = compat.aval_of(operand)
@@ -116,11 +116,21 @@ def find_row_scan(masks: MaskAnalyzer, eqn: Any) -> RowScan | None:
         return None
     dims = tuple(d if n != 1 else None for d, n in enumerate(shape))
     rows = [d for d in range(len(shape)) if d != axis and shape[d] != 1]
-    pred = masks.complement(operand, dims) if negated else masks.predicate(operand, dims)
+    pred = key_visibility(masks, eqn, dims)
     if not is_known(pred):
         return None
     parts = classify(pred, rows, axis, lambda d: shape[d], shape[axis], rows)
     return _row_scan(eqn, axis, parts, shape)
+
+
+def key_visibility(masks: MaskAnalyzer, eqn: Any, dims: tuple) -> Pred:
+    """The visible pairs a row reduction ``eqn`` (of :data:`ROW_REDUCTIONS`) reads from its
+    boolean operand, whose dims index top dims ``dims``: the operand's complement under
+    ``all``, the operand itself under ``any``."""
+    operand, = eqn.invars
+    if ROW_REDUCTIONS[eqn.primitive.name]:
+        return masks.complement(operand, dims)
+    return masks.predicate(operand, dims)
 
 
 def _row_scan(eqn: Any, axis: int, parts: MaskParts, shape: tuple) -> RowScan | None:

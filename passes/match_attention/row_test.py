@@ -40,13 +40,12 @@ from cptransform.ir.graph import Graph
 from cptransform.ir.rewrite import Replacement
 from cptransform.op.attention_spec import EmptyRows
 from cptransform.passes.match_attention.candidate import Candidate
+from cptransform.passes.match_attention.row_scan import ROW_REDUCTIONS, key_visibility
 from cptransform.passes.match_attention.walk import WRAPPERS, scalar_value, single_user, step_back
 
 #: Ops between the attention and the select: they move, cast or broadcast its values.
 _ON_THE_WAY = moving(Moves.IDENTITY, Moves.BARRIER, Moves.CAST, Moves.PERMUTE,
                      Moves.RESHAPE, Moves.SQUEEZE, Moves.BROADCAST)
-#: The row reductions: ``all`` says a row is empty when it holds, ``any`` the reverse.
-_EMPTY_WHEN_TRUE = {"reduce_and": True, "reduce_or": False}
 
 
 @dataclass(frozen=True)
@@ -149,7 +148,7 @@ def _row_reduction(graph: Graph, masks: MaskAnalyzer, atom: Any, labels: tuple,
         if eqn is None:
             return None
         name = eqn.primitive.name
-        if name in _EMPTY_WHEN_TRUE:
+        if name in ROW_REDUCTIONS:
             break
         if name == "not" and compat.aval_of(atom).dtype == bool:
             negated, atom = not negated, eqn.invars[0]
@@ -168,6 +167,4 @@ def _row_reduction(graph: Graph, masks: MaskAnalyzer, atom: Any, labels: tuple,
     if any(d is None and n != 1 or d is not None and d != c.kv_seq and d not in rows
            for d, n in zip(dims, shape)) or dims.count(c.kv_seq) != 1:
         return None
-    if name == "reduce_and":
-        return masks.complement(operand, dims), not negated, eqn
-    return masks.predicate(operand, dims), negated, eqn
+    return key_visibility(masks, eqn, dims), ROW_REDUCTIONS[name] != negated, eqn
