@@ -133,7 +133,8 @@ def main() -> None:
         row = measure(family, a.seq, a.cp)
         rows.append(row)
         print(f"{family:24} {row['dense_masks']:>2}/{row['attentions']:<2} "
-              f"{row['left_whole']:>5} {len(row['pair_arrays']):>16} {row['temp_bytes'] / 2**20:>9.1f}  "
+              f"{row['left_whole']:>5} {len(row['pair_arrays']):>16} "
+              f"{row['temp_bytes'] / 2**20:>9.1f}  "
               f"{row['largest'][0][0]}", flush=True)
     Path(a.out).write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -32,8 +32,9 @@ NOISE = 1e-8
 #: The schedule each family runs under in CI (every schedule at least once over the
 #: families; ring + zigzag where the program is reordered, encoder-decoder included).
 CI_SAMPLE = {"llama": "ring_zigzag", "mistral": "auto", "gpt_neo": "allgather",
-             "bart": "ring_zigzag", "t5": "ring_zigzag", "t5_decoder_inputs": "auto", "penzai": "ulysses",
-             "penzai_stack": "auto", "gemma": "ring_zigzag", "keras_llama": "ulysses",
+             "bart": "ring_zigzag", "t5": "ring_zigzag", "t5_decoder_inputs": "auto",
+             "penzai": "ulysses", "penzai_stack": "auto", "gemma": "ring_zigzag",
+             "keras_llama": "ulysses",
              "keras_gemma": "auto", "llama_padded": "ring_zigzag", "gpt2_padded": "allgather",
              "mistral_window_padded": "auto", "gemma_padded": "ring_zigzag",
              "keras_llama_padded": "ring_zigzag", "keras_gemma_padded": "ring_zigzag",

@@ -243,27 +243,20 @@ def test_fractional_mask_row_test_is_left_and_exact(rng):
     check_schedule(keras_gemma_fractional, args, "allgather")
 
 
-def _pairs():
-    i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
-    return i, j
-
-
+#: Query and key positions of a ``[T, T]`` pair grid.
+I, J = np.arange(T)[:, None], np.arange(T)[None, :]
 #: Reductions of a mask along its keys on their own (no attention), each with whether it
 #: becomes counts: key tests split at one causal diagonal, the keys on either axis, do; a
 #: window (two-sided) or a test of data indexed by the row does not.
 STANDALONE = {
-    "prefix_any": (lambda d: jnp.any((_pairs()[1] <= _pairs()[0]) & (d[:, None, :] != 0),
+    "prefix_any": (lambda d: jnp.any((J <= I) & (d[:, None, :] != 0), axis=-1), True),
+    "strict_all_not": (lambda d: jnp.all(~((J < I) & (d[:, None, :] > 1)), axis=2), True),
+    "keys_first_after": (lambda d: jnp.any((I >= J) & (d[:, :, None] < 0), axis=1), True),
+    "region_max": (lambda d: jnp.any(jnp.maximum(d[:, None, :], (J <= I).astype("int32")) > 0,
                                      axis=-1), True),
-    "strict_all_not": (lambda d: jnp.all(~((_pairs()[1] < _pairs()[0]) & (d[:, None, :] > 1)),
-                                         axis=2), True),
-    "keys_first_after": (lambda d: jnp.any((_pairs()[0] >= _pairs()[1]) & (d[:, :, None] < 0),
-                                           axis=1), True),
-    "region_max": (lambda d: jnp.any(jnp.maximum(d[:, None, :], (_pairs()[1] <= _pairs()[0])
-                                                 .astype("int32")) > 0, axis=-1), True),
-    "window": (lambda d: jnp.any((_pairs()[0] - _pairs()[1] < 3) & (_pairs()[1] <= _pairs()[0])
-                                 & (d[:, None, :] != 0), axis=-1), False),
-    "row_data": (lambda d: jnp.any((_pairs()[1] <= _pairs()[0]) & (d[:, :, None] > 0),
-                                   axis=-1), False),
+    "window": (lambda d: jnp.any((I - J < 3) & (J <= I) & (d[:, None, :] != 0), axis=-1),
+               False),
+    "row_data": (lambda d: jnp.any((J <= I) & (d[:, :, None] > 0), axis=-1), False),
 }
 
 
@@ -273,10 +266,9 @@ def test_a_reduction_of_a_mask_along_its_keys_becomes_counts(rng, name):
     attention, not after it) is the same booleans as counts along the keys, or left
     whole."""
     reduce, scanned = STANDALONE[name]
-    i, j = _pairs()
 
     def fn(q, k, v, data):
-        return attention(q, k, v, (j <= i)[None, None]), reduce(data)
+        return attention(q, k, v, (J <= I)[None, None]), reduce(data)
 
     args = inputs(rng)[:3] + (jnp.asarray(rng.integers(-1, 3, (B, T)), jnp.int32),)
     module = rewrite(fn, *args)
